@@ -1,0 +1,56 @@
+"""The error hierarchy every service shares; transports map each class to one outcome.
+
+    KbmeshError
+    ├── InvalidInput   permanent: HTTP 422/400, MCP tool error, dead letter
+    │   └── TooLarge   HTTP 413
+    ├── NotFound       HTTP 404 (also anything in another org)
+    ├── Forbidden      HTTP 403 (key scope, read-only keys)
+    ├── Conflict       HTTP 409 (limits, duplicate names)
+    └── Transient      retried with backoff; dead letter after the last try
+"""
+
+from __future__ import annotations
+
+
+class KbmeshError(Exception):
+    """Base of every error kbmesh raises on purpose."""
+
+    status_code = 500
+    error_type = "InternalError"
+    retryable = False
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidInput(KbmeshError):
+    status_code = 422
+    error_type = "ValidationError"
+
+
+class TooLarge(InvalidInput):
+    status_code = 413
+    error_type = "ContentTooLarge"
+
+
+class NotFound(KbmeshError):
+    status_code = 404
+    error_type = "NotFound"
+
+
+class Forbidden(KbmeshError):
+    status_code = 403
+    error_type = "Forbidden"
+
+
+class Conflict(KbmeshError):
+    status_code = 409
+    error_type = "Conflict"
+
+
+class Transient(KbmeshError):
+    status_code = 503
+    error_type = "Unavailable"
+    retryable = True

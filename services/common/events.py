@@ -1,0 +1,146 @@
+"""Event contracts on the bus: subjects, streams and one pydantic model per subject.
+
+These models are the single source of the JSON Schemas in `contracts/events/`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.common.models import DEFAULT_SOURCE, new_id, utcnow
+
+
+class Subject(StrEnum):
+    DOC_UPLOADED = "doc.uploaded"
+    DOC_DELETED = "doc.deleted"
+    OCR_DONE = "ocr.done"
+    TAGS_CHANGED = "tags.changed"
+    KB_INDEX = "kb.index"
+    KB_REMOVE = "kb.remove"
+    KB_CHANGED = "kb.changed"
+    DOC_INDEXED = "doc.indexed"
+    DOC_FAILED = "doc.failed"
+    # request/reply, not in the stream
+    SEARCH_QUERY = "search.query"
+    SEARCH_CHUNK = "search.chunk"
+
+
+STREAM = "KBMESH"
+STREAM_SUBJECTS = ["doc.>", "ocr.>", "tags.>", "kb.>"]
+DLQ_STREAM = "KBMESH_DLQ"
+DLQ_PREFIX = "dlq."
+
+
+def dlq_subject(subject: str) -> str:
+    return f"{DLQ_PREFIX}{subject}"
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    event_id: str = Field(default_factory=new_id, description="unique; also the Nats-Msg-Id")
+    org_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    occurred_at: datetime = Field(default_factory=utcnow)
+
+
+_ID = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class DocUploaded(Event):
+    """A document to store and index. Content travels inline or as an object-store name."""
+
+    document_id: str | None = Field(None, pattern=_ID, description="assigned when absent")
+    name: str = Field(min_length=1, max_length=512)
+    mime_type: str = "text/plain"
+    source_id: str = DEFAULT_SOURCE
+    uri: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    collection: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    kb_id: str | None = Field(None, description="direct upload: adds the KB's implicit tag")
+    content: str | None = Field(None, description="inline content, text or base64")
+    content_encoding: Literal["text", "base64"] = "text"
+    object_ref: str | None = Field(None, description="name in the `texts` object store")
+    needs_ocr: bool = False
+
+
+class DocDeleted(Event):
+    """Delete documents by id, or every document of a source."""
+
+    document_ids: list[str] = Field(default_factory=list)
+    source_id: str | None = None
+
+
+class OcrDone(Event):
+    document_id: str = Field(pattern=_ID)
+    ok: bool = True
+    text: str | None = None
+    object_ref: str | None = None
+    error: str | None = None
+
+
+class TagsChanged(Event):
+    """A document's full new tag set (collection tag included) and, optionally, metadata."""
+
+    document_id: str = Field(pattern=_ID)
+    tags: list[str]
+    metadata: dict[str, Any] | None = None
+    revision: int | None = Field(
+        None, ge=1, description="the revision this change creates; older ones are dropped"
+    )
+
+
+class KbIndex(Event):
+    kb_id: str = Field(pattern=_ID)
+    document_id: str = Field(pattern=_ID)
+    revision: int = Field(ge=1)
+
+
+class KbRemove(Event):
+    kb_id: str = Field(pattern=_ID)
+    document_id: str = Field(pattern=_ID)
+    revision: int = Field(ge=1)
+
+
+class KbChanged(Event):
+    kb_id: str = Field(pattern=_ID)
+    change: Literal["created", "tags", "settings", "reindex", "retry_failed", "deleted"]
+    old_tag_ids: list[str] = Field(default_factory=list)
+
+
+class DocIndexed(Event):
+    kb_id: str
+    document_id: str
+    revision: int
+    chunk_count: int
+    embedded: bool = Field(True, description="false when only the payload changed")
+    removed: bool = Field(False, description="true when the document left the KB")
+
+
+class DocFailed(Event):
+    document_id: str | None = None
+    kb_id: str | None = None
+    revision: int | None = None
+    stage: Literal["ingest", "ocr", "embed"] = "ingest"
+    error: str
+
+
+EVENT_MODELS: dict[str, type[Event]] = {
+    Subject.DOC_UPLOADED: DocUploaded,
+    Subject.DOC_DELETED: DocDeleted,
+    Subject.OCR_DONE: OcrDone,
+    Subject.TAGS_CHANGED: TagsChanged,
+    Subject.KB_INDEX: KbIndex,
+    Subject.KB_REMOVE: KbRemove,
+    Subject.KB_CHANGED: KbChanged,
+    Subject.DOC_INDEXED: DocIndexed,
+    Subject.DOC_FAILED: DocFailed,
+}
+
+
+Publish = Callable[[str, Event], Awaitable[None]]

@@ -1,0 +1,160 @@
+"""Domain records kept in the registries: knowledge bases, documents and index entries."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from services.common.errors import InvalidInput
+from services.common.settings import DEFAULT_MODEL
+
+# NATS KV keys allow [-/_=.a-zA-Z0-9]; ids become key segments, so they stay inside that set.
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+KB_TAG_PREFIX = "kb:"
+COLLECTION_PREFIX = "collection:"
+DEFAULT_SOURCE = "user-provided"
+# Namespace for deterministic point ids: the same (kb, document, chunk) always maps to one point.
+POINT_NAMESPACE = uuid.UUID("6f1d2c1e-7a43-4c8e-9a59-4f3b2e0d9a11")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_id(value: str, field: str) -> str:
+    if not _ID_RE.match(value):
+        raise InvalidInput(
+            f"{field} must be 1-64 characters of letters, digits, '-' or '_'", field=field
+        )
+    return value
+
+
+def point_id(kb_id: str, document_id: str, chunk_index: int) -> str:
+    return str(uuid.uuid5(POINT_NAMESPACE, f"{kb_id}/{document_id}/{chunk_index}"))
+
+
+def kb_tag(kb_id: str) -> str:
+    """The implicit tag every KB matches: uploading into a KB is tagging with it."""
+    return f"{KB_TAG_PREFIX}{kb_id}"
+
+
+def split_tags(tags: list[str]) -> tuple[list[str], str | None]:
+    """Stored tags → (visible tags, collection). Implicit `kb:` tags stay visible; the
+    collection tag never is."""
+    visible = [t for t in tags if not t.startswith(COLLECTION_PREFIX)]
+    collection = next((t[len(COLLECTION_PREFIX) :] for t in tags if t.startswith(COLLECTION_PREFIX)), None)
+    return visible, collection
+
+
+def join_tags(tags: list[str], collection: str | None) -> list[str]:
+    """Visible tags + collection → stored tags, with at most one collection tag."""
+    out = sorted({t for t in tags if not t.startswith(COLLECTION_PREFIX)})
+    if collection:
+        out.append(f"{COLLECTION_PREFIX}{collection}")
+    return out
+
+
+class Chunker(StrEnum):
+    recursive = "recursive"
+    sentence = "sentence"
+    token = "token"
+
+
+class KBStatus(StrEnum):
+    active = "active"
+    indexing = "indexing"
+    error = "error"
+    pending_reindex = "pending_reindex"
+
+
+class KnowledgeBase(BaseModel):
+    """A searchable index with its own chunking and embedding settings."""
+
+    org_id: str
+    kb_id: str
+    name: str
+    description: str = ""
+    tag_ids: list[str] = Field(default_factory=list)
+    chunker: Chunker = Chunker.recursive
+    chunk_size: int = 200
+    chunk_overlap: int = 0
+    embedding_model: str = DEFAULT_MODEL
+    api_base: str | None = None
+    coalesce_neighbors: int = 0
+    # Bumped by every chunking or embedding change; index entries remember the version
+    # they were built with, so unchanged (text, version) pairs are never re-embedded.
+    settings_version: int = 1
+    status: KBStatus = KBStatus.active
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+
+    def matches(self, tags: list[str]) -> bool:
+        return kb_tag(self.kb_id) in tags or bool(set(self.tag_ids) & set(tags))
+
+    @property
+    def collection_name(self) -> str:
+        return f"kb_{self.kb_id}"
+
+
+class DocStatus(StrEnum):
+    processing = "processing"
+    awaiting_ocr = "awaiting_ocr"
+    ready = "ready"  # text extracted; KB indexing follows per KB
+    failed = "failed"
+
+
+class DocumentRecord(BaseModel):
+    """One uploaded item, once per org; indexed into every KB its tags match."""
+
+    org_id: str
+    document_id: str
+    name: str
+    mime_type: str = "text/plain"
+    source_id: str = DEFAULT_SOURCE
+    uri: str | None = None
+    tags: list[str] = Field(default_factory=list, description="stored form, collection included")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    revision: int = 1
+    text_revision: int = 1
+    checksum: str | None = None
+    size_bytes: int = 0
+    status: DocStatus = DocStatus.processing
+    error: str | None = None
+    kb_ids: list[str] = Field(default_factory=list, description="KBs the document belongs to")
+    last_event_id: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def key(self) -> str:
+        return f"{self.org_id}.{self.document_id}"
+
+    @property
+    def text_object(self) -> str:
+        return f"{self.org_id}/{self.document_id}/text"
+
+
+class IndexEntry(BaseModel):
+    """That a document is indexed in a KB, and from which revision, text and settings."""
+
+    org_id: str
+    kb_id: str
+    document_id: str
+    revision: int
+    checksum: str
+    settings_version: int
+    chunk_count: int
+    indexed_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def key(self) -> str:
+        return f"{self.kb_id}.{self.document_id}"

@@ -1,0 +1,78 @@
+"""One settings object for every service, read from `KBMESH_*` environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
+
+
+class BusSettings(BaseModel):
+    max_deliver: int = Field(5, ge=1, description="deliveries before a message is dead-lettered")
+    backoff_seconds: list[float] = Field(
+        default_factory=lambda: [0.5, 2.0, 5.0, 15.0],
+        description="redelivery delays for transient errors, one per retry",
+    )
+    ack_wait_seconds: float = Field(120.0, gt=0, description="redelivery when a worker dies")
+    stream_max_age_days: float = Field(7.0, gt=0)
+
+
+class SearchSettings(BaseModel):
+    rrf_k: int = Field(60, ge=1, description="reciprocal rank fusion constant")
+    prefetch_limit: int = Field(100, ge=1, le=1000, description="candidates per prefetch")
+    hnsw_ef: int = Field(128, ge=8, description="HNSW search breadth (recall vs latency)")
+    query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")
+    timeout_seconds: float = Field(10.0, gt=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KBMESH_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    data_dir: Path = Field(Path(".kbmesh"), description="NATS store and Edge shards (embedded)")
+    nats_url: str | None = Field(None, description="external NATS; unset runs a private one")
+    qdrant_url: str | None = Field(None, description="Qdrant server; unset uses embedded Edge")
+    qdrant_api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+    default_org: str = Field("local", description="org served when no API keys exist")
+    default_kb: str = "default"
+    default_model: str = DEFAULT_MODEL
+    kb_limit: int = Field(20, ge=1, description="knowledge bases per org")
+    max_content_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    inline_content_bytes: int = Field(
+        256 * 1024, ge=1, description="larger uploads travel via the object store"
+    )
+    wait_timeout_seconds: float = Field(120.0, gt=0)
+    embed_batch_size: int = Field(32, ge=1)
+    embed_concurrency: int = Field(2, ge=1, description="kb.index messages worked at once")
+
+    mcp_toolsets: str = Field("core", description="comma list of core, compat")
+    upload_root: Path | None = Field(None, description="root for kb_upload by path")
+    url_allowlist: list[str] = Field(
+        default_factory=list, description="hosts/CIDRs allowed for ingest by URL"
+    )
+
+    bus: BusSettings = Field(default_factory=BusSettings)
+    search: SearchSettings = Field(default_factory=SearchSettings)
+
+    @field_validator("default_org")
+    @classmethod
+    def _org_is_key_safe(cls, value: str) -> str:
+        from services.common.models import check_id
+
+        return check_id(value, "KBMESH_DEFAULT_ORG")
+
+    @property
+    def store_kind(self) -> Literal["edge", "server"]:
+        return "server" if self.qdrant_url else "edge"
+
+    @property
+    def toolsets(self) -> list[str]:
+        return [t.strip() for t in self.mcp_toolsets.split(",") if t.strip()]

@@ -1,0 +1,53 @@
+"""Vector store: the interface and the factory choosing Edge (embedded) or a Qdrant server."""
+
+from __future__ import annotations
+
+from services.common.settings import Settings
+from services.common.store.base import (
+    DENSE,
+    SPARSE,
+    ChunkPoint,
+    Condition,
+    DateRange,
+    Filter,
+    HasIds,
+    Hit,
+    Match,
+    MatchAny,
+    MatchText,
+    Mode,
+    Query,
+    Range,
+    SparseVector,
+    VectorStore,
+)
+
+__all__ = [
+    "DENSE",
+    "SPARSE",
+    "ChunkPoint",
+    "Condition",
+    "DateRange",
+    "Filter",
+    "HasIds",
+    "Hit",
+    "Match",
+    "MatchAny",
+    "MatchText",
+    "Mode",
+    "Query",
+    "Range",
+    "SparseVector",
+    "VectorStore",
+    "create_store",
+]
+
+
+def create_store(settings: Settings) -> VectorStore:
+    if settings.qdrant_url:
+        from services.common.store.server import ServerStore
+
+        return ServerStore(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
+    from services.common.store.edge import EdgeStore
+
+    return EdgeStore(settings.data_dir / "shards")

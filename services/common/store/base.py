@@ -1,0 +1,175 @@
+"""The vector store interface: what kbmesh needs from Qdrant, independent of how it runs.
+
+Filters are a small typed tree translated by each adapter into engine filters; callers never
+build engine objects or strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+DENSE = "dense"
+SPARSE = "bm25"
+
+
+@dataclass(frozen=True)
+class SparseVector:
+    indices: list[int]
+    values: list[float]
+
+
+@dataclass(frozen=True)
+class ChunkPoint:
+    id: str
+    dense: list[float]
+    sparse: SparseVector
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Hit:
+    id: str
+    score: float | None
+    payload: dict[str, Any]
+
+
+# ---- filters -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Match:
+    """key == value (for list payloads: the list contains value)."""
+
+    key: str
+    value: str | int | bool
+
+
+@dataclass(frozen=True)
+class MatchAny:
+    key: str
+    values: tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class MatchText:
+    """Substring / full-text match on a text-indexed field."""
+
+    key: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Range:
+    key: str
+    gte: float | None = None
+    lte: float | None = None
+    gt: float | None = None
+    lt: float | None = None
+
+
+@dataclass(frozen=True)
+class DateRange:
+    key: str
+    gte: datetime | None = None
+    lte: datetime | None = None
+
+
+@dataclass(frozen=True)
+class HasIds:
+    ids: tuple[str, ...]
+
+
+Condition = Match | MatchAny | MatchText | Range | DateRange | HasIds
+
+
+@dataclass(frozen=True)
+class Filter:
+    must: tuple[Condition, ...] = ()
+    must_not: tuple[Condition, ...] = ()
+
+    def and_(self, *conditions: Condition) -> Filter:
+        return Filter(must=self.must + conditions, must_not=self.must_not)
+
+
+class Mode(StrEnum):
+    hybrid = "hybrid"
+    dense = "dense"
+    keyword = "keyword"
+
+
+@dataclass(frozen=True)
+class Query:
+    mode: Mode
+    limit: int
+    filter: Filter
+    dense: list[float] | None = None
+    sparse: SparseVector | None = None
+    prefetch_limit: int = 100
+    rrf_k: int = 60
+    hnsw_ef: int = 128
+
+
+# Payload fields with an index, and their kind. Everything a filter can name outside
+# `metadata.*` is listed here.
+PAYLOAD_INDEXES: dict[str, str] = {
+    "org_id": "keyword",
+    "kb_id": "keyword",
+    "document_id": "keyword",
+    "source_id": "keyword",
+    "tags": "keyword",
+    "collection": "keyword",
+    "uri": "keyword",
+    "document_name": "text",
+    # The same name under a keyword index, for exact-name filters.
+    "document_name_exact": "keyword",
+    "chunk_index": "integer",
+    "uploaded_at": "datetime",
+}
+
+
+@dataclass
+class CollectionInfo:
+    name: str
+    dim: int
+    points: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class VectorStore(Protocol):
+    """One Qdrant collection per KB; named dense vector `dense` and sparse `bm25` (IDF)."""
+
+    async def ensure_collection(self, name: str, dim: int) -> None:
+        """Create the collection (and payload indexes) if missing; idempotent."""
+
+    async def drop_collection(self, name: str) -> None:
+        """Remove the collection and all its points; no error if missing."""
+
+    async def collection_exists(self, name: str) -> bool: ...
+
+    async def replace_document(self, name: str, document_id: str, points: list[ChunkPoint]) -> None:
+        """Upsert `points`, then delete the document's other points. Never leaves the
+        document with no points between the two, and is idempotent."""
+
+    async def delete_document(self, name: str, document_id: str) -> None: ...
+
+    async def delete(self, name: str, flt: Filter) -> None: ...
+
+    async def set_payload(self, name: str, flt: Filter, payload: dict[str, Any]) -> None:
+        """Overwrite the given payload keys on every matching point (no re-embedding)."""
+
+    async def query(self, name: str, query: Query) -> list[Hit]: ...
+
+    async def retrieve(self, name: str, ids: list[str]) -> list[Hit]: ...
+
+    async def scroll(self, name: str, flt: Filter, limit: int) -> list[Hit]: ...
+
+    async def count(self, name: str, flt: Filter | None = None) -> int: ...
+
+    async def optimize(self, name: str) -> None:
+        """Compact/index after bulk loads where the engine needs it (Edge); else no-op."""
+
+    async def close(self) -> None: ...

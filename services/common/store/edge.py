@@ -1,0 +1,357 @@
+"""Vector store on Qdrant Edge: the Qdrant engine in-process, one shard directory per collection.
+
+Every Edge call blocks, so each runs in a worker thread. Reads run concurrently; writes to one
+shard are serialized by an asyncio lock, and each write ends with `flush()` so that it is on
+disk when the call returns. A shard can be open in one process only (the WAL is locked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import qdrant_edge as qe
+
+from services.common.errors import InvalidInput, NotFound
+from services.common.store.base import (
+    DENSE,
+    PAYLOAD_INDEXES,
+    SPARSE,
+    ChunkPoint,
+    Condition,
+    DateRange,
+    Filter,
+    HasIds,
+    Hit,
+    Match,
+    MatchAny,
+    MatchText,
+    Mode,
+    Query,
+    Range,
+)
+
+# Collection names become directory names, so they stay inside a safe set.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+_TRASH_PREFIX = ".dropped-"
+
+_INDEX_KINDS: dict[str, qe.PayloadSchemaType] = {
+    "keyword": qe.PayloadSchemaType.Keyword,
+    "text": qe.PayloadSchemaType.Text,
+    "integer": qe.PayloadSchemaType.Integer,
+    "float": qe.PayloadSchemaType.Float,
+    "datetime": qe.PayloadSchemaType.Datetime,
+    "bool": qe.PayloadSchemaType.Bool,
+}
+
+
+class EdgeStore:
+    """`VectorStore` on Qdrant Edge shards under `root` (`root/<collection>`)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = Path(root)
+        self._shards: dict[str, qe.EdgeShard] = {}
+        self._write_locks: dict[str, asyncio.Lock] = {}
+        # Serializes opening, creating and dropping shards: a second `load` of an open shard
+        # fails on the WAL lock.
+        self._registry_lock = asyncio.Lock()
+
+    # ---- collections -----------------------------------------------------------------------
+
+    async def ensure_collection(self, name: str, dim: int) -> None:
+        path = self._path(name)
+        async with self._registry_lock:
+            shard = self._shards.get(name)
+            if shard is None:
+                shard = await asyncio.to_thread(_open_or_create, path, dim)
+                self._shards[name] = shard
+        async with self._write_lock(name):
+            if self._shards.get(name) is not shard:  # dropped meanwhile
+                raise NotFound(f"collection {name} was dropped while being created")
+            # Also on existing shards: heals a crash between create and indexing, and picks up
+            # fields added to PAYLOAD_INDEXES since the shard was made.
+            await asyncio.to_thread(_ensure_indexes, shard)
+
+    async def drop_collection(self, name: str) -> None:
+        path = self._path(name)
+        async with self._registry_lock, self._write_lock(name):
+            shard = self._shards.pop(name, None)
+            self._write_locks.pop(name, None)
+            await asyncio.to_thread(_close_and_remove, shard, path)
+
+    async def collection_exists(self, name: str) -> bool:
+        return await self._shard(name) is not None
+
+    async def optimize(self, name: str) -> None:
+        """Build HNSW and merge segments; blocks this shard's writes meanwhile (reads go on)."""
+        shard = await self._shard(name)
+        if shard is None:
+            return
+        async with self._write_lock(name):
+            await asyncio.to_thread(shard.optimize)
+
+    async def close(self) -> None:
+        async with self._registry_lock:
+            for name, shard in list(self._shards.items()):
+                async with self._write_lock(name):
+                    await asyncio.to_thread(shard.close)
+            self._shards.clear()
+            self._write_locks.clear()
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    async def replace_document(self, name: str, document_id: str, points: list[ChunkPoint]) -> None:
+        _check_document_points(document_id, points)
+        stale = qe.Filter(
+            must=[qe.FieldCondition("document_id", match=qe.MatchValue(document_id))],
+            must_not=[qe.HasIdCondition({p.id for p in points})] if points else None,
+        )
+        # Upsert first, then delete the leftovers: readers never see the document empty.
+        ops = [qe.UpdateOperation.delete_points_by_filter(stale)]
+        if points:
+            ops.insert(0, qe.UpdateOperation.upsert_points([_edge_point(p) for p in points]))
+        if not await self._write(name, ops):
+            raise NotFound(f"collection {name} does not exist")
+
+    async def delete_document(self, name: str, document_id: str) -> None:
+        await self.delete(name, Filter(must=(Match("document_id", document_id),)))
+
+    async def delete(self, name: str, flt: Filter) -> None:
+        await self._write(name, [qe.UpdateOperation.delete_points_by_filter(_edge_filter(flt))])
+
+    async def set_payload(self, name: str, flt: Filter, payload: dict[str, Any]) -> None:
+        op = qe.UpdateOperation.set_payload_by_filter(_edge_filter(flt), payload)
+        if not await self._write(name, [op]):
+            raise NotFound(f"collection {name} does not exist")
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    async def query(self, name: str, query: Query) -> list[Hit]:
+        shard = await self._shard(name)
+        if shard is None:
+            return []
+        points = await asyncio.to_thread(shard.query, _edge_query(query))
+        return [Hit(id=str(p.id), score=p.score, payload=p.payload or {}) for p in points]
+
+    async def retrieve(self, name: str, ids: list[str]) -> list[Hit]:
+        shard = await self._shard(name)
+        if shard is None or not ids:
+            return []
+        keys = _uuid_strings(ids)
+        records = await asyncio.to_thread(
+            shard.retrieve, list(keys), with_payload=True, with_vector=False
+        )
+        by_id = {str(r.id): r for r in records}
+        # Requested order, so callers can zip results with their ids.
+        return [Hit(id=k, score=None, payload=by_id[k].payload or {}) for k in keys if k in by_id]
+
+    async def scroll(self, name: str, flt: Filter, limit: int) -> list[Hit]:
+        shard = await self._shard(name)
+        if shard is None:
+            return []
+        request = qe.ScrollRequest(
+            limit=limit, filter=_edge_filter(flt), with_payload=True, with_vector=False
+        )
+        records, _next = await asyncio.to_thread(shard.scroll, request)
+        return [Hit(id=str(r.id), score=None, payload=r.payload or {}) for r in records]
+
+    async def count(self, name: str, flt: Filter | None = None) -> int:
+        shard = await self._shard(name)
+        if shard is None:
+            return 0
+        request = qe.CountRequest(exact=True, filter=_edge_filter(flt))
+        return await asyncio.to_thread(shard.count, request)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _path(self, name: str) -> Path:
+        if not _NAME_RE.match(name):
+            raise InvalidInput(
+                "collection name must be 1-128 letters, digits, '-' or '_'", field="collection"
+            )
+        return self._root / name
+
+    def _write_lock(self, name: str) -> asyncio.Lock:
+        return self._write_locks.setdefault(name, asyncio.Lock())
+
+    async def _shard(self, name: str) -> qe.EdgeShard | None:
+        """The open shard, loading it from disk on first use; None if the collection is missing."""
+        shard = self._shards.get(name)
+        if shard is not None:
+            return shard
+        path = self._path(name)
+        async with self._registry_lock:
+            shard = self._shards.get(name)
+            if shard is None and await asyncio.to_thread(path.is_dir):
+                shard = await asyncio.to_thread(qe.EdgeShard.load, str(path))
+                self._shards[name] = shard
+        return shard
+
+    async def _write(self, name: str, ops: Sequence[qe.UpdateOperation]) -> bool:
+        """Apply `ops` and flush; False when the collection is missing (or dropped meanwhile)."""
+        shard = await self._shard(name)
+        if shard is None:
+            return False
+        async with self._write_lock(name):
+            if self._shards.get(name) is not shard:
+                return False
+            await asyncio.to_thread(_apply, shard, ops)
+        return True
+
+
+# ---- blocking helpers (run in worker threads) ----------------------------------------------
+
+
+def _open_or_create(path: Path, dim: int) -> qe.EdgeShard:
+    if path.is_dir():
+        return qe.EdgeShard.load(str(path))
+    config = qe.EdgeConfig(
+        vectors={DENSE: qe.EdgeVectorParams(size=dim, distance=qe.Distance.Cosine)},
+        sparse_vectors={SPARSE: qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)},
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return qe.EdgeShard.create(str(path), config)
+
+
+def _ensure_indexes(shard: qe.EdgeShard) -> None:
+    existing = shard.info().payload_schema
+    missing = [key for key in PAYLOAD_INDEXES if key not in existing]
+    for key in missing:
+        shard.update(qe.UpdateOperation.create_field_index(key, _INDEX_KINDS[PAYLOAD_INDEXES[key]]))
+    if missing:
+        shard.flush()
+
+
+def _apply(shard: qe.EdgeShard, ops: Sequence[qe.UpdateOperation]) -> None:
+    for op in ops:
+        shard.update(op)
+    shard.flush()
+
+
+def _close_and_remove(shard: qe.EdgeShard | None, path: Path) -> None:
+    if shard is not None:
+        shard.close()
+    if not path.is_dir():
+        return
+    # Rename first (atomic), so a crash mid-delete never leaves a half-removed shard that a
+    # later load would trip over.
+    trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex}")
+    path.rename(trash)
+    shutil.rmtree(trash)
+
+
+# ---- translation ----------------------------------------------------------------------------
+
+
+def _check_document_points(document_id: str, points: list[ChunkPoint]) -> None:
+    # The delete half of replace_document finds old points by payload document_id; a point
+    # without it would never be cleaned up.
+    for p in points:
+        if p.payload.get("document_id") != document_id:
+            raise InvalidInput(
+                f"point {p.id} has payload document_id {p.payload.get('document_id')!r}, "
+                f"expected {document_id!r}",
+                field="document_id",
+            )
+
+
+def _uuid_strings(ids: list[str]) -> list[str]:
+    try:
+        return [str(uuid.UUID(i)) for i in ids]
+    except ValueError as err:
+        raise InvalidInput(f"point ids must be UUIDs: {err}", field="ids") from err
+
+
+def _edge_point(p: ChunkPoint) -> qe.Point:
+    vectors: dict[str, Any] = {
+        DENSE: p.dense,
+        SPARSE: qe.SparseVector(indices=p.sparse.indices, values=p.sparse.values),
+    }
+    return qe.Point(p.id, vectors, p.payload)
+
+
+def _edge_query(q: Query) -> qe.QueryRequest:
+    flt = _edge_filter(q.filter)
+    params = qe.SearchParams(hnsw_ef=q.hnsw_ef)
+    if q.mode is Mode.dense:
+        return qe.QueryRequest(
+            limit=q.limit, query=_dense(q), filter=flt, params=params, with_payload=True
+        )
+    if q.mode is Mode.keyword:
+        return qe.QueryRequest(limit=q.limit, query=_sparse(q), filter=flt, with_payload=True)
+    # The filter must hold inside each prefetch, or a selective filter would leave nothing of
+    # the prefetched candidates. Qdrant already propagates a top-level filter into prefetches
+    # (checked on Edge 0.9); stating it per prefetch keeps that from being an assumption.
+    return qe.QueryRequest(
+        limit=q.limit,
+        prefetches=[
+            qe.Prefetch(limit=q.prefetch_limit, query=_dense(q), filter=flt, params=params),
+            qe.Prefetch(limit=q.prefetch_limit, query=_sparse(q), filter=flt),
+        ],
+        query=qe.Fusion.Rrf(k=q.rrf_k),  # type: ignore[arg-type]  # stub omits Rrf from the union
+        filter=flt,
+        with_payload=True,
+    )
+
+
+def _dense(q: Query) -> qe.Query:
+    if q.dense is None:
+        raise InvalidInput(f"{q.mode} search needs a dense query vector", field="dense")
+    return qe.Query.Nearest(q.dense, using=DENSE)
+
+
+def _sparse(q: Query) -> qe.Query:
+    if q.sparse is None:
+        raise InvalidInput(f"{q.mode} search needs a sparse query vector", field="sparse")
+    return qe.Query.Nearest(
+        qe.SparseVector(indices=q.sparse.indices, values=q.sparse.values), using=SPARSE
+    )
+
+
+def _edge_filter(flt: Filter | None) -> qe.Filter:
+    if flt is None:
+        return qe.Filter()
+    return qe.Filter(
+        must=[_edge_condition(c) for c in flt.must] or None,
+        must_not=[_edge_condition(c) for c in flt.must_not] or None,
+    )
+
+
+def _edge_condition(c: Condition) -> qe.FieldCondition | qe.HasIdCondition:
+    match c:
+        case Match(key=key, value=value):
+            return qe.FieldCondition(key, match=qe.MatchValue(value))
+        case MatchAny(key=key, values=values):
+            return qe.FieldCondition(key, match=qe.MatchAny(_any_values(values)))
+        case MatchText(key=key, text=text):
+            return qe.FieldCondition(key, match=qe.MatchText(text))
+        case Range(key=key, gte=gte, lte=lte, gt=gt, lt=lt):
+            return qe.FieldCondition(key, range=qe.RangeFloat(gte=gte, gt=gt, lte=lte, lt=lt))
+        case DateRange(key=key, gte=gte, lte=lte):
+            return qe.FieldCondition(key, range=qe.RangeDateTime(gte=_iso(gte), lte=_iso(lte)))
+        case HasIds(ids=ids):
+            return qe.HasIdCondition(set(ids))
+    raise InvalidInput(f"unsupported filter condition {c!r}")
+
+
+def _any_values(values: tuple[str | int, ...]) -> list[str] | list[int]:
+    strings = [v for v in values if isinstance(v, str)]
+    if len(strings) == len(values):
+        return strings
+    ints = [v for v in values if isinstance(v, int)]
+    if len(ints) == len(values):
+        return ints
+    raise InvalidInput("MatchAny values must be all strings or all integers")
+
+
+def _iso(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    # Naive datetimes are taken as UTC, as the payload's uploaded_at is.
+    return (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()

@@ -1,0 +1,206 @@
+"""Chunking a document's text by the KB's settings, within the embedding model's token limit.
+
+chonkie does the splitting; this module picks the chunker, caps the chunk size at what the
+model reads (a longer chunk would be cut silently by the model), and returns chunks as exact
+spans of the input so that highlights and neighbours can be cut from the stored text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+from chonkie import RecursiveChunker, RecursiveRules, SentenceChunker, TokenChunker
+from chonkie.tokenizer import AutoTokenizer, CharacterTokenizer, TokenizerProtocol
+
+from services.common.models import Chunker, KnowledgeBase
+
+# chonkie's default levels (paragraphs, sentences, pauses, words) without the last one, which
+# splits a still-too-long word by decoding token ids: lossy for WordPiece (lowercased,
+# re-spaced), so its chunks stop being spans of the input. A word longer than a chunk comes
+# back whole instead and is cut on token offsets below, like the `token` chunker.
+_RULES = RecursiveRules(
+    levels=[lvl for lvl in RecursiveRules().levels or [] if lvl.delimiters or lvl.whitespace]
+)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    index: int
+    start: int  # character offsets into the input: text == input[start:end]
+    end: int
+    token_count: int
+
+
+def chunk_text(text: str, kb: KnowledgeBase, tokenizer: object, *, max_tokens: int) -> list[Chunk]:
+    """Split `text` by `kb.chunker`; every chunk has at most min(kb.chunk_size, max_tokens)
+    tokens as `tokenizer` counts them (special tokens excluded)."""
+    if not text.strip():
+        return []
+    size = max(1, min(kb.chunk_size, max_tokens))
+    overlap = kb.chunk_overlap
+    if kb.chunk_size > size:
+        # Capped by the model: keep the overlap's share of the chunk, not its absolute size
+        # (400 of 1000 would leave windows advancing a few tokens at a time).
+        overlap = overlap * size // kb.chunk_size
+    # chonkie requires overlap < size.
+    overlap = max(0, min(overlap, size - 1))
+    counter = AutoTokenizer(tokenizer)
+
+    spans: list[tuple[int, int]]
+    if kb.chunker is Chunker.token:
+        spans = _token_spans(text, tokenizer, counter, size, overlap)
+    else:
+        if kb.chunker is Chunker.sentence:
+            chunker: RecursiveChunker | SentenceChunker = SentenceChunker(
+                tokenizer=_protocol(tokenizer), chunk_size=size, chunk_overlap=overlap
+            )
+        else:
+            # RecursiveChunker has no overlap parameter in chonkie 1.7: it splits on
+            # paragraphs, then sentences, then words, and never repeats text across chunks,
+            # so `chunk_overlap` only applies to the sentence and token chunkers.
+            chunker = RecursiveChunker(
+                tokenizer=_protocol(tokenizer), chunk_size=size, rules=_RULES
+            )
+        spans = []
+        cursor = 0
+        for piece in chunker.chunk(text):
+            start, end = _locate(text, piece.text, piece.start_index, cursor)
+            spans.append((start, end))
+            cursor = start
+
+    chunks: list[Chunk] = []
+
+    def add(start: int, end: int, count: int) -> None:
+        chunks.append(
+            Chunk(text=text[start:end], index=len(chunks), start=start, end=end, token_count=count)
+        )
+
+    for span in spans:
+        start, end = _trim(text, *span)
+        if start >= end:
+            continue
+        count = counter.count_tokens(text[start:end])
+        if count <= size:
+            add(start, end, count)
+            continue
+        # Safety net: a sentence or a word longer than the limit, or a chunker that counted
+        # differently, must not hand the model a chunk it would cut.
+        for sub_start, sub_end in _token_spans(text[start:end], tokenizer, counter, size, 0):
+            s, e = _trim(text, start + sub_start, start + sub_end)
+            if s < e:
+                add(s, e, counter.count_tokens(text[s:e]))
+    return chunks
+
+
+def _protocol(tokenizer: object) -> str | TokenizerProtocol:
+    # Embedders hand out tokenizers as `object` (tokenizers.Tokenizer, tiktoken.Encoding or
+    # "character"); chonkie's AutoTokenizer sorts them out at run time.
+    return cast("str | TokenizerProtocol", tokenizer)
+
+
+def _trim(text: str, start: int, end: int) -> tuple[int, int]:
+    # Chunkers keep separators ("\n\n", trailing spaces); they carry no meaning for search.
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return start, end
+
+
+def _locate(text: str, piece: str, hint: int, cursor: int) -> tuple[int, int]:
+    """Offsets of `piece` in `text`: chonkie's own when they check out, else a search."""
+    if text[hint : hint + len(piece)] == piece:
+        return hint, hint + len(piece)
+    found = text.find(piece, cursor)
+    if found < 0:
+        found = text.find(piece)
+    if found < 0:
+        raise ValueError(f"chunk is not a span of the input: {piece[:60]!r}")
+    return found, found + len(piece)
+
+
+def _token_offsets(text: str, tokenizer: object) -> list[tuple[int, int]] | None:
+    """Character span of each token (special tokens excluded), or None if unknowable."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        return list(tokenizer.encode(text, add_special_tokens=False).offsets)
+    if isinstance(tokenizer, CharacterTokenizer) or tokenizer == "character":
+        return [(i, i + 1) for i in range(len(text))]
+    try:
+        import tiktoken
+    except ImportError:  # pragma: no cover - tiktoken ships with litellm
+        return None
+    if isinstance(tokenizer, tiktoken.Encoding):
+        ids = tokenizer.encode(text, disallowed_special=())
+        _, starts = tokenizer.decode_with_offsets(ids)
+        ends = [*starts[1:], len(text)]
+        return list(zip(starts, ends, strict=True))
+    return None
+
+
+def _starts_word(text: str, offsets: list[tuple[int, int]], k: int) -> bool:
+    """Whether a chunk may begin at token k without cutting a word in two."""
+    if k == 0 or k >= len(offsets):
+        return True
+    begin = offsets[k][0]
+    if begin > offsets[k - 1][1] or begin == 0:
+        return True  # whitespace (or nothing) between the two tokens
+    return not (text[begin - 1].isalnum() and text[begin].isalnum())
+
+
+def _token_spans(
+    text: str, tokenizer: object, counter: AutoTokenizer, size: int, overlap: int
+) -> list[tuple[int, int]]:
+    """Windows of at most `size` tokens, `overlap` tokens shared, as character spans.
+
+    chonkie's TokenChunker decodes token ids back into text, which is not lossless for a
+    WordPiece tokenizer (lowercased, re-spaced: the chunks stop being spans of the input) nor
+    for byte-level BPE at multi-byte characters. So windows are cut on the tokenizer's
+    character offsets instead, and moved back to a word boundary when one is near, because a
+    word cut in two re-tokenises into more pieces than it had inside the whole text.
+    TokenChunker remains the path for tokenizers that cannot report offsets.
+    """
+    offsets = _token_offsets(text, tokenizer)
+    if offsets is None:
+        pieces = TokenChunker(
+            tokenizer=_protocol(tokenizer), chunk_size=size, chunk_overlap=overlap
+        )
+        out, cursor = [], 0
+        for piece in pieces.chunk(text):
+            start, end = _locate(text, piece.text, piece.start_index, cursor)
+            out.append((start, end))
+            cursor = start
+        return out
+
+    n = len(offsets)
+    spans: list[tuple[int, int]] = []
+    first = 0
+    while first < n:
+        last = min(first + size, n)  # exclusive
+        if last < n:
+            for k in range(last, first + size // 2, -1):
+                if _starts_word(text, offsets, k):
+                    last = k
+                    break
+        # Re-tokenising a span can yield more tokens than it had in context (a word longer
+        # than half a window cut in two; BPE merging differently once the leading space is
+        # trimmed); shrink until the trimmed span itself fits.
+        while True:
+            start, end = _trim(text, offsets[first][0], offsets[last - 1][1])
+            if last - first <= 1 or counter.count_tokens(text[start:end]) <= size:
+                break
+            last -= 1
+        spans.append((start, end))
+        if last >= n:
+            break
+        nxt = max(first + 1, last - overlap)
+        # Begin the overlap on a word boundary too, when one is inside the overlap.
+        for k in range(nxt, last):
+            if _starts_word(text, offsets, k):
+                nxt = k
+                break
+        first = nxt
+    return spans

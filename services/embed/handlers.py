@@ -1,0 +1,35 @@
+"""Embed's bus subscribers."""
+
+from __future__ import annotations
+
+from faststream.nats import NatsRouter
+
+from services.common.bus import Bus, consume
+from services.common.events import DocFailed, KbChanged, KbIndex, KbRemove, Subject
+from services.embed.service import EmbedService
+
+
+def create_router(bus: Bus, service: EmbedService, *, concurrency: int = 1) -> NatsRouter:
+    router = NatsRouter()
+
+    async def on_index(ev: KbIndex) -> None:
+        await service.index(ev)
+
+    async def index_failed(ev: KbIndex, err: Exception) -> None:
+        await bus.publish(
+            Subject.DOC_FAILED,
+            DocFailed(org_id=ev.org_id, document_id=ev.document_id, kb_id=ev.kb_id,
+                      revision=ev.revision, stage="embed", error=str(err) or repr(err)),
+        )
+
+    async def on_remove(ev: KbRemove) -> None:
+        await service.remove(ev)
+
+    async def on_kb(ev: KbChanged) -> None:
+        await service.kb_changed(ev)
+
+    consume(router, bus, Subject.KB_INDEX, "embed-kb-index", on_index,
+            on_failure=index_failed, max_workers=concurrency)
+    consume(router, bus, Subject.KB_REMOVE, "embed-kb-remove", on_remove)
+    consume(router, bus, Subject.KB_CHANGED, "embed-kb-changed", on_kb)
+    return router

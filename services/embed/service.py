@@ -1,0 +1,185 @@
+"""Embed: owns chunking, embedding and the vectors. Every decision is checked against the
+registries, so stale, duplicated or reordered messages converge to the registry's truth."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from services.common import bm25
+from services.common.embedders import EmbedderPool
+from services.common.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish, Subject
+from services.common.models import (
+    DocumentRecord,
+    IndexEntry,
+    KnowledgeBase,
+    point_id,
+    split_tags,
+    utcnow,
+)
+from services.common.registry import Registries
+from services.common.store import ChunkPoint, Match, VectorStore
+from services.common.store.base import Filter
+from services.common.telemetry import tracer
+from services.embed.chunking import chunk_text
+
+log = logging.getLogger("kbmesh.embed")
+_tracer = tracer("kbmesh.embed")
+# Titles ride along in every chunk's embedded text; cap what they may take of the model's input.
+TITLE_TOKEN_BUDGET = 24
+
+
+def document_payload(record: DocumentRecord) -> dict[str, Any]:
+    """The payload fields that change without re-embedding (tags, collection, metadata...)."""
+    tags, collection = split_tags(record.tags)
+    return {
+        "org_id": record.org_id,
+        "document_id": record.document_id,
+        "document_name": record.name,
+        "document_name_exact": record.name,
+        "source_id": record.source_id,
+        "uri": record.uri,
+        "tags": tags,
+        "collection": collection,
+        "metadata": record.metadata,
+        "uploaded_at": record.created_at.isoformat(),
+        "revision": record.revision,
+    }
+
+
+class EmbedService:
+    def __init__(
+        self,
+        registries: Registries,
+        store: VectorStore,
+        embedders: EmbedderPool,
+        publish: Publish,
+    ) -> None:
+        self.reg = registries
+        self.store = store
+        self.embedders = embedders
+        self.publish = publish
+
+    async def index(self, ev: KbIndex) -> IndexEntry | None:
+        kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
+        record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
+        if kb is None or record is None or record.checksum is None:
+            log.info("drop kb.index: kb or document gone kb_id=%s document_id=%s",
+                     ev.kb_id, ev.document_id)
+            return None
+        if ev.revision < record.revision or not kb.matches(record.tags):
+            log.info("drop stale kb.index kb_id=%s document_id=%s revision=%d current=%d",
+                     ev.kb_id, ev.document_id, ev.revision, record.revision)
+            return None
+        entry_key = f"{kb.kb_id}.{record.document_id}"
+        entry = await self.reg.index.get(entry_key)
+        same_build = (
+            entry is not None
+            and entry.checksum == record.checksum
+            and entry.settings_version == kb.settings_version
+        )
+        if entry is not None and same_build and entry.revision >= record.revision:
+            await self._announce(kb, record, entry, embedded=False)
+            return entry
+        if entry is not None and same_build:
+            # Same text, same settings: only labels changed. Rewrite payloads, no embedding.
+            with _tracer.start_as_current_span("kbmesh.embed.set_payload"):
+                await self.store.set_payload(
+                    kb.collection_name,
+                    Filter(must=(Match("document_id", record.document_id),)),
+                    document_payload(record),
+                )
+            entry.revision = record.revision
+            entry.indexed_at = utcnow()
+            await self.reg.index.put(entry_key, entry)
+            await self._announce(kb, record, entry, embedded=False)
+            return entry
+        entry = await self._build(kb, record)
+        await self.reg.index.put(entry_key, entry)
+        await self._announce(kb, record, entry, embedded=True)
+        return entry
+
+    async def _build(self, kb: KnowledgeBase, record: DocumentRecord) -> IndexEntry:
+        text = await self.reg.texts.get_text(record.text_object)
+        if text is None:
+            raise FileNotFoundError(f"text of {record.document_id} missing")  # transient
+        embedder = self.embedders.get(kb.embedding_model, kb.api_base)
+        title = record.name.strip()
+        title_tokens = min(embedder.count_tokens(title) + 1, TITLE_TOKEN_BUDGET) if title else 0
+        with _tracer.start_as_current_span("kbmesh.embed.chunk") as span:
+            chunks = chunk_text(
+                text, kb, embedder.tokenizer(), max_tokens=embedder.max_tokens - title_tokens
+            )
+            span.set_attribute("kbmesh.chunk_count", len(chunks))
+        # The title goes into what is embedded and keyword-indexed, not into the content.
+        indexed = [f"{title}\n{c.text}" if title else c.text for c in chunks]
+        with _tracer.start_as_current_span("kbmesh.embed.embed") as span:
+            span.set_attribute("kbmesh.model", kb.embedding_model)
+            dense = await embedder.embed(indexed) if indexed else []
+        base = document_payload(record)
+        points = [
+            ChunkPoint(
+                id=point_id(kb.kb_id, record.document_id, c.index),
+                dense=vector,
+                sparse=bm25.encode_document(text_for_bm25),
+                payload={
+                    **base,
+                    "kb_id": kb.kb_id,
+                    "chunk_index": c.index,
+                    "total_chunks": len(chunks),
+                    "content": c.text,
+                    "start": c.start,
+                    "end": c.end,
+                    "settings_version": kb.settings_version,
+                },
+            )
+            for c, vector, text_for_bm25 in zip(chunks, dense, indexed, strict=True)
+        ]
+        with _tracer.start_as_current_span("kbmesh.embed.upsert") as span:
+            span.set_attribute("kbmesh.points", len(points))
+            await self.store.ensure_collection(kb.collection_name, embedder.dim)
+            await self.store.replace_document(kb.collection_name, record.document_id, points)
+        log.info("indexed org_id=%s kb_id=%s document_id=%s revision=%d chunks=%d",
+                 record.org_id, kb.kb_id, record.document_id, record.revision, len(points))
+        return IndexEntry(
+            org_id=record.org_id,
+            kb_id=kb.kb_id,
+            document_id=record.document_id,
+            revision=record.revision,
+            checksum=record.checksum or "",
+            settings_version=kb.settings_version,
+            chunk_count=len(points),
+        )
+
+    async def remove(self, ev: KbRemove) -> None:
+        kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
+        record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
+        if kb is not None and record is not None and kb.matches(record.tags):
+            log.info("drop stale kb.remove kb_id=%s document_id=%s", ev.kb_id, ev.document_id)
+            return
+        collection = kb.collection_name if kb else f"kb_{ev.kb_id}"
+        with _tracer.start_as_current_span("kbmesh.embed.delete"):
+            await self.store.delete_document(collection, ev.document_id)
+        await self.reg.index.delete(f"{ev.kb_id}.{ev.document_id}")
+        await self.publish(
+            Subject.DOC_INDEXED,
+            DocIndexed(org_id=ev.org_id, kb_id=ev.kb_id, document_id=ev.document_id,
+                       revision=ev.revision, chunk_count=0, embedded=False, removed=True),
+        )
+
+    async def kb_changed(self, ev: KbChanged) -> None:
+        if ev.change != "deleted":
+            return
+        await self.store.drop_collection(f"kb_{ev.kb_id}")
+        for entry in await self.reg.index.list(f"{ev.kb_id}."):
+            await self.reg.index.delete(f"{entry.kb_id}.{entry.document_id}")
+
+    async def _announce(
+        self, kb: KnowledgeBase, record: DocumentRecord, entry: IndexEntry, *, embedded: bool
+    ) -> None:
+        await self.publish(
+            Subject.DOC_INDEXED,
+            DocIndexed(org_id=record.org_id, kb_id=kb.kb_id, document_id=record.document_id,
+                       revision=entry.revision, chunk_count=entry.chunk_count,
+                       embedded=embedded),
+        )

@@ -1,0 +1,27 @@
+"""FastAPI dependencies: the service and the caller's principal."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from services.gateway.auth import KeyResolver, Principal
+from services.gateway.service import GatewayService
+
+
+def get_service(request: Request) -> GatewayService:
+    service: GatewayService = request.app.state.service
+    return service
+
+
+async def get_principal(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
+    resolver: KeyResolver = request.app.state.keys
+    host = request.client.host if request.client else None
+    return await resolver.resolve(authorization, host)
+
+
+Service = Annotated[GatewayService, Depends(get_service)]
+Caller = Annotated[Principal, Depends(get_principal)]

@@ -1,0 +1,75 @@
+"""REST: documents across KBs (membership by tags)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+
+from services.gateway.api.deps import Caller, Service
+from services.gateway.schemas import (
+    DeleteResult,
+    DocumentPatch,
+    DocumentView,
+    Page,
+    UploadBody,
+    UploadResult,
+)
+
+router = APIRouter(prefix="/v1/documents", tags=["documents"])
+Wait = Annotated[bool, Query(description="wait until the index reflects the change")]
+
+
+@router.post("", status_code=202)
+async def upload(
+    body: UploadBody, service: Service, caller: Caller, response: Response, wait: Wait = False
+) -> UploadResult:
+    """Upload a document; it joins every KB whose tag_ids its tags match (and `kb_id`)."""
+    result = await service.upload(caller, body, None, wait=wait)
+    if result.status in ("complete", "stored"):
+        response.status_code = 200
+    return result
+
+
+@router.get("")
+async def list_documents(
+    service: Service, caller: Caller,
+    kb: str | None = None, tag: str | None = None, collection: str | None = None,
+    source_id: str | None = None, name_search: str | None = None,
+    skip: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> Page[DocumentView]:
+    return await service.list_documents(
+        caller, kb=kb, tag=tag, collection=collection, source_id=source_id,
+        name_search=name_search, skip=skip, limit=limit,
+    )
+
+
+@router.get("/{document_id}")
+async def get_document(document_id: str, service: Service, caller: Caller) -> DocumentView:
+    return await service.get_document(caller, document_id)
+
+
+@router.patch("/{document_id}")
+async def patch_document(
+    document_id: str, body: DocumentPatch, service: Service, caller: Caller, wait: Wait = True
+) -> DocumentView:
+    """Change tags, collection or metadata: payloads are rewritten, nothing is re-embedded."""
+    return await service.patch_document(caller, document_id, body, wait=wait)
+
+
+@router.delete("/{document_id}")
+async def delete_document(
+    document_id: str, service: Service, caller: Caller, wait: Wait = True
+) -> DeleteResult:
+    """Delete a document everywhere. Unknown ids succeed with deleted_count 0."""
+    return await service.delete_document(caller, document_id, wait=wait)
+
+
+@router.delete("")
+async def delete_by_source(
+    service: Service, caller: Caller,
+    source_id: Annotated[str, Query(min_length=1)], wait: Wait = True,
+) -> DeleteResult:
+    """Delete every document of a source."""
+    return await service.delete_source(caller, source_id, wait=wait)

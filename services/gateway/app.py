@@ -1,0 +1,110 @@
+"""The gateway's FastAPI application: REST under /v1, tools under /api/v1/tools, MCP at /mcp."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from services.common.errors import KbmeshError
+from services.gateway.api import documents, kbs, search
+from services.gateway.auth import KeyResolver
+from services.gateway.service import GatewayService
+from services.gateway.waiter import IndexWaiter
+from services.runtime import Runtime
+
+PROBLEM = "application/problem+json"
+_tracer = trace.get_tracer("kbmesh.gateway")
+
+
+def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONResponse:
+    body = {"type": f"urn:kbmesh:error:{error_type}", "title": error_type, "status": status,
+            "detail": message, "error_type": error_type, **extra}
+    return JSONResponse(body, status_code=status, media_type=PROBLEM)
+
+
+def create_app(rt: Runtime) -> FastAPI:
+    waiter = IndexWaiter()
+    service = GatewayService(rt.bus, rt.registries, rt.settings, waiter)
+    rt.objects["gateway"] = service
+    mcp_server = None
+    if rt.settings.toolsets and importlib.util.find_spec("services.gateway.mcp"):
+        from services.gateway.mcp import create_mcp
+
+        mcp_server = create_mcp(service, rt.settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        assert rt.bus.nc is not None  # noqa: S101 - build_runtime connected it
+        await waiter.start(rt.bus.nc)
+        await service.ensure_default_kb(rt.settings.default_org)
+        async with contextlib.AsyncExitStack() as stack:
+            if mcp_server is not None:
+                await stack.enter_async_context(mcp_server.session_manager.run())
+            yield
+        await waiter.stop()
+
+    app = FastAPI(
+        title="kbmesh",
+        version="0.1.0",
+        description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.keys = KeyResolver(rt.registries.keys, rt.settings.default_org)
+    app.state.runtime = rt
+
+    @app.middleware("http")
+    async def traced(request: Request, call_next: Any) -> Any:
+        with _tracer.start_as_current_span("kbmesh.gateway.request", kind=SpanKind.SERVER) as span:
+            span.set_attribute("http.request.method", request.method)
+            response = await call_next(request)
+            route = request.scope.get("route")
+            if route is not None:
+                span.set_attribute("http.route", getattr(route, "path", ""))
+                span.update_name(f"{request.method} {getattr(route, 'path', '')}")
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
+
+    @app.exception_handler(KbmeshError)
+    async def on_error(request: Request, err: KbmeshError) -> JSONResponse:
+        extra = {"field": err.field} if err.field else {}
+        return problem(err.status_code, err.error_type, err.message, **extra)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"field": ".".join(str(p) for p in e["loc"][1:] or e["loc"]), "message": e["msg"]}
+            for e in err.errors()
+        ]
+        message = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+        return problem(422, "ValidationError", message, errors=errors)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        connected = rt.bus.nc is not None and rt.bus.nc.is_connected
+        ready = rt.ready.is_set() and connected
+        body = {"status": "ready" if ready else "starting", "nats": connected,
+                "services": list(rt.services)}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    app.include_router(kbs.router)
+    app.include_router(documents.router)
+    app.include_router(search.router)
+    if mcp_server is not None:
+        from services.gateway.api import tools
+
+        app.include_router(tools.create_router(mcp_server))
+        app.mount("/mcp", mcp_server.streamable_http_app(streamable_http_path="/"))
+    return app

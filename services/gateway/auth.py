@@ -1,0 +1,107 @@
+"""API keys → principals. Keys are random tokens; only their SHA-256 is stored."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass
+
+from services.common.errors import Forbidden, KbmeshError, NotFound
+from services.common.registry import ApiKey, Registry
+
+KEY_PREFIX = "kbm_"
+
+
+class Unauthorized(KbmeshError):
+    status_code = 401
+    error_type = "Unauthorized"
+
+
+@dataclass(frozen=True)
+class Principal:
+    org_id: str
+    kb_ids: tuple[str, ...] | None = None  # None: every KB of the org
+    read_only: bool = False
+
+    def can_see(self, kb_id: str) -> bool:
+        return self.kb_ids is None or kb_id in self.kb_ids
+
+    def check_kb(self, kb_id: str, *, write: bool = False) -> None:
+        if not self.can_see(kb_id):
+            raise NotFound(f"knowledge base {kb_id!r} not found", field="kb_id")
+        if write:
+            self.check_write()
+
+    def check_write(self) -> None:
+        if self.read_only:
+            raise Forbidden("this API key is read-only")
+
+    def check_org_wide_write(self) -> None:
+        """Operations not confined to one KB need an unscoped, writable key."""
+        self.check_write()
+        if self.kb_ids is not None:
+            raise Forbidden("this API key is limited to some knowledge bases")
+
+    @property
+    def scope(self) -> list[str] | None:
+        return list(self.kb_ids) if self.kb_ids is not None else None
+
+
+def hash_key(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+class KeyResolver:
+    """Resolves bearer tokens; with no keys at all, everyone (on loopback) is the default org."""
+
+    def __init__(self, keys: Registry[ApiKey], default_org: str) -> None:
+        self.keys = keys
+        self.default_org = default_org
+        self._any_keys: tuple[float, bool] = (0.0, False)
+
+    async def any_keys(self) -> bool:
+        checked, value = self._any_keys
+        if time.monotonic() - checked < 5.0:
+            return value
+        value = bool(await self.keys.list())
+        self._any_keys = (time.monotonic(), value)
+        return value
+
+    async def resolve(self, authorization: str | None, client_host: str | None) -> Principal:
+        token = None
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not token:
+                raise Unauthorized("use 'Authorization: Bearer <api key>'")
+        if token is None:
+            if await self.any_keys():
+                raise Unauthorized("an API key is required ('Authorization: Bearer <key>')")
+            if client_host not in (None, "127.0.0.1", "::1", "localhost", "testclient"):
+                raise Unauthorized("without API keys, kbmesh serves loopback clients only")
+            return Principal(org_id=self.default_org)
+        record = await self.keys.get(hash_key(token.strip()))
+        if record is None:
+            raise Unauthorized("unknown API key")
+        return Principal(
+            org_id=record.org_id,
+            kb_ids=tuple(record.kb_ids) if record.kb_ids is not None else None,
+            read_only=record.read_only,
+        )
+
+    async def create(
+        self, org_id: str, name: str = "", kb_ids: list[str] | None = None,
+        read_only: bool = False,
+    ) -> str:
+        token = new_key()
+        await self.keys.put(
+            hash_key(token),
+            ApiKey(key_hash=hash_key(token), org_id=org_id, name=name, kb_ids=kb_ids,
+                   read_only=read_only),
+        )
+        self._any_keys = (0.0, False)
+        return token

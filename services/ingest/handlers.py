@@ -1,0 +1,59 @@
+"""Ingest's bus subscribers: decode → IngestService → ack (wiring in common.bus)."""
+
+from __future__ import annotations
+
+from faststream.nats import NatsRouter
+
+from services.common.bus import Bus, consume
+from services.common.events import (
+    DocDeleted,
+    DocFailed,
+    DocUploaded,
+    KbChanged,
+    OcrDone,
+    Subject,
+    TagsChanged,
+)
+from services.common.models import DocStatus
+from services.ingest.service import IngestService
+
+
+def create_router(bus: Bus, service: IngestService) -> NatsRouter:
+    router = NatsRouter()
+
+    async def on_upload(ev: DocUploaded) -> None:
+        await service.upload(ev)
+
+    async def upload_failed(ev: DocUploaded, err: Exception) -> None:
+        document_id = ev.document_id
+        if document_id:
+            key = f"{ev.org_id}.{document_id}"
+            record = await service.reg.documents.get(key)
+            if record is not None:
+                record.status = DocStatus.failed
+                record.error = str(err)
+                await service.reg.documents.put(key, record)
+        await bus.publish(
+            Subject.DOC_FAILED,
+            DocFailed(org_id=ev.org_id, document_id=document_id, stage="ingest", error=str(err)),
+        )
+
+    async def on_ocr(ev: OcrDone) -> None:
+        await service.ocr_done(ev)
+
+    async def on_tags(ev: TagsChanged) -> None:
+        await service.change_tags(ev)
+
+    async def on_delete(ev: DocDeleted) -> None:
+        await service.delete(ev)
+
+    async def on_kb(ev: KbChanged) -> None:
+        await service.kb_changed(ev)
+
+    consume(router, bus, Subject.DOC_UPLOADED, "ingest-doc-uploaded", on_upload,
+            on_failure=upload_failed)
+    consume(router, bus, Subject.OCR_DONE, "ingest-ocr-done", on_ocr)
+    consume(router, bus, Subject.TAGS_CHANGED, "ingest-tags-changed", on_tags)
+    consume(router, bus, Subject.DOC_DELETED, "ingest-doc-deleted", on_delete)
+    consume(router, bus, Subject.KB_CHANGED, "ingest-kb-changed", on_kb)
+    return router

@@ -1,0 +1,141 @@
+"""Composition root: builds the services a process runs, on one bus connection.
+
+`kbmesh up` runs all four on a private nats-server and the embedded store; `kbmesh serve`
+runs the named ones against `KBMESH_NATS_URL`. Nothing here holds logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from opentelemetry.sdk.trace import SpanProcessor
+
+from services.common.bus import Bus
+from services.common.embedders import EmbedderPool
+from services.common.natsproc import NatsServer
+from services.common.registry import Registries
+from services.common.settings import Settings
+from services.common.store import VectorStore, create_store
+from services.common.telemetry import configure_telemetry
+
+log = logging.getLogger("kbmesh")
+SERVICES = ("ingest", "embed", "search", "gateway")
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    services: tuple[str, ...]
+    bus: Bus
+    registries: Registries
+    embedders: EmbedderPool
+    store: VectorStore | None = None
+    nats: NatsServer | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    objects: dict[str, object] = field(default_factory=dict)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.bus.close()
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                await self.store.close()
+        if self.nats is not None:
+            self.nats.stop()
+
+
+def check_services(names: Iterable[str], settings: Settings) -> tuple[str, ...]:
+    chosen = tuple(dict.fromkeys(names))
+    unknown = [n for n in chosen if n not in SERVICES]
+    if unknown:
+        raise SystemExit(f"unknown service(s): {', '.join(unknown)}; choose from {SERVICES}")
+    if settings.store_kind == "edge" and ("embed" in chosen) != ("search" in chosen):
+        raise SystemExit(
+            "with the embedded store (no KBMESH_QDRANT_URL), embed and search share the "
+            "Edge shards and must run in one process: `kbmesh serve embed search`"
+        )
+    return chosen
+
+
+async def build_runtime(
+    settings: Settings,
+    services: Iterable[str] = SERVICES,
+    *,
+    embedded_nats: bool = False,
+    span_processors: list[SpanProcessor] | None = None,
+    embedders: EmbedderPool | None = None,
+) -> Runtime:
+    chosen = check_services(services, settings)
+    provider = configure_telemetry("kbmesh-" + "-".join(chosen), processors=span_processors)
+    nats_server = None
+    url = settings.nats_url
+    if embedded_nats or not url:
+        nats_server = NatsServer(settings.data_dir / "nats").start()
+        url = nats_server.url
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        (settings.data_dir / "nats.url").write_text(url)
+    bus = Bus(settings, url, provider)
+    try:
+        await bus.connect()
+        registries = await Registries.open(bus.js)
+        pool = embedders or EmbedderPool(query_cache_size=settings.search.query_cache_size)
+        rt = Runtime(settings, chosen, bus, registries, pool, nats=nats_server)
+        if "embed" in chosen or "search" in chosen:
+            rt.store = create_store(settings)
+        await _wire(rt)
+        return rt
+    except BaseException:
+        await bus.close()
+        if nats_server:
+            nats_server.stop()
+        raise
+
+
+async def _wire(rt: Runtime) -> None:
+    publish = rt.bus.publish
+    if "ingest" in rt.services:
+        from services.ingest.handlers import create_router as ingest_router
+        from services.ingest.service import IngestService
+
+        ingest = IngestService(rt.registries, publish, rt.settings)
+        rt.objects["ingest"] = ingest
+        rt.bus.broker.include_router(ingest_router(rt.bus, ingest))
+    if "embed" in rt.services:
+        from services.embed.handlers import create_router as embed_router
+        from services.embed.service import EmbedService
+
+        assert_store(rt)
+        embed = EmbedService(rt.registries, rt.store, rt.embedders, publish)  # type: ignore[arg-type]
+        rt.objects["embed"] = embed
+        rt.bus.broker.include_router(
+            embed_router(rt.bus, embed, concurrency=rt.settings.embed_concurrency)
+        )
+    if "search" in rt.services:
+        from services.search.handlers import create_router as search_router
+        from services.search.service import SearchService
+
+        search = SearchService(
+            rt.registries, rt.store, rt.embedders, rt.settings.search  # type: ignore[arg-type]
+        )
+        rt.objects["search"] = search
+        rt.bus.broker.include_router(search_router(search))
+
+
+def assert_store(rt: Runtime) -> None:
+    if rt.store is None:
+        raise RuntimeError("embed needs a vector store")
+
+
+async def start_consuming(rt: Runtime) -> None:
+    """Load the model(s) the local services need, then start the subscribers."""
+    if "embed" in rt.services or "search" in rt.services:
+        embedder = rt.embedders.get(rt.settings.default_model)
+        load = getattr(embedder, "load", None)
+        if load is not None:
+            await asyncio.to_thread(load)
+    await rt.bus.start()
+    rt.ready.set()

@@ -1,0 +1,56 @@
+"""Search's request/reply subscribers, in a queue group so replicas share the load."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from faststream.nats import NatsRouter
+from faststream.nats.annotations import NatsMessage
+from pydantic import BaseModel, ValidationError
+
+from services.common.errors import KbmeshError
+from services.common.events import Subject
+from services.common.queries import ChunkRequest, RemoteError, SearchRequest
+from services.search.service import SearchService
+
+log = logging.getLogger("kbmesh.search")
+QUEUE = "search"
+
+
+def create_router(service: SearchService) -> NatsRouter:
+    router = NatsRouter()
+
+    @router.subscriber(Subject.SEARCH_QUERY, queue=QUEUE)
+    async def on_search(msg: NatsMessage) -> dict[str, Any]:
+        return await _answer(msg.body, SearchRequest, service.search)
+
+    @router.subscriber(Subject.SEARCH_CHUNK, queue=QUEUE)
+    async def on_chunk(msg: NatsMessage) -> dict[str, Any]:
+        return await _answer(msg.body, ChunkRequest, service.get_chunk)
+
+    return router
+
+
+async def _answer(
+    body: bytes,
+    model: type[BaseModel],
+    call: Callable[[Any], Awaitable[BaseModel]],
+) -> dict[str, Any]:
+    """Requests never raise across the bus: errors travel as a `RemoteError` body."""
+    try:
+        result = await call(model.model_validate_json(body))
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        return {"error": RemoteError(error_type="ValidationError",
+                                     message=f"{field}: {first['msg']}", field=field).model_dump()}
+    except KbmeshError as err:
+        return {"error": RemoteError(error_type=err.error_type, message=err.message,
+                                     field=err.field).model_dump()}
+    except Exception as err:
+        log.exception("search request failed")
+        return {"error": RemoteError(error_type="InternalError",
+                                     message=f"search failed: {type(err).__name__}").model_dump()}
+    return {"result": result.model_dump(mode="json")}

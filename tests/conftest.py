@@ -1,0 +1,60 @@
+"""Shared fixtures: a real nats-server per session, and a whole in-process stack per test
+module on its own data directory (uuid-named, so tests never share state)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from services.common.natsproc import NatsServer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path_factory.mktemp("nats")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def embedders():
+    """One model load for the whole session (the pool is stateless apart from caches)."""
+    from services.common.embedders import EmbedderPool
+
+    return EmbedderPool(query_cache_size=256)
+
+
+@contextlib.asynccontextmanager
+async def running_stack(
+    data_dir: Path, nats_url: str | None = None, embedders=None, span_processors=None,
+    **overrides,
+) -> AsyncIterator[tuple]:
+    """All four services in this process plus an HTTP client on the gateway app.
+    Without `nats_url`, the stack runs its own private nats-server under `data_dir`."""
+    import httpx
+
+    from services.common.settings import Settings
+    from services.gateway.app import create_app
+    from services.runtime import build_runtime, start_consuming
+
+    settings = Settings(data_dir=data_dir, nats_url=nats_url, **overrides)
+    rt = await build_runtime(settings, embedders=embedders, span_processors=span_processors)
+    app = create_app(rt)
+    try:
+        async with app.router.lifespan_context(app):
+            await start_consuming(rt)
+            transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 50000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://kbmesh",
+                                         timeout=120) as client:
+                yield rt, client
+    finally:
+        await rt.close()

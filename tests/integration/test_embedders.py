@@ -1,0 +1,286 @@
+"""Embedders against real models and a real HTTP provider: the bundled MiniLM in-process, and
+LiteLLM talking to an OpenAI-compatible server on a local port."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from sentence_transformers import SentenceTransformer
+
+from services.common.embedders import (
+    CachedQueryEmbedder,
+    Embedder,
+    EmbedderPool,
+    LiteLLMEmbedder,
+    LocalEmbedder,
+    model_limits,
+)
+from services.common.errors import InvalidInput, Transient
+from tests.support.openai_embeddings import OpenAIEmbeddingsServer, fake_embedding, unit
+
+MINILM = "local/all-MiniLM-L6-v2"
+REMOTE = "openai/test-embed"
+DIM = 12
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture(scope="module")
+def local() -> LocalEmbedder:
+    embedder = LocalEmbedder(MINILM)
+    embedder.load()
+    return embedder
+
+
+@pytest.fixture
+def server() -> Iterator[OpenAIEmbeddingsServer]:
+    with OpenAIEmbeddingsServer(dim=DIM) as srv:
+        yield srv
+
+
+def remote(server: OpenAIEmbeddingsServer, **kwargs: object) -> LiteLLMEmbedder:
+    kwargs.setdefault("backoff_seconds", 0.01)
+    return LiteLLMEmbedder(REMOTE, api_base=server.base_url, api_key="test", **kwargs)  # type: ignore[arg-type]
+
+
+# ---- local model ---------------------------------------------------------------------------
+
+
+async def test_paraphrase_is_closer_than_unrelated_text(local: LocalEmbedder) -> None:
+    """The real MiniLM model runs: a paraphrase scores well above an unrelated sentence."""
+    query, paraphrase, unrelated = await local.embed(
+        [
+            "How do I restart the message broker?",
+            "What is the way to reboot the messaging server?",
+            "Bananas are rich in potassium.",
+        ]
+    )
+    assert cosine(query, paraphrase) > cosine(query, unrelated) + 0.3
+
+
+async def test_local_vectors_are_384_dim_and_unit_length(local: LocalEmbedder) -> None:
+    """Dimension matches the advertised 384 and every vector is L2-normalised."""
+    vectors = await local.embed(["one", "two words", "a somewhat longer third text"])
+    assert local.dim == 384
+    assert isinstance(local, Embedder)
+    for v in vectors:
+        assert len(v) == 384
+        assert np.linalg.norm(v) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_local_token_counting_and_limits(local: LocalEmbedder) -> None:
+    """count_tokens excludes [CLS]/[SEP]; max_tokens is max_seq_length − 2, and model_limits
+    knows it without loading anything."""
+    assert local.count_tokens("hello world") == 2
+    assert local.count_tokens("") == 0
+    assert local.max_tokens == 254
+    assert model_limits(MINILM) == 254
+    tok = local.tokenizer()
+    long = "word " * 1000
+    assert len(tok.encode(long, add_special_tokens=False).ids) == 1000  # no truncation
+
+
+async def test_local_batches_off_the_event_loop(
+    local: LocalEmbedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """70 texts go to the model as batches of 32, 32 and 6, each encoded in a worker thread,
+    never on the event loop's thread; order is preserved and embed_count counts texts."""
+    calls: list[tuple[int, int]] = []
+    original = SentenceTransformer.encode
+
+    def spy(self: SentenceTransformer, inputs: list[str], *args: object, **kwargs: object):
+        calls.append((len(inputs), threading.get_ident()))
+        return original(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(SentenceTransformer, "encode", spy)
+    texts = [f"text number {i}" for i in range(70)]
+    before = local.embed_count
+    vectors = await local.embed(texts)
+    loop_thread = threading.get_ident()
+
+    assert [n for n, _ in calls] == [32, 32, 6]
+    assert all(thread != loop_thread for _, thread in calls)
+    assert local.embed_count - before == 70
+    [single] = await local.embed([texts[40]])
+    assert cosine(single, vectors[40]) == pytest.approx(1.0, abs=1e-4)
+
+
+async def test_loop_stays_responsive_while_the_model_encodes(local: LocalEmbedder) -> None:
+    """While a large batch encodes, other coroutines keep running on the loop."""
+    ticks = 0
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await local.embed(["some text to embed " * 20] * 64)
+    done.set()
+    await task
+    assert ticks > 10
+
+
+def test_unknown_local_model_is_invalid_input() -> None:
+    """Only all-MiniLM-L6-v2 is bundled; other local names are rejected naming the field."""
+    with pytest.raises(InvalidInput) as err:
+        EmbedderPool().get("local/bge-small-en")
+    assert err.value.field == "embedding_model"
+    with pytest.raises(InvalidInput):
+        model_limits("local/nomic-embed-text")
+
+
+# ---- LiteLLM against an OpenAI-compatible server ----------------------------------------------
+
+
+async def test_remote_probe_learns_dimension(server: OpenAIEmbeddingsServer) -> None:
+    """probe() discovers the dimension from the provider and is not counted as embedding."""
+    embedder = remote(server)
+    with pytest.raises(RuntimeError):
+        _ = embedder.dim
+    assert await embedder.probe() == DIM
+    assert embedder.dim == DIM
+    assert embedder.embed_count == 0
+    assert server.models == ["test-embed"]
+
+
+async def test_remote_vectors_are_normalised_and_ordered(server: OpenAIEmbeddingsServer) -> None:
+    """The provider's unnormalised vectors come back L2-normalised, in input order."""
+    texts = ["alpha", "beta", "gamma"]
+    vectors = await remote(server).embed(texts)
+    for text, vector in zip(texts, vectors, strict=True):
+        assert vector == pytest.approx(unit(fake_embedding(text, DIM)), abs=1e-6)
+
+
+async def test_remote_batches_requests(server: OpenAIEmbeddingsServer) -> None:
+    """Inputs are sent in batches of batch_size; embed_count counts texts, not requests."""
+    embedder = remote(server, batch_size=3)
+    texts = [f"t{i}" for i in range(7)]
+    await embedder.embed(texts)
+    assert server.batches == [texts[0:3], texts[3:6], texts[6:7]]
+    assert embedder.embed_count == 7
+
+
+@pytest.mark.parametrize("status", [500, 503, 429])
+async def test_remote_retries_transient_errors(server: OpenAIEmbeddingsServer, status: int) -> None:
+    """Two failures with a retryable status, then success: three requests in all (no hidden
+    retries inside the OpenAI SDK) and the caller sees only the vectors."""
+    embedder = remote(server)
+    server.fail_next(2, status=status)
+    [vector] = await embedder.embed(["retry me"])
+    assert server.requests == 3
+    assert vector == pytest.approx(unit(fake_embedding("retry me", DIM)), abs=1e-6)
+
+
+async def test_remote_raises_transient_after_three_tries(server: OpenAIEmbeddingsServer) -> None:
+    """A provider that keeps failing costs exactly three requests, then Transient."""
+    server.fail_next(5, status=500)
+    embedder = remote(server)
+    with pytest.raises(Transient) as err:
+        await embedder.embed(["doomed"])
+    assert server.requests == 3
+    assert err.value.retryable
+    assert embedder.embed_count == 0
+
+
+async def test_remote_client_errors_are_not_retried(server: OpenAIEmbeddingsServer) -> None:
+    """A 400 is the request's fault: one request, InvalidInput naming embedding_model."""
+    server.fail_next(1, status=400, message="bad input")
+    with pytest.raises(InvalidInput) as err:
+        await remote(server).embed(["x"])
+    assert server.requests == 1
+    assert err.value.field == "embedding_model"
+
+
+async def test_unreachable_provider_is_transient() -> None:
+    """Connection refused is retried, then reported as Transient."""
+    srv = OpenAIEmbeddingsServer().start()
+    srv.stop()  # the port is now closed
+    embedder = LiteLLMEmbedder(REMOTE, api_base=srv.base_url, api_key="test", backoff_seconds=0.01)
+    with pytest.raises(Transient):
+        await embedder.embed(["x"])
+
+
+def test_remote_limits_and_tokenizer() -> None:
+    """Known models get LiteLLM's input limit, unknown ones 8191; counting works offline with
+    the tiktoken files litellm ships."""
+    assert model_limits("text-embedding-3-small") == 8191
+    assert model_limits(REMOTE) == 8191
+    embedder = LiteLLMEmbedder("openai/text-embedding-3-small")
+    assert embedder.max_tokens == 8191
+    assert embedder.count_tokens("hello world") == 2
+    assert embedder.count_tokens("a <|endoftext|> b") > 3
+
+
+# ---- pool and query cache ------------------------------------------------------------------
+
+
+async def test_pool_reuses_one_embedder_per_model_and_api_base(
+    server: OpenAIEmbeddingsServer,
+) -> None:
+    """get() caches per (model, api_base); a local model ignores api_base."""
+    pool = EmbedderPool(api_key="test")
+    first = pool.get(REMOTE, server.base_url)
+    assert pool.get(REMOTE, server.base_url) is first
+    assert pool.get(REMOTE, "http://127.0.0.1:1/v1") is not first
+    assert isinstance(first, LiteLLMEmbedder)
+    assert pool.get(MINILM) is pool.get(MINILM, "http://ignored")
+    assert isinstance(pool.get(MINILM), LocalEmbedder)
+
+
+async def test_query_cache_embeds_a_repeated_query_once(server: OpenAIEmbeddingsServer) -> None:
+    """The second identical query is answered from the LRU: no request, no embedding."""
+    pool = EmbedderPool(api_key="test", query_cache_size=8)
+    embedder = pool.get(REMOTE, server.base_url)
+    first = await pool.embed_query(REMOTE, "what is nats?", server.base_url)
+    second = await pool.embed_query(REMOTE, "what is nats?", server.base_url)
+    assert first == second
+    assert embedder.embed_count == 1
+    assert server.requests == 1
+    await pool.embed_query(REMOTE, "what is qdrant?", server.base_url)
+    assert embedder.embed_count == 2
+
+
+async def test_query_cache_evicts_least_recently_used(server: OpenAIEmbeddingsServer) -> None:
+    """With room for two, touching `a` keeps it; `b` is evicted by `c` and re-embedded."""
+    pool = EmbedderPool(api_key="test")
+    cache = CachedQueryEmbedder(pool, size=2)
+    embedder = pool.get(REMOTE, server.base_url)
+    for text in ("a", "b", "a", "c"):
+        await cache.embed(REMOTE, text, server.base_url)
+    assert embedder.embed_count == 3  # a, b, c
+    await cache.embed(REMOTE, "a", server.base_url)
+    assert embedder.embed_count == 3
+    await cache.embed(REMOTE, "b", server.base_url)
+    assert embedder.embed_count == 4
+    assert len(cache) == 2
+
+
+async def test_concurrent_identical_queries_share_one_call(
+    server: OpenAIEmbeddingsServer,
+) -> None:
+    """Ten concurrent requests for one uncached query make a single provider request."""
+    pool = EmbedderPool(api_key="test")
+    vectors = await asyncio.gather(
+        *(pool.embed_query(REMOTE, "same question", server.base_url) for _ in range(10))
+    )
+    assert server.requests == 1
+    assert all(v == vectors[0] for v in vectors)
+
+
+async def test_query_cache_does_not_keep_failures(server: OpenAIEmbeddingsServer) -> None:
+    """A failed query embedding raises to its caller and is retried by the next one."""
+    pool = EmbedderPool(api_key="test")
+    server.fail_next(1, status=400)
+    with pytest.raises(InvalidInput):
+        await pool.embed_query(REMOTE, "flaky", server.base_url)
+    vector = await pool.embed_query(REMOTE, "flaky", server.base_url)
+    assert len(vector) == DIM

@@ -1,0 +1,601 @@
+"""One conformance suite for every VectorStore adapter: Edge (embedded), the server adapter on
+qdrant-client's local mode, and the server adapter on a real Qdrant container when Docker is
+reachable. Each test runs through the public interface only, on a fresh uuid-named collection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import InvalidInput, NotFound
+from services.common.store import (
+    ChunkPoint,
+    DateRange,
+    Filter,
+    HasIds,
+    Hit,
+    Match,
+    MatchAny,
+    MatchText,
+    Mode,
+    Query,
+    Range,
+    SparseVector,
+    VectorStore,
+)
+from services.common.store.edge import EdgeStore
+from services.common.store.server import ServerStore
+
+DIM = 8
+_POINT_NS = uuid.UUID("0b9f8a51-3c0e-4d51-9f3e-6f2f4f1f7a20")
+# Newest server by default: qdrant-client warns (an error here) when the server is more than
+# one minor version away from it.
+QDRANT_IMAGE = os.environ.get("KBMESH_TEST_QDRANT_IMAGE", "qdrant/qdrant:latest")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def qdrant_server_url() -> Iterator[str]:
+    """A Qdrant container for the whole session; skipped when no Docker engine answers."""
+    import docker
+    from testcontainers.community.qdrant import QdrantContainer
+
+    try:
+        with docker.from_env(timeout=5) as engine:
+            engine.ping()
+    except Exception as err:  # no socket, refused or timed out: all mean "no Docker here"
+        pytest.skip(f"no Docker engine reachable: {err}")
+    container = QdrantContainer(image=QDRANT_IMAGE)
+    container.start()
+    try:
+        host = container.get_container_host_ip()
+        yield f"http://{host}:{container.get_exposed_port(6333)}"
+    finally:
+        container.stop()
+
+
+@pytest.fixture(
+    params=["edge", "server-local", pytest.param("server-docker", marks=pytest.mark.docker)]
+)
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[VectorStore]:
+    adapter: VectorStore
+    if request.param == "edge":
+        adapter = EdgeStore(tmp_path / "shards")
+    elif request.param == "server-local":
+        adapter = ServerStore(location=":memory:")
+    else:
+        adapter = ServerStore(url=request.getfixturevalue("qdrant_server_url"))
+    yield adapter
+    await adapter.close()
+
+
+@pytest.fixture
+async def kb(store: VectorStore) -> AsyncIterator[str]:
+    """A fresh, empty collection; dropped afterwards (a real server outlives the test)."""
+    name = f"kb_{uuid.uuid4().hex}"
+    await store.ensure_collection(name, DIM)
+    yield name
+    await store.drop_collection(name)
+
+
+# ---- data helpers ------------------------------------------------------------------------------
+
+
+def dense(*values: float) -> list[float]:
+    return [*values, *([0.0] * (DIM - len(values)))]
+
+
+def sparse(terms: dict[int, float]) -> SparseVector:
+    keys = sorted(terms)
+    return SparseVector(indices=keys, values=[terms[k] for k in keys])
+
+
+def point_id(document_id: str, index: int) -> str:
+    return str(uuid.uuid5(_POINT_NS, f"{document_id}:{index}"))
+
+
+def chunk(
+    document_id: str,
+    index: int = 0,
+    *,
+    vector: list[float] | None = None,
+    terms: dict[int, float] | None = None,
+    **payload: object,
+) -> ChunkPoint:
+    body: dict[str, object] = {
+        "org_id": "org-a",
+        "kb_id": "kb-1",
+        "document_id": document_id,
+        "document_name": f"{document_id}.txt",
+        "chunk_index": index,
+        "tags": [],
+        "uploaded_at": "2024-01-01T00:00:00+00:00",
+        "metadata": {},
+        "content": f"chunk {index} of {document_id}",
+    }
+    body.update(payload)
+    return ChunkPoint(
+        id=point_id(document_id, index),
+        dense=vector or dense(1.0),
+        sparse=sparse(terms or {1: 1.0}),
+        payload=body,
+    )
+
+
+async def load(store: VectorStore, name: str, points: list[ChunkPoint]) -> None:
+    by_document: dict[str, list[ChunkPoint]] = {}
+    for p in points:
+        by_document.setdefault(p.payload["document_id"], []).append(p)
+    for document_id, document_points in by_document.items():
+        await store.replace_document(name, document_id, document_points)
+
+
+def of_document(document_id: str) -> Filter:
+    return Filter(must=(Match("document_id", document_id),))
+
+
+# ---- collections -------------------------------------------------------------------------------
+
+
+async def test_ensure_collection_is_idempotent(store: VectorStore) -> None:
+    """ensure_collection creates once and then leaves the collection and its points alone;
+    drop_collection removes it and tolerates a second drop."""
+    name = f"kb_{uuid.uuid4().hex}"
+    assert not await store.collection_exists(name)
+    await store.ensure_collection(name, DIM)
+    await store.ensure_collection(name, DIM)
+    assert await store.collection_exists(name)
+    await load(store, name, [chunk("doc-1")])
+    await store.ensure_collection(name, DIM)
+    assert await store.count(name) == 1
+    await store.drop_collection(name)
+    assert not await store.collection_exists(name)
+    assert await store.count(name) == 0
+    await store.drop_collection(name)
+
+
+async def test_missing_collection_reads_empty_and_deletes_are_no_ops(store: VectorStore) -> None:
+    """On a collection that does not exist, reads return nothing and deletes do nothing,
+    while writes that need the collection raise NotFound."""
+    name = f"kb_{uuid.uuid4().hex}"
+    query = Query(
+        mode=Mode.hybrid, limit=5, filter=Filter(), dense=dense(1.0), sparse=sparse({1: 1})
+    )
+    assert await store.count(name) == 0
+    assert await store.count(name, of_document("doc-1")) == 0
+    assert await store.query(name, query) == []
+    assert await store.scroll(name, Filter(), 10) == []
+    assert await store.retrieve(name, [point_id("doc-1", 0)]) == []
+    await store.delete_document(name, "doc-1")
+    await store.delete(name, of_document("doc-1"))
+    await store.drop_collection(name)
+    with pytest.raises(NotFound):
+        await store.replace_document(name, "doc-1", [chunk("doc-1")])
+    with pytest.raises(NotFound):
+        await store.set_payload(name, of_document("doc-1"), {"tags": ["x"]})
+    assert not await store.collection_exists(name)
+
+
+# ---- documents ---------------------------------------------------------------------------------
+
+
+async def test_replace_document_removes_extra_chunks_and_is_idempotent(
+    store: VectorStore, kb: str
+) -> None:
+    """Replacing a document with fewer chunks deletes the extras, re-running the same
+    replacement changes nothing, and other documents are untouched."""
+    await load(store, kb, [chunk("doc-1", i) for i in range(3)] + [chunk("doc-2", 0)])
+    assert await store.count(kb, of_document("doc-1")) == 3
+
+    fewer = [chunk("doc-1", i, content=f"v2 chunk {i}") for i in range(2)]
+    await store.replace_document(kb, "doc-1", fewer)
+    assert await store.count(kb, of_document("doc-1")) == 2
+    assert await store.retrieve(kb, [point_id("doc-1", 2)]) == []
+    hits = await store.retrieve(kb, [p.id for p in fewer])
+    assert [h.payload["content"] for h in hits] == ["v2 chunk 0", "v2 chunk 1"]
+
+    await store.replace_document(kb, "doc-1", fewer)
+    assert await store.count(kb, of_document("doc-1")) == 2
+    assert {h.id for h in await store.scroll(kb, of_document("doc-1"), 10)} == {p.id for p in fewer}
+    assert await store.count(kb, of_document("doc-2")) == 1
+
+
+async def test_replace_document_with_no_points_empties_the_document(
+    store: VectorStore, kb: str
+) -> None:
+    """Replacing a document with an empty chunk list leaves it with no points."""
+    await load(store, kb, [chunk("doc-1", i) for i in range(2)] + [chunk("doc-2", 0)])
+    await store.replace_document(kb, "doc-1", [])
+    assert await store.count(kb, of_document("doc-1")) == 0
+    assert await store.count(kb) == 1
+
+
+async def test_replace_document_rejects_points_of_another_document(
+    store: VectorStore, kb: str
+) -> None:
+    """A point whose payload names another document is refused: replace_document could never
+    clean it up later."""
+    with pytest.raises(InvalidInput):
+        await store.replace_document(kb, "doc-1", [chunk("doc-2")])
+    assert await store.count(kb) == 0
+
+
+async def test_delete_document_and_delete_by_filter(store: VectorStore, kb: str) -> None:
+    """delete_document removes exactly one document's points; delete removes what the filter
+    matches."""
+    await load(
+        store,
+        kb,
+        [chunk("doc-1", i) for i in range(3)]
+        + [chunk("doc-2", 0, tags=["old"]), chunk("doc-3", 0, tags=["new"])],
+    )
+    await store.delete_document(kb, "doc-1")
+    assert await store.count(kb, of_document("doc-1")) == 0
+    assert await store.count(kb) == 2
+    await store.delete(kb, Filter(must=(Match("tags", "old"),)))
+    assert [h.payload["document_id"] for h in await store.scroll(kb, Filter(), 10)] == ["doc-3"]
+
+
+async def test_concurrent_replacements_all_land(store: VectorStore, kb: str) -> None:
+    """Many replace_document calls in flight at once, mixed with reads, all take effect."""
+    documents = [f"doc-{i}" for i in range(10)]
+    await asyncio.gather(
+        *(store.replace_document(kb, d, [chunk(d, i) for i in range(3)]) for d in documents),
+        *(store.count(kb) for _ in documents),
+    )
+    assert await store.count(kb) == 30
+
+
+# ---- search modes ------------------------------------------------------------------------------
+
+# Crafted so each mode has a different best point for the query dense=e0, sparse={42: 1}:
+# "dense-best" is nearest but lacks term 42; "sparse-only" has the most of term 42 but is
+# orthogonal; "both" is second in each list, which RRF puts first.
+MODE_POINTS = [
+    chunk("dense-best", vector=dense(1.0), terms={1: 1.0}),
+    chunk("both", vector=dense(0.95, 0.31), terms={1: 1.0, 42: 1.0}),
+    chunk("filler-1", vector=dense(0.6, 0.8), terms={1: 1.0}),
+    chunk("filler-2", vector=dense(0.5, 0.866), terms={1: 1.0}),
+    chunk("filler-3", vector=dense(0.4, 0.917), terms={1: 1.0}),
+    chunk("sparse-only", vector=dense(*([0.0] * (DIM - 1)), 1.0), terms={42: 2.0}),
+]
+
+
+def mode_query(mode: Mode, flt: Filter | None = None, **kwargs: int) -> Query:
+    return Query(
+        mode=mode,
+        limit=10,
+        filter=flt or Filter(),
+        dense=dense(1.0),
+        sparse=sparse({42: 1.0}),
+        **kwargs,
+    )
+
+
+def documents(hits: list[Hit]) -> list[str]:
+    return [h.payload["document_id"] for h in hits]
+
+
+async def test_dense_mode_ranks_by_the_dense_vector_only(store: VectorStore, kb: str) -> None:
+    """Dense mode returns every point by cosine similarity, ignoring the sparse terms."""
+    await load(store, kb, MODE_POINTS)
+    hits = await store.query(kb, mode_query(Mode.dense))
+    assert documents(hits) == [
+        "dense-best",
+        "both",
+        "filler-1",
+        "filler-2",
+        "filler-3",
+        "sparse-only",
+    ]
+    assert hits[0].score == pytest.approx(1.0, abs=1e-5)
+
+
+async def test_keyword_mode_uses_only_the_sparse_vector(store: VectorStore, kb: str) -> None:
+    """Keyword mode finds only points that share a sparse term with the query, best first;
+    the nearest dense point is not among them."""
+    await load(store, kb, MODE_POINTS)
+    hits = await store.query(kb, mode_query(Mode.keyword))
+    assert documents(hits) == ["sparse-only", "both"]
+    assert hits[0].score is not None and hits[1].score is not None
+    assert hits[0].score > hits[1].score > 0
+
+
+async def test_hybrid_mode_fuses_both_lists_with_rrf(store: VectorStore, kb: str) -> None:
+    """Hybrid mode fuses the dense and sparse prefetches with RRF(k=rrf_k): the point second in
+    both lists wins, and its score is the engine's RRF score for that k."""
+    await load(store, kb, MODE_POINTS)
+    for k in (60, 2):
+        hits = await store.query(kb, mode_query(Mode.hybrid, rrf_k=k))
+        assert documents(hits)[0] == "both"
+        assert set(documents(hits)) == {p.payload["document_id"] for p in MODE_POINTS}
+        # Qdrant's RRF: sum of 1 / (k + rank), ranks counted from 0.
+        assert hits[0].score == pytest.approx(2 / (k + 1), rel=1e-4)
+
+
+async def test_hybrid_prefetch_limit_bounds_each_candidate_list(
+    store: VectorStore, kb: str
+) -> None:
+    """Each hybrid prefetch is prefetch_limit deep: with depth 1 only the top dense and the
+    top sparse point reach fusion."""
+    await load(store, kb, MODE_POINTS)
+    hits = await store.query(kb, mode_query(Mode.hybrid, prefetch_limit=1))
+    assert set(documents(hits)) == {"dense-best", "sparse-only"}
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+async def test_query_returns_ids_payloads_and_scores(
+    store: VectorStore, kb: str, mode: Mode
+) -> None:
+    """Every mode returns the point id as a UUID string, the full payload and a score."""
+    await load(store, kb, MODE_POINTS)
+    hits = await store.query(kb, mode_query(mode))
+    both = next(h for h in hits if h.payload["document_id"] == "both")
+    assert both.id == point_id("both", 0)
+    assert both.payload == MODE_POINTS[1].payload
+    assert all(isinstance(h.score, float) for h in hits)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+async def test_query_needs_the_vectors_its_mode_uses(
+    store: VectorStore, kb: str, mode: Mode
+) -> None:
+    """A query without a vector its mode needs is invalid input, not an engine error."""
+    needs_dense = mode is not Mode.keyword
+    query = Query(
+        mode=mode,
+        limit=5,
+        filter=Filter(),
+        dense=None if needs_dense else dense(1.0),
+        sparse=sparse({1: 1.0}) if needs_dense else None,
+    )
+    with pytest.raises(InvalidInput):
+        await store.query(kb, query)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+async def test_org_filter_isolates_in_every_mode(store: VectorStore, kb: str, mode: Mode) -> None:
+    """The filter applies inside the prefetches too: with prefetch_limit 2 and five better
+    org-a points, org-b's only point is still found, and nothing of org-a leaks."""
+    await load(
+        store,
+        kb,
+        [
+            chunk(f"a-{i}", vector=dense(1.0, 0.01 * i), terms={42: 3.0}, org_id="org-a")
+            for i in range(5)
+        ]
+        + [chunk("b-0", vector=dense(0.5, 0.5), terms={42: 0.5, 7: 1.0}, org_id="org-b")],
+    )
+    only_b = Filter(must=(Match("org_id", "org-b"),))
+    hits = await store.query(kb, mode_query(mode, only_b, prefetch_limit=2))
+    assert documents(hits) == ["b-0"]
+    only_a = Filter(must=(Match("org_id", "org-a"),))
+    hits = await store.query(kb, mode_query(mode, only_a))
+    assert {h.payload["org_id"] for h in hits} == {"org-a"}
+    assert len(hits) == 5
+
+
+# ---- filters -----------------------------------------------------------------------------------
+
+FILTER_POINTS = [
+    chunk(
+        "A",
+        0,
+        tags=["finance", "q1"],
+        document_name="Employee Handbook 2024.pdf",
+        uploaded_at="2024-01-10T08:00:00+00:00",
+        metadata={"price": 9.5},
+    ),
+    chunk(
+        "B",
+        1,
+        tags=["finance"],
+        document_name="Travel Policy.docx",
+        uploaded_at="2024-03-05T12:30:00+00:00",
+        metadata={"price": 20},
+    ),
+    chunk(
+        "C",
+        2,
+        tags=["hr"],
+        document_name="handbook-appendix.md",
+        uploaded_at="2024-06-01T00:00:00+00:00",
+        metadata={"price": 35.25},
+    ),
+    chunk(
+        "D",
+        3,
+        tags=[],
+        document_name="Notes.txt",
+        uploaded_at="2025-01-01T00:00:00+00:00",
+        metadata={},
+    ),
+]
+
+FILTER_CASES = {
+    "match-list-field": (Filter(must=(Match("tags", "finance"),)), {"A", "B"}),
+    "match-int": (Filter(must=(Match("chunk_index", 2),)), {"C"}),
+    "match-any": (Filter(must=(MatchAny("tags", ("hr", "q1")),)), {"A", "C"}),
+    "match-any-ids": (Filter(must=(MatchAny("document_id", ("B", "D")),)), {"B", "D"}),
+    # A word of the name, any case; a text index matches whole words, not arbitrary substrings.
+    "match-text": (Filter(must=(MatchText("document_name", "HANDBOOK"),)), {"A", "C"}),
+    "range-int": (Filter(must=(Range("chunk_index", gte=1, lt=3),)), {"B", "C"}),
+    "range-metadata": (Filter(must=(Range("metadata.price", gt=9.5, lte=35.25),)), {"B", "C"}),
+    "date-range": (
+        Filter(
+            must=(
+                DateRange(
+                    "uploaded_at",
+                    gte=datetime.fromisoformat("2024-03-01T00:00:00+00:00"),
+                    lte=datetime.fromisoformat("2024-12-31T23:59:59+00:00"),
+                ),
+            )
+        ),
+        {"B", "C"},
+    ),
+    "date-range-naive-is-utc": (
+        Filter(must=(DateRange("uploaded_at", lte=datetime(2024, 1, 10, 8, 0, 0)),)),
+        {"A"},
+    ),
+    "has-ids": (Filter(must=(HasIds((point_id("A", 0), point_id("D", 3))),)), {"A", "D"}),
+    "must-not": (Filter(must_not=(Match("tags", "finance"),)), {"C", "D"}),
+    "must-and-must-not": (
+        Filter(
+            must=(Range("metadata.price", gte=0),),
+            must_not=(HasIds((point_id("B", 1),)),),
+        ),
+        {"A", "C"},
+    ),
+}
+
+
+@pytest.mark.parametrize(("flt", "expected"), FILTER_CASES.values(), ids=FILTER_CASES.keys())
+async def test_filter_kinds(store: VectorStore, kb: str, flt: Filter, expected: set[str]) -> None:
+    """Each filter kind selects the same points in count, scroll, delete and every query mode."""
+    await load(store, kb, FILTER_POINTS)
+    assert await store.count(kb, flt) == len(expected)
+    assert set(documents(await store.scroll(kb, flt, 10))) == expected
+    for mode in (Mode.dense, Mode.hybrid):
+        assert set(documents(await store.query(kb, mode_query(mode, flt)))) == expected
+    # Every filter point carries term 1, so keyword search sees all of them too.
+    keyword = Query(mode=Mode.keyword, limit=10, filter=flt, sparse=sparse({1: 1.0}))
+    assert set(documents(await store.query(kb, keyword))) == expected
+    await store.delete(kb, flt)
+    assert await store.count(kb) == len(FILTER_POINTS) - len(expected)
+
+
+async def test_set_payload_sets_keys_and_is_visible_to_filters(store: VectorStore, kb: str) -> None:
+    """set_payload overwrites only the given keys on matching points, and filters see the new
+    values at once."""
+    await load(store, kb, FILTER_POINTS)
+    await store.set_payload(kb, Filter(must=(Match("tags", "finance"),)), {"tags": ["archived"]})
+    archived = Filter(must=(Match("tags", "archived"),))
+    assert set(documents(await store.scroll(kb, archived, 10))) == {"A", "B"}
+    assert await store.count(kb, Filter(must=(Match("tags", "finance"),))) == 0
+    [a] = await store.retrieve(kb, [point_id("A", 0)])
+    assert a.payload["document_name"] == "Employee Handbook 2024.pdf"
+    assert a.payload["metadata"] == {"price": 9.5}
+
+    await store.set_payload(kb, Filter(), {"collection": "manuals"})
+    assert await store.count(kb, Filter(must=(Match("collection", "manuals"),))) == 4
+
+
+# ---- reads -------------------------------------------------------------------------------------
+
+
+async def test_retrieve_scroll_and_count(store: VectorStore, kb: str) -> None:
+    """retrieve returns the existing ids in the order asked, without scores; scroll honours
+    its limit and has no scores; count is exact with and without a filter."""
+    await load(store, kb, FILTER_POINTS)
+    wanted = [point_id("C", 2), str(uuid.uuid4()), point_id("A", 0)]
+    hits = await store.retrieve(kb, wanted)
+    assert [h.id for h in hits] == [point_id("C", 2), point_id("A", 0)]
+    assert [h.payload["document_id"] for h in hits] == ["C", "A"]
+    assert all(h.score is None for h in hits)
+    assert await store.retrieve(kb, []) == []
+
+    page = await store.scroll(kb, Filter(), 3)
+    assert len(page) == 3
+    assert all(h.score is None and h.payload for h in page)
+    assert len(await store.scroll(kb, Filter(), 10)) == 4
+
+    assert await store.count(kb) == 4
+    assert await store.count(kb, None) == 4
+    assert await store.count(kb, Filter(must=(Match("tags", "finance"),))) == 2
+
+
+async def test_optimize_keeps_results(store: VectorStore, kb: str) -> None:
+    """optimize (a no-op on a server) leaves points and rankings as they were."""
+    await load(store, kb, MODE_POINTS)
+    before = await store.query(kb, mode_query(Mode.hybrid))
+    await store.optimize(kb)
+    after = await store.query(kb, mode_query(Mode.hybrid))
+    assert [h.id for h in after] == [h.id for h in before]
+    assert await store.count(kb) == len(MODE_POINTS)
+    await store.optimize(f"kb_{uuid.uuid4().hex}")
+
+
+# ---- Edge persistence --------------------------------------------------------------------------
+
+
+async def test_edge_data_survives_close_and_reopen(tmp_path: Path) -> None:
+    """An Edge shard reopened by a new EdgeStore on the same root has its points, payload
+    indexes (text filter) and search."""
+    root = tmp_path / "shards"
+    name = f"kb_{uuid.uuid4().hex}"
+    first = EdgeStore(root)
+    await first.ensure_collection(name, DIM)
+    await load(first, name, FILTER_POINTS)
+    await first.optimize(name)
+    await first.close()
+
+    second = EdgeStore(root)
+    try:
+        assert await second.collection_exists(name)
+        assert await second.count(name) == 4
+        text = Filter(must=(MatchText("document_name", "handbook"),))
+        assert set(documents(await second.scroll(name, text, 10))) == {"A", "C"}
+        hits = await second.query(name, mode_query(Mode.hybrid))
+        assert len(hits) == 4
+        await second.drop_collection(name)
+        assert not (root / name).exists()
+    finally:
+        await second.close()
+
+
+# Runs in a child process that kills itself with SIGKILL right after its writes return.
+_KILLED_WRITER = """
+import asyncio, os, signal, sys
+from pathlib import Path
+from services.common.store import ChunkPoint, Filter, Match, SparseVector
+from services.common.store.edge import EdgeStore
+
+async def main() -> None:
+    root, name, dim = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    store = EdgeStore(root)
+    await store.ensure_collection(name, dim)
+    points = [
+        ChunkPoint(
+            id=f"00000000-0000-4000-8000-00000000000{i}",
+            dense=[1.0] * dim,
+            sparse=SparseVector(indices=[1], values=[1.0]),
+            payload={"document_id": "doc-1", "chunk_index": i},
+        )
+        for i in range(3)
+    ]
+    await store.replace_document(name, "doc-1", points)
+    await store.set_payload(name, Filter(must=(Match("chunk_index", 0),)), {"tags": ["x"]})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+async def test_edge_writes_survive_kill_9(tmp_path: Path) -> None:
+    """Writes that returned are on disk: a process killed with SIGKILL right after them
+    leaves a shard that reopens with every point and payload change."""
+    root = tmp_path / "shards"
+    name = f"kb_{uuid.uuid4().hex}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _KILLED_WRITER, str(root), name, str(DIM), cwd=ROOT
+    )
+    assert await proc.wait() == -signal.SIGKILL
+
+    store = EdgeStore(root)
+    try:
+        assert await store.count(name) == 3
+        assert await store.count(name, Filter(must=(Match("tags", "x"),))) == 1
+    finally:
+        await store.close()
