@@ -17,6 +17,7 @@ import asyncio
 import importlib.util
 import logging
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -220,6 +221,14 @@ def _import_litellm() -> Any:
     return litellm
 
 
+async def _import_litellm_off_loop() -> Any:
+    # The first `import litellm` takes seconds; it must not stall the event loop.
+    module = sys.modules.get("litellm")
+    if module is not None and getattr(module, "suppress_debug_info", False):
+        return module
+    return await asyncio.to_thread(_import_litellm)
+
+
 def _bundled_tiktoken_dir() -> str | None:
     spec = importlib.util.find_spec("litellm")
     if spec is None or not spec.submodule_search_locations:
@@ -361,7 +370,7 @@ class LiteLLMEmbedder:
         return out
 
     async def _embed_batch(self, batch: list[str]) -> list[list[float]]:
-        litellm = _import_litellm()
+        litellm = await _import_litellm_off_loop()
         for attempt in range(1, self._tries + 1):
             try:
                 response = await litellm.aembedding(

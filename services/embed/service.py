@@ -137,8 +137,11 @@ class EmbedService:
         ]
         with _tracer.start_as_current_span("kbmesh.embed.upsert") as span:
             span.set_attribute("kbmesh.points", len(points))
-            await self.store.ensure_collection(kb.collection_name, embedder.dim)
-            await self.store.replace_document(kb.collection_name, record.document_id, points)
+            if points:
+                await self.store.ensure_collection(kb.collection_name, embedder.dim)
+                await self.store.replace_document(kb.collection_name, record.document_id, points)
+            else:  # an empty text indexes as nothing, and leaves nothing behind
+                await self.store.delete_document(kb.collection_name, record.document_id)
         log.info("indexed org_id=%s kb_id=%s document_id=%s revision=%d chunks=%d",
                  record.org_id, kb.kb_id, record.document_id, record.revision, len(points))
         return IndexEntry(

@@ -118,7 +118,7 @@ class GatewayService:
             raise Conflict(f"a knowledge base named {body.name!r} exists", field="name")
         fields = body.model_dump(exclude_none=True)
         kb = KnowledgeBase(org_id=p.org_id, kb_id=new_id(), **fields)
-        validate_kb(kb)
+        await asyncio.to_thread(validate_kb, kb)
         await self.reg.kbs.create(f"{p.org_id}.{kb.kb_id}", kb)
         await self.bus.publish(
             Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="created")
@@ -149,7 +149,8 @@ class GatewayService:
             if any(k.name == changes["name"] for k in others):
                 raise Conflict(f"a knowledge base named {changes['name']!r} exists", field="name")
         updated = kb.model_copy(update={k: v for k, v in changes.items() if v is not None or k == "api_base"})
-        validate_kb(updated)
+        # Off the loop: the first remote model lookup imports litellm (seconds).
+        await asyncio.to_thread(validate_kb, updated)
         reindex = any(getattr(updated, f) != getattr(kb, f) for f in REINDEX_FIELDS)
         retag = set(updated.tag_ids) != set(kb.tag_ids)
         if reindex:

@@ -1,0 +1,150 @@
+"""kbmesh as operators run it: `kbmesh up` in one process, and the services split across
+processes on one nats-server — driven only through REST."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import httpx
+import pytest
+
+from services.common.natsproc import NatsServer
+from services.common.store import Match
+from services.common.store.base import Filter
+from services.common.store.edge import EdgeStore
+from tests.support.corpus import DOCS, PARAPHRASES
+from tests.support.procs import Proc, free_port, kbmesh_env, wait_ready, wait_until
+
+
+def upload_and_search(base: str) -> dict[str, str]:
+    ids = {}
+    with httpx.Client(base_url=base, timeout=120) as client:
+        for name, text in DOCS.items():
+            r = client.post("/v1/kbs/default/documents", params={"wait": "true"},
+                            json={"name": name, "content": text, "mime_type": "text/markdown"})
+            assert r.status_code == 200, r.text
+            assert r.json()["status"] == "complete"
+            ids[name] = r.json()["document_id"]
+        assert_paraphrases_found(client, ids)
+    return ids
+
+
+def assert_paraphrases_found(client: httpx.Client, ids: dict[str, str]) -> None:
+    for name, query in PARAPHRASES.items():
+        r = client.post("/v1/search", json={"query": query})
+        assert r.status_code == 200, r.text
+        top = r.json()["hits"][0]
+        assert top["document_id"] == ids[name] and top["content"] and top["score"] is not None
+
+
+def test_up_indexes_searches_and_survives_a_restart(tmp_path):
+    """`kbmesh up` as a subprocess: uploads with wait=true, paraphrases find their
+    documents; after SIGTERM (nats-server stopped too) and a restart, the same searches
+    answer and nothing is re-indexed."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = ["up", "--data-dir", str(tmp_path / "data"), "--port", str(port)]
+    first = Proc(args, tmp_path / "first.log", kbmesh_env())
+    try:
+        wait_ready(base, first)
+        ids = upload_and_search(base)
+        listing = httpx.get(f"{base}/v1/kbs/default/documents").json()["items"]
+    finally:
+        assert first.stop() == 0, first.output()[-3000:]
+    assert "kbmesh stopped" in first.output()
+    survivors = subprocess.run(["pgrep", "-f", f"nats-server -c {tmp_path}"], check=False,
+                               capture_output=True, text=True).stdout
+    assert not survivors.strip(), "nats-server outlived kbmesh up"
+
+    second = Proc(args, tmp_path / "second.log", kbmesh_env())
+    try:
+        wait_ready(base, second)
+        with httpx.Client(base_url=base, timeout=60) as client:
+            assert_paraphrases_found(client, ids)
+            again = client.get("/v1/kbs/default/documents").json()["items"]
+        assert [d["indexed_at"] for d in again] == [d["indexed_at"] for d in listing]
+    finally:
+        second.stop()
+    assert "indexed org_id" not in second.output()
+
+
+@pytest.fixture
+def split_stack(tmp_path):
+    """nats-server + `serve ingest` + `serve embed search` + `serve gateway`."""
+    nats = NatsServer(tmp_path / "nats").start()
+    port = free_port()
+    env = kbmesh_env(KBMESH_NATS_URL=nats.url, KBMESH_DATA_DIR=str(tmp_path / "data"),
+                     KBMESH_BUS__ACK_WAIT_SECONDS="4", KBMESH_PORT=str(port))
+    procs = {
+        "ingest": Proc(["serve", "ingest"], tmp_path / "ingest.log", env),
+        "embed": Proc(["serve", "embed", "search"], tmp_path / "embed.log", env),
+        "gateway": Proc(["serve", "gateway"], tmp_path / "gateway.log", env),
+    }
+    stack = {"base": f"http://127.0.0.1:{port}", "procs": procs, "env": env,
+             "tmp": tmp_path, "nats": nats}
+    try:
+        wait_ready(stack["base"], procs["gateway"])
+        yield stack
+    finally:
+        for proc in stack["procs"].values():
+            proc.stop()
+        nats.stop()
+
+
+def test_split_processes_index_and_search(split_stack):
+    """The same flow with ingest, embed+search and gateway in three processes."""
+    upload_and_search(split_stack["base"])
+
+
+def test_kill9_embed_mid_indexing_loses_nothing_and_duplicates_nothing(split_stack):
+    """Kill -9 the embed process while 50 documents are being indexed, start it again:
+    every document ends indexed exactly once — points per document equal its chunk count,
+    no orphans — and none is lost."""
+    base, procs = split_stack["base"], split_stack["procs"]
+    paragraph = (
+        "Section {i}.{j}: the reactor coolant loop number {i} carries heat from the core "
+        "to the steam generator, where feedwater boils and drives turbine stage {j}. "
+    )
+    with httpx.Client(base_url=base, timeout=60) as client:
+        # Warm-up: the embed process has loaded its model once this answers.
+        client.post("/v1/kbs/default/documents", params={"wait": "true"},
+                    json={"name": "warmup", "content": "warm up"}).raise_for_status()
+        ids = []
+        for i in range(50):
+            text = "".join(paragraph.format(i=i, j=j) for j in range(12))
+            r = client.post("/v1/kbs/default/documents",
+                            json={"name": f"doc-{i}.txt", "content": text})
+            assert r.status_code == 202, r.text
+            ids.append(r.json()["document_id"])
+
+        def indexed() -> int:
+            items = client.get("/v1/kbs/default/documents", params={"limit": 500}).json()["items"]
+            return sum(1 for d in items if d["status"] == "complete")
+
+        wait_until(lambda: indexed() >= 8, 300, "some documents indexed")
+        procs["embed"].kill9()
+        assert indexed() < 51, "everything was indexed before the kill; nothing was tested"
+        procs["embed"] = Proc(["serve", "embed", "search"], split_stack["tmp"] / "embed2.log",
+                              split_stack["env"])
+        wait_until(lambda: indexed() == 51, 600, "all 51 documents indexed")
+        items = client.get("/v1/kbs/default/documents", params={"limit": 500}).json()["items"]
+    chunk_counts = {d["document_id"]: d["chunk_count"] for d in items}
+    assert set(ids) <= set(chunk_counts)
+    procs["embed"].stop()
+
+    async def count_points() -> tuple[dict[str, int], int]:
+        store = EdgeStore(split_stack["tmp"] / "data" / "shards")
+        try:
+            per_doc = {
+                doc: await store.count("kb_default", Filter(must=(Match("document_id", doc),)))
+                for doc in chunk_counts
+            }
+            return per_doc, await store.count("kb_default")
+        finally:
+            await store.close()
+
+    per_doc, total = asyncio.run(count_points())
+    assert per_doc == chunk_counts
+    assert total == sum(chunk_counts.values()), "orphan points left behind"
+    assert all(per_doc[d] > 1 for d in ids)
