@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check services tests benchmarks
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/embedding_throughput.py
+	$(BIN)/python -m benchmarks.embedding_throughput
 
 contracts: $(STAMP)
 	$(BIN)/kbmesh contracts export

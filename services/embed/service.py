@@ -3,6 +3,7 @@ registries, so stale, duplicated or reordered messages converge to the registry'
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -18,10 +19,10 @@ from services.common.models import (
     utcnow,
 )
 from services.common.registry import Registries
-from services.common.store import ChunkPoint, Match, VectorStore
+from services.common.store import ChunkPoint, Match, SparseVector, VectorStore
 from services.common.store.base import Filter
 from services.common.telemetry import tracer
-from services.embed.chunking import chunk_text
+from services.embed.chunking import Chunk, chunk_text
 
 log = logging.getLogger("kbmesh.embed")
 _tracer = tracer("kbmesh.embed")
@@ -105,14 +106,20 @@ class EmbedService:
             raise FileNotFoundError(f"text of {record.document_id} missing")  # transient
         embedder = self.embedders.get(kb.embedding_model, kb.api_base)
         title = record.name.strip()
-        title_tokens = min(embedder.count_tokens(title) + 1, TITLE_TOKEN_BUDGET) if title else 0
-        with _tracer.start_as_current_span("kbmesh.embed.chunk") as span:
-            chunks = chunk_text(
-                text, kb, embedder.tokenizer(), max_tokens=embedder.max_tokens - title_tokens
-            )
-            span.set_attribute("kbmesh.chunk_count", len(chunks))
-        # The title goes into what is embedded and keyword-indexed, not into the content.
-        indexed = [f"{title}\n{c.text}" if title else c.text for c in chunks]
+
+        def prepare() -> tuple[list[Chunk], list[str], list[SparseVector]]:
+            # CPU-bound (tokenising, chunking, BM25): kept off the event loop.
+            budget = min(embedder.count_tokens(title) + 1, TITLE_TOKEN_BUDGET) if title else 0
+            with _tracer.start_as_current_span("kbmesh.embed.chunk") as span:
+                chunks = chunk_text(
+                    text, kb, embedder.tokenizer(), max_tokens=embedder.max_tokens - budget
+                )
+                span.set_attribute("kbmesh.chunk_count", len(chunks))
+            # The title goes into what is embedded and keyword-indexed, not the content.
+            indexed = [f"{title}\n{c.text}" if title else c.text for c in chunks]
+            return chunks, indexed, [bm25.encode_document(t) for t in indexed]
+
+        chunks, indexed, sparse = await asyncio.to_thread(prepare)
         with _tracer.start_as_current_span("kbmesh.embed.embed") as span:
             span.set_attribute("kbmesh.model", kb.embedding_model)
             dense = await embedder.embed(indexed) if indexed else []
@@ -121,7 +128,7 @@ class EmbedService:
             ChunkPoint(
                 id=point_id(kb.kb_id, record.document_id, c.index),
                 dense=vector,
-                sparse=bm25.encode_document(text_for_bm25),
+                sparse=sparse_vector,
                 payload={
                     **base,
                     "kb_id": kb.kb_id,
@@ -133,7 +140,7 @@ class EmbedService:
                     "settings_version": kb.settings_version,
                 },
             )
-            for c, vector, text_for_bm25 in zip(chunks, dense, indexed, strict=True)
+            for c, vector, sparse_vector in zip(chunks, dense, sparse, strict=True)
         ]
         with _tracer.start_as_current_span("kbmesh.embed.upsert") as span:
             span.set_attribute("kbmesh.points", len(points))

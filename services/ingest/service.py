@@ -202,11 +202,13 @@ class IngestService:
                     {*record.kb_ids, ev.kb_id} if member else set(record.kb_ids) - {ev.kb_id}
                 )
                 await self.reg.documents.put(record.key, record)
+            # Fresh event ids: a KB change moves documents without bumping their revision, so
+            # a document can leave, rejoin and leave a KB at one revision; ids derived from
+            # the revision would make JetStream drop the second removal as a duplicate.
             if member:
-                # A fresh event id: the same (kb, document, revision) must run again.
                 await self._index(record, ev.kb_id, dedupe=False)
             elif was:
-                await self._remove(record, ev.kb_id)
+                await self._remove(record, ev.kb_id, dedupe=False)
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -241,12 +243,14 @@ class IngestService:
             event.event_id = _event_id("i", record, kb_id)
         await self.publish(Subject.KB_INDEX, event)
 
-    async def _remove(self, record: DocumentRecord, kb_id: str) -> None:
-        await self.publish(
-            Subject.KB_REMOVE,
-            KbRemove(org_id=record.org_id, kb_id=kb_id, document_id=record.document_id,
-                     revision=record.revision, event_id=_event_id("r", record, kb_id)),
+    async def _remove(self, record: DocumentRecord, kb_id: str, *, dedupe: bool = True) -> None:
+        event = KbRemove(
+            org_id=record.org_id, kb_id=kb_id, document_id=record.document_id,
+            revision=record.revision,
         )
+        if dedupe:
+            event.event_id = _event_id("r", record, kb_id)
+        await self.publish(Subject.KB_REMOVE, event)
 
     async def _kb(self, org_id: str, kb_ref: str) -> KnowledgeBase:
         kb = await self.reg.kbs.get(f"{org_id}.{kb_ref}")

@@ -1,0 +1,74 @@
+"""Shared benchmark helpers: real text from this machine, and a `kbmesh up` subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pydoc
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from services.common.natsproc import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB_MODULES = [
+    "json", "csv", "argparse", "logging", "asyncio.tasks", "pathlib", "datetime", "re",
+    "collections", "itertools", "functools", "subprocess", "socket", "ssl", "sqlite3",
+    "unittest", "typing", "dataclasses", "http.client", "urllib.parse", "email.message",
+    "shutil", "tarfile", "zipfile", "threading", "multiprocessing.pool", "decimal",
+    "fractions", "statistics", "random", "hashlib", "hmac", "secrets", "uuid", "string",
+    "textwrap", "difflib", "heapq", "bisect", "enum", "contextlib", "inspect", "ast",
+    "tokenize", "pickle", "copy", "pprint", "struct", "io", "os.path",
+]
+
+
+def stdlib_documents(count: int) -> list[tuple[str, str]]:
+    """Real documentation text available offline: pydoc pages of stdlib modules."""
+    docs = []
+    for name in STDLIB_MODULES[:count]:
+        text = pydoc.render_doc(name, renderer=pydoc.plaintext)
+        docs.append((f"{name}.txt", text[:20000]))
+    return docs
+
+
+def bench_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KBMESH_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", LITELLM_LOCAL_MODEL_COST_MAP="True",
+               TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def kbmesh_up(**env: str) -> Iterator[str]:
+    """A fresh `kbmesh up` on a temporary data dir; yields its base URL."""
+    with tempfile.TemporaryDirectory() as data:
+        port = free_port()
+        log = open(Path(data) / "kbmesh.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--data-dir", data, "--port", str(port)],
+            cwd=ROOT, env=bench_env(**env), stdout=log, stderr=subprocess.STDOUT,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError((Path(data) / "kbmesh.log").read_text()[-3000:])
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("kbmesh up did not become ready")
+                time.sleep(0.2)
+            yield base
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+            log.close()
