@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     url_allowlist: list[str] = Field(
         default_factory=list, description="hosts/CIDRs allowed for ingest by URL"
     )
+    mcp_allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host headers accepted at /mcp besides loopback (DNS-rebinding protection); "
+        "'name:*' allows any port, '*' turns the check off",
+    )
 
     bus: BusSettings = Field(default_factory=BusSettings)
     search: SearchSettings = Field(default_factory=SearchSettings)

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.events import DocUploaded, KbIndex, KbRemove, Subject, TagsChanged
 from services.common.models import DEFAULT_MODEL
-from services.common.store import Filter
+from services.common.store import Filter, Match
 from tests.conftest import running_stack
 from tests.support.domain import (
     LONG_DOCS,
@@ -268,3 +268,36 @@ async def test_upstream_tags_changed_without_implicit_tag_leaves_direct_kb(stack
     assert await vector_count(rt, kb["kb_id"], doc) > 0
     r = await client.get(f"/v1/documents/{doc}")
     assert r.json()["kb_ids"] == [kb["kb_id"]] and r.json()["status"] == "complete"
+
+
+async def test_concurrent_tag_and_kb_changes_lose_no_update(stack):
+    """Ingest's consumers run side by side: document tag changes (tags.changed) interleaved
+    with KB tag_ids changes that move the same document in and out of the KB. Every tag
+    change survives (the revision counts all of them, the last tag set wins), and the
+    document's membership and vectors agree with the KB's final tag_ids."""
+    rt, client = stack
+    t_in, t_out = tag(), tag()
+    kb = await create_kb(client, chunk_size=120, tag_ids=[t_in])
+    r = await client.post("/v1/documents?wait=true", json={
+        "name": "raft.md", "content": LONG_DOCS["raft.md"], "tags": [t_in, "v0"]})
+    doc = r.json()["document_id"]
+    rounds = 12
+    for i in range(1, rounds + 1):
+        await rt.bus.publish(Subject.TAGS_CHANGED, TagsChanged(
+            org_id=ORG, document_id=doc, tags=[t_in, f"v{i}"]))
+        r = await client.patch(f"/v1/kbs/{kb['kb_id']}",
+                               json={"tag_ids": [t_out] if i % 2 else [t_in]})
+        assert r.status_code == 200, r.text
+    await settled(rt)
+
+    record = await rt.registries.documents.get(f"{ORG}.{doc}")
+    assert record.tags == sorted([t_in, f"v{rounds}"])
+    assert record.revision == 1 + rounds
+    final = (await client.get(f"/v1/kbs/{kb['kb_id']}")).json()
+    assert final["tag_ids"] == [t_in]
+    assert record.kb_ids == [kb["kb_id"]]
+    entry = await rt.registries.index.get(f"{kb['kb_id']}.{doc}")
+    assert entry is not None and entry.revision == record.revision
+    hits = await rt.objects["embed"].store.scroll(
+        f"kb_{kb['kb_id']}", Filter(must=(Match("document_id", doc),)), 100)
+    assert hits and {tuple(h.payload["tags"]) for h in hits} == {tuple(record.tags)}
