@@ -48,7 +48,19 @@ def bench_env(**extra: str) -> dict[str, str]:
 @contextlib.contextmanager
 def kbmesh_up(**env: str) -> Iterator[str]:
     """A fresh `kbmesh up` on a temporary data dir; yields its base URL."""
-    with tempfile.TemporaryDirectory() as data:
+    with tempfile.TemporaryDirectory() as data, kbmesh_up_at(Path(data), **env) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def kbmesh_up_at(data_dir: Path | None, **env: str) -> Iterator[str]:
+    """`kbmesh up` on `data_dir` (a temporary one when None); yields its base URL."""
+    with contextlib.ExitStack() as stack:
+        if data_dir is None:
+            data = stack.enter_context(tempfile.TemporaryDirectory())
+        else:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            data = str(data_dir)
         port = free_port()
         log = open(Path(data) / "kbmesh.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(

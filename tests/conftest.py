@@ -3,6 +3,7 @@ module on its own data directory (uuid-named, so tests never share state)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -49,12 +50,28 @@ async def running_stack(
     settings = Settings(data_dir=data_dir, nats_url=nats_url, **overrides)
     rt = await build_runtime(settings, embedders=embedders, span_processors=span_processors)
     app = create_app(rt)
-    try:
+    started, stop = asyncio.Event(), asyncio.Event()
+
+    async def lifespan() -> None:
+        # One task enters and exits the lifespan: anyio cancel scopes (the MCP session
+        # manager) must not cross tasks, and fixtures set up and tear down in different ones.
         async with app.router.lifespan_context(app):
-            await start_consuming(rt)
-            transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 50000))
-            async with httpx.AsyncClient(transport=transport, base_url="http://kbmesh",
-                                         timeout=120) as client:
-                yield rt, client
+            started.set()
+            await stop.wait()
+
+    task = asyncio.create_task(lifespan())
+    try:
+        await asyncio.wait([task, asyncio.create_task(started.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        await start_consuming(rt)
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 50000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://kbmesh",
+                                     timeout=120) as client:
+            yield rt, client
     finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await task
         await rt.close()

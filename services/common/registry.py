@@ -59,22 +59,37 @@ class Registry(Generic[M]):
             return
 
     async def list(self, prefix: str = "") -> list[M]:
-        """Every value under `prefix` (a key prefix ending in '.'), read in one watch."""
+        """Every value under `prefix` (a key prefix ending in '.'), read in one watch.
+
+        nats-py's "no more values" marker can fire before values already on the wire are
+        handled, so the marker is only trusted once the stream confirms there is nothing
+        under the prefix; otherwise we read until the consumer reports nothing pending.
+        Deletes are watched too, so that the last message always ends the read."""
         pattern = f"{prefix}>" if prefix else ">"
-        watcher = await self.kv.watch(pattern, ignore_deletes=True)
-        out: list[M] = []
+        watcher = await self.kv.watch(pattern)
+        found: dict[str, M] = {}
         try:
             while True:
                 entry = await watcher.updates(timeout=10.0)
                 if entry is None:
-                    break
-                if entry.value:
-                    out.append(self.model.model_validate_json(entry.value))
+                    if await self._empty(pattern):
+                        break
+                    continue
+                if entry.operation is None and entry.value:
+                    found[entry.key] = self.model.model_validate_json(entry.value)
+                else:
+                    found.pop(entry.key, None)
                 if entry.delta == 0:
                     break
         finally:
             await watcher.stop()
-        return out
+        return list(found.values())
+
+    async def _empty(self, pattern: str) -> bool:
+        info = await self.kv._js.stream_info(
+            self.kv._stream, subjects_filter=f"$KV.{self.kv._name}.{pattern}"
+        )
+        return not info.state.subjects
 
 
 class TextStore:
