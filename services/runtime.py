@@ -40,6 +40,8 @@ class Runtime:
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
+            await self.registries.close()
+        with contextlib.suppress(Exception):
             await self.bus.close()
         if self.store is not None:
             with contextlib.suppress(Exception):

@@ -4,7 +4,7 @@ store. Values are pydantic records stored as JSON; writes that race use compare-
 from __future__ import annotations
 
 import asyncio
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
@@ -22,6 +22,30 @@ class Registry(Generic[M]):
     def __init__(self, kv: KeyValue, model: type[M]) -> None:
         self.kv = kv
         self.model = model
+        self._mirror: dict[str, M] | None = None
+        self._mirror_task: asyncio.Task[None] | None = None
+
+    async def mirror(self) -> None:
+        """Keep a live in-memory copy of the bucket (for small buckets read on every
+        request, like `kbs`): `list` then costs nothing and opens no consumer."""
+        if self._mirror is not None:
+            return
+        watcher = await self.kv.watch(">", inactive_threshold=60.0)
+        self._mirror = await self._read_initial(watcher, ">")
+
+        async def follow() -> None:
+            assert self._mirror is not None  # noqa: S101 - set just above
+            async for entry in watcher:
+                if entry is None:
+                    continue
+                self._apply(self._mirror, entry)
+
+        self._mirror_task = asyncio.create_task(follow())
+
+    async def close(self) -> None:
+        if self._mirror_task is not None:
+            self._mirror_task.cancel()
+            self._mirror_task = None
 
     async def get(self, key: str) -> M | None:
         found = await self.get_versioned(key)
@@ -37,53 +61,78 @@ class Registry(Generic[M]):
         return self.model.model_validate_json(entry.value), entry.revision
 
     async def put(self, key: str, value: M) -> int:
-        return await self.kv.put(key, value.model_dump_json().encode())
+        revision = await self.kv.put(key, value.model_dump_json().encode())
+        self._remember(key, value)
+        return revision
+
+    def _remember(self, key: str, value: M | None) -> None:
+        """Our own writes show in our mirror at once (read-your-writes in-process)."""
+        if self._mirror is not None:
+            if value is None:
+                self._mirror.pop(key, None)
+            else:
+                self._mirror[key] = value
 
     async def create(self, key: str, value: M) -> int:
         try:
-            return await self.kv.create(key, value.model_dump_json().encode())
+            revision = await self.kv.create(key, value.model_dump_json().encode())
         except KeyWrongLastSequenceError as err:
             raise Conflict(f"{key} already exists") from err
+        self._remember(key, value)
+        return revision
 
     async def update(self, key: str, value: M, last: int) -> int:
         """Write only if nobody wrote since revision `last` (raises Conflict otherwise)."""
         try:
-            return await self.kv.update(key, value.model_dump_json().encode(), last=last)
+            revision = await self.kv.update(key, value.model_dump_json().encode(), last=last)
         except KeyWrongLastSequenceError as err:
             raise Conflict(f"{key} changed concurrently") from err
+        self._remember(key, value)
+        return revision
 
     async def delete(self, key: str) -> None:
         try:
             await self.kv.purge(key)
         except (KeyNotFoundError, NotFoundError):
             return
+        finally:
+            self._remember(key, None)
 
     async def list(self, prefix: str = "") -> list[M]:
-        """Every value under `prefix` (a key prefix ending in '.'), read in one watch.
+        """Every value under `prefix` (a key prefix ending in '.')."""
+        if self._mirror is not None:
+            return [v for k, v in list(self._mirror.items()) if k.startswith(prefix)]
+        pattern = f"{prefix}>" if prefix else ">"
+        # Each watch is an ephemeral consumer on the server: let it expire quickly.
+        watcher = await self.kv.watch(pattern, inactive_threshold=5.0)
+        try:
+            return list((await self._read_initial(watcher, pattern)).values())
+        finally:
+            await watcher.stop()
+
+    async def _read_initial(self, watcher: Any, pattern: str) -> dict[str, M]:
+        """Read the current values from a fresh watch.
 
         nats-py's "no more values" marker can fire before values already on the wire are
         handled, so the marker is only trusted once the stream confirms there is nothing
-        under the prefix; otherwise we read until the consumer reports nothing pending.
+        under the pattern; otherwise we read until the consumer reports nothing pending.
         Deletes are watched too, so that the last message always ends the read."""
-        pattern = f"{prefix}>" if prefix else ">"
-        watcher = await self.kv.watch(pattern)
         found: dict[str, M] = {}
-        try:
-            while True:
-                entry = await watcher.updates(timeout=10.0)
-                if entry is None:
-                    if await self._empty(pattern):
-                        break
-                    continue
-                if entry.operation is None and entry.value:
-                    found[entry.key] = self.model.model_validate_json(entry.value)
-                else:
-                    found.pop(entry.key, None)
-                if entry.delta == 0:
-                    break
-        finally:
-            await watcher.stop()
-        return list(found.values())
+        while True:
+            entry = await watcher.updates(timeout=10.0)
+            if entry is None:
+                if await self._empty(pattern):
+                    return found
+                continue
+            self._apply(found, entry)
+            if entry.delta == 0:
+                return found
+
+    def _apply(self, values: dict[str, M], entry: Any) -> None:
+        if entry.operation is None and entry.value:
+            values[entry.key] = self.model.model_validate_json(entry.value)
+        else:
+            values.pop(entry.key, None)
 
     async def _empty(self, pattern: str) -> bool:
         info = await self.kv._js.stream_info(
@@ -151,10 +200,16 @@ class Registries:
             js.key_value("keys"),
         )
         texts = await js.object_store("texts")
-        return cls(
+        registries = cls(
             Registry(kbs, KnowledgeBase),
             Registry(documents, DocumentRecord),
             Registry(index, IndexEntry),
             Registry(keys, ApiKey),
             TextStore(texts),
         )
+        await registries.kbs.mirror()
+        return registries
+
+    async def close(self) -> None:
+        for registry in (self.kbs, self.documents, self.index, self.keys):
+            await registry.close()

@@ -154,6 +154,9 @@ class VectorStore(Protocol):
         """Upsert `points`, then delete the document's other points. Never leaves the
         document with no points between the two, and is idempotent."""
 
+    async def upsert(self, name: str, points: list[ChunkPoint]) -> None:
+        """Bulk insert/overwrite by id, without per-document cleanup (bulk loads)."""
+
     async def delete_document(self, name: str, document_id: str) -> None: ...
 
     async def delete(self, name: str, flt: Filter) -> None: ...

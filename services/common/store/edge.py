@@ -119,6 +119,12 @@ class EdgeStore:
         if not await self._write(name, ops):
             raise NotFound(f"collection {name} does not exist")
 
+    async def upsert(self, name: str, points: list[ChunkPoint]) -> None:
+        if points and not await self._write(
+            name, [qe.UpdateOperation.upsert_points([_edge_point(p) for p in points])]
+        ):
+            raise NotFound(f"collection {name} does not exist")
+
     async def delete_document(self, name: str, document_id: str) -> None:
         await self.delete(name, Filter(must=(Match("document_id", document_id),)))
 

@@ -117,6 +117,11 @@ class ServerStore:
                 await self._client.upsert(name, [_server_point(p) for p in points], wait=True)
             await self._client.delete(name, models.FilterSelector(filter=stale), wait=True)
 
+    async def upsert(self, name: str, points: list[ChunkPoint]) -> None:
+        if points:
+            with _classified(name):
+                await self._client.upsert(name, [_server_point(p) for p in points], wait=True)
+
     async def delete_document(self, name: str, document_id: str) -> None:
         await self.delete(name, Filter(must=(Match("document_id", document_id),)))
 
