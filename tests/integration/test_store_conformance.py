@@ -212,6 +212,17 @@ async def test_replace_document_removes_extra_chunks_and_is_idempotent(
     assert await store.count(kb, of_document("doc-2")) == 1
 
 
+async def test_bulk_upsert_overwrites_by_id_across_documents(store: VectorStore, kb: str) -> None:
+    """`upsert` loads points of many documents at once; the same ids overwrite, never
+    duplicate."""
+    points = [chunk(f"doc-{d}", i) for d in range(3) for i in range(4)]
+    await store.upsert(kb, points)
+    await store.upsert(kb, [chunk("doc-0", 0, content="rewritten")])
+    assert await store.count(kb) == 12
+    (hit,) = await store.retrieve(kb, [point_id("doc-0", 0)])
+    assert hit.payload["content"] == "rewritten"
+
+
 async def test_replace_document_with_no_points_empties_the_document(
     store: VectorStore, kb: str
 ) -> None:
