@@ -39,6 +39,32 @@ def main(argv: list[str] | None = None) -> None:
     create.add_argument("--read-only", action="store_true")
     create.add_argument("--data-dir", type=Path)
 
+    mcp = sub.add_parser(
+        "mcp", help="MCP over stdio for desktop agents; logs go to stderr, stdout is the protocol"
+    )
+    mcp.add_argument("--embedded", action="store_true",
+                     help="run the whole stack in this process (private NATS, embedded Qdrant, "
+                     "local model) instead of connecting to a running one")
+    mcp.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR); "
+                     "without --embedded, where `kbmesh up` recorded its NATS URL")
+    mcp.add_argument("--toolsets", help="core, compat or core,compat (KBMESH_MCP_TOOLSETS)")
+    mcp.add_argument("--api-key", default=os.environ.get("KBMESH_API_KEY"),
+                     help="run as this API key's org and scope (KBMESH_API_KEY); "
+                     "default: the default org, unscoped")
+
+    mock = sub.add_parser("mock", help="serve the contract examples (REST, /api/v1/tools, MCP); "
+                          "no NATS, no model")
+    mock.add_argument("--port", type=int, default=8080)
+    mock.add_argument("--host", default="127.0.0.1")
+    mock.add_argument("--toolsets", default="core,compat", help="core, compat or core,compat")
+
+    contracts = sub.add_parser("contracts", help="the JSON Schemas and examples in contracts/")
+    contracts_sub = contracts.add_subparsers(dest="contracts_command", required=True)
+    for name, text in (("export", "write contracts/ from the code"),
+                       ("check", "exit 1 when contracts/ differs from the code")):
+        contracts_sub.add_parser(name, help=text).add_argument(
+            "--dir", type=Path, default=Path("contracts"), help="default ./contracts")
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("KBMESH_LOG_LEVEL", "INFO"),
@@ -52,6 +78,14 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_serve(_settings(args), args.services, embedded=False))
     elif args.command == "keys":
         asyncio.run(_create_key(args))
+    elif args.command == "mcp":
+        asyncio.run(_mcp(args))
+    elif args.command == "mock":
+        from services.mock import serve_mock
+
+        asyncio.run(serve_mock(args.host, args.port, args.toolsets.split(",")))
+    elif args.command == "contracts":
+        sys.exit(_contracts(args.contracts_command, args.dir))
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +114,7 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     server = None
+    failure: BaseException | None = None
     try:
         tasks = [asyncio.create_task(start_consuming(rt))]
         if "gateway" in rt.services:
@@ -99,20 +134,56 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
             print(f"kbmesh {' '.join(rt.services)} on {rt.bus.url}", flush=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        # A failed start (model load, NATS) ends the process non-zero instead of idling.
+        waiters = [asyncio.create_task(stop.wait()), *tasks]
+        while True:
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[0] in done and tasks[0].exception() is None and len(done) == 1:
+                waiters.remove(tasks[0])  # started: keep serving
+                continue
+            break
+        if tasks[0].done() and not tasks[0].cancelled() and tasks[0].exception() is not None:
+            failure = tasks[0].exception()
         if server is not None:
-            # uvicorn installs its own handlers while serving; it exits on the signal too.
-            done, _ = await asyncio.wait(
-                [tasks[1], asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED
-            )
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await tasks[1]
-        else:
-            await stop.wait()
         tasks[0].cancel()
     finally:
         await rt.close()
         print("kbmesh stopped", flush=True)
+    if failure is not None:
+        sys.exit(f"kbmesh failed to start: {failure!r}")
+
+
+async def _mcp(args: argparse.Namespace) -> None:
+    from services.common.settings import Settings
+    from services.gateway.mcp import serve_stdio
+
+    overrides: dict[str, object] = {}
+    if args.data_dir is not None:
+        overrides["data_dir"] = args.data_dir
+    if args.toolsets:
+        overrides["mcp_toolsets"] = args.toolsets
+    settings = Settings(**overrides)  # type: ignore[arg-type]
+    if not args.embedded and not settings.nats_url:
+        # A running `kbmesh up` records its URL in its data directory.
+        recorded = settings.data_dir / "nats.url"
+        url = recorded.read_text().strip() if recorded.exists() else None
+        if not url or not _reachable(url):
+            sys.exit(
+                "kbmesh mcp: no running kbmesh found. Set KBMESH_NATS_URL, start `kbmesh up` "
+                f"(it records its NATS URL in {recorded}), or use `kbmesh mcp --embedded`."
+            )
+        settings.nats_url = url
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    if task is not None:
+        # A client stops its server with SIGTERM: unwind, so the private NATS stops too.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await serve_stdio(settings, embedded=args.embedded, api_key=args.api_key)
 
 
 async def _create_key(args: argparse.Namespace) -> None:
@@ -148,6 +219,27 @@ async def _create_key(args: argparse.Namespace) -> None:
         await bus.close()
         if nats_server:
             nats_server.stop()
+
+
+def _contracts(command: str, root: Path) -> int:
+    from services.contracts import build, drift, export
+
+    contracts = build()
+    if command == "export":
+        changes = export(root, contracts)
+        for line in changes:
+            kind, path = line.split(" ", 1)
+            print(f"  {'removed' if kind == 'stale' else 'wrote'} {root / path}")
+        print(f"{root}: {len(changes)} file(s) changed" if changes else f"{root}: up to date")
+    else:
+        changes = drift(root, contracts)
+        if changes:
+            print(f"{root} differs from the code; run `make contracts`:", file=sys.stderr)
+        for line in changes:
+            print(f"  {line}", file=sys.stderr)
+    for gap in contracts.missing:
+        print(f"  no contract example: {gap} (services/contract_examples.py)", file=sys.stderr)
+    return 1 if command == "check" and (changes or contracts.missing) else 0
 
 
 def _reachable(url: str) -> bool:

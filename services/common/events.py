@@ -5,9 +5,9 @@ These models are the single source of the JSON Schemas in `contracts/events/`.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from enum import StrEnum
-from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,7 +41,9 @@ def dlq_subject(subject: str) -> str:
 
 
 class Event(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Tolerant reader: a newer producer's extra fields must not dead-letter the event in an
+    # older consumer during a rolling upgrade.
+    model_config = ConfigDict(extra="ignore")
 
     event_id: str = Field(default_factory=new_id, description="unique; also the Nats-Msg-Id")
     org_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")

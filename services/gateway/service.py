@@ -12,7 +12,7 @@ from typing import Any
 from services.common.bus import Bus
 from services.common.content import decode_content, is_supported, normalise_mime
 from services.common.embedders import model_limits
-from services.common.errors import Conflict, InvalidInput, NotFound
+from services.common.errors import Conflict, Forbidden, InvalidInput, NotFound
 from services.common.events import (
     DocDeleted,
     DocFailed,
@@ -117,6 +117,7 @@ class GatewayService:
         if any(k.name == body.name for k in existing):
             raise Conflict(f"a knowledge base named {body.name!r} exists", field="name")
         fields = body.model_dump(exclude_none=True)
+        fields.setdefault("embedding_model", self.settings.default_model)
         kb = KnowledgeBase(org_id=p.org_id, kb_id=new_id(), **fields)
         await asyncio.to_thread(validate_kb, kb)
         await self.reg.kbs.create(f"{p.org_id}.{kb.kb_id}", kb)
@@ -261,6 +262,7 @@ class GatewayService:
             raise InvalidInput(f"unsupported mime_type {mime!r}", field="mime_type")
         data = decode_content(body.content, body.content_encoding, self.settings.max_content_bytes)
         _check_labels(body.tags, body.collection)
+        await self._check_tag_scope(p, body.tags)
         document_id = body.document_id or new_id()
         event = DocUploaded(
             org_id=p.org_id, document_id=document_id, name=body.name, mime_type=mime,
@@ -388,6 +390,7 @@ class GatewayService:
             collection = patch.collection
         _check_labels(visible, collection)
         tags = join_tags(visible, collection)
+        await self._check_tag_scope(p, tags)
         metadata = patch.metadata if patch.metadata is not None else record.metadata
         if tags == record.tags and metadata == record.metadata:
             return await self._document_view(record)
@@ -425,8 +428,9 @@ class GatewayService:
     async def delete_source(self, p: Principal, source_id: str, *, wait: bool = True) -> DeleteResult:
         if not source_id.strip():
             raise InvalidInput("source_id must not be empty", field="source_id")
+        # Only what the caller can see: a scoped key never learns of documents outside it.
         records = [r for r in await self.reg.documents.list(f"{p.org_id}.")
-                   if r.source_id == source_id]
+                   if r.source_id == source_id and self._visible(p, r)]
         for record in records:
             self._check_doc_write(p, record)
         if records:
@@ -488,6 +492,16 @@ class GatewayService:
         if record is None or not self._visible(p, record):
             raise NotFound(f"document {document_id!r} not found", field="document_id")
         return record
+
+    async def _check_tag_scope(self, p: Principal, tags: list[str]) -> None:
+        """Tags are membership: a KB-scoped key cannot tag a document into a KB outside its
+        scope (and is not told which one)."""
+        if p.kb_ids is None or not tags:
+            return
+        for kb in await self.reg.kbs.list(f"{p.org_id}."):
+            if not p.can_see(kb.kb_id) and kb.matches(tags):
+                raise Forbidden("these tags would add the document to a knowledge base outside "
+                                "this API key's scope", field="tags")
 
     def _visible(self, p: Principal, record: DocumentRecord) -> bool:
         return p.kb_ids is None or bool(set(p.kb_ids) & set(record.kb_ids)) or any(
