@@ -159,6 +159,7 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
 async def _mcp(args: argparse.Namespace) -> None:
     from services.common.settings import Settings
     from services.gateway.mcp import serve_stdio
+    from services.gateway.tools import tools_for
 
     overrides: dict[str, object] = {}
     if args.data_dir is not None:
@@ -166,10 +167,19 @@ async def _mcp(args: argparse.Namespace) -> None:
     if args.toolsets:
         overrides["mcp_toolsets"] = args.toolsets
     settings = Settings(**overrides)  # type: ignore[arg-type]
+    try:
+        tools_for(settings.toolsets)
+    except ValueError as err:
+        sys.exit(f"kbmesh mcp: {err}")
+    # A running `kbmesh up` records its URL in its data directory.
+    recorded = settings.data_dir / "nats.url"
+    url = recorded.read_text().strip() if recorded.exists() else None
+    if args.embedded and url and _reachable(url):
+        # Its NATS store and Edge shards open in one process only.
+        sys.exit(f"kbmesh mcp --embedded: a kbmesh is already running on {settings.data_dir}; "
+                 "use `kbmesh mcp` (without --embedded) to connect to it, or another "
+                 "KBMESH_DATA_DIR.")
     if not args.embedded and not settings.nats_url:
-        # A running `kbmesh up` records its URL in its data directory.
-        recorded = settings.data_dir / "nats.url"
-        url = recorded.read_text().strip() if recorded.exists() else None
         if not url or not _reachable(url):
             sys.exit(
                 "kbmesh mcp: no running kbmesh found. Set KBMESH_NATS_URL, start `kbmesh up` "

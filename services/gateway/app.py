@@ -34,11 +34,12 @@ def create_app(rt: Runtime) -> FastAPI:
     waiter = IndexWaiter()
     service = GatewayService(rt.bus, rt.registries, rt.settings, waiter)
     rt.objects["gateway"] = service
+    keys = KeyResolver(rt.registries.keys, rt.settings.default_org)
     mcp_server = None
     if rt.settings.toolsets and importlib.util.find_spec("services.gateway.mcp"):
         from services.gateway.mcp import create_mcp
 
-        mcp_server = create_mcp(service, rt.settings)
+        mcp_server = create_mcp(service, rt.settings, keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -58,7 +59,7 @@ def create_app(rt: Runtime) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.service = service
-    app.state.keys = KeyResolver(rt.registries.keys, rt.settings.default_org)
+    app.state.keys = keys
     app.state.runtime = rt
 
     @app.middleware("http")
@@ -106,5 +107,13 @@ def create_app(rt: Runtime) -> FastAPI:
         from services.gateway.api import tools
 
         app.include_router(tools.create_router(mcp_server))
-        app.mount("/mcp", mcp_server.streamable_http_app(streamable_http_path="/"))
+        from starlette.routing import Route
+
+        from services.gateway.mcp import MountRoot
+
+        mcp_http = mcp_server.streamable_http_app(streamable_http_path="/")
+        # /mcp itself too, not only /mcp/...: no redirect for clients to follow.
+        app.router.routes.append(Route("/mcp", MountRoot(mcp_http, "/mcp"),
+                                       methods=["GET", "POST", "DELETE"]))
+        app.mount("/mcp", mcp_http)
     return app

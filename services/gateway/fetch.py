@@ -1,0 +1,364 @@
+"""Ingest by URL or by server-side path: turning a reference into bytes, safely, before the
+bytes become an ordinary upload.
+
+URL: http(s) only. Every address the host resolves to must be public unless the host, or a
+CIDR holding the address, is in `KBMESH_URL_ALLOWLIST`; the connection then goes to the vetted
+address (no second DNS lookup to rebind), redirects are re-checked hop by hop, and the size
+limit is enforced while streaming. Path: only regular files under `KBMESH_UPLOAD_ROOT` once
+every symlink is resolved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import mimetypes
+import os
+import re
+import socket
+import stat
+import zipfile
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path, PurePosixPath
+from urllib.parse import unquote
+
+import httpx
+
+from services.common.content import DOCX_TYPE, PDF_TYPE
+from services.common.errors import Forbidden, InvalidInput, NotFound, TooLarge
+from services.common.settings import Settings
+
+MAX_REDIRECTS = 5
+TIMEOUT = httpx.Timeout(30.0, connect=10.0)
+USER_AGENT = "kbmesh-fetch/0.1"
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class FetchFailed(InvalidInput):
+    """The URL could not be fetched (connection, HTTP status, redirects)."""
+
+    error_type = "FetchError"
+
+
+@dataclass(frozen=True)
+class Fetched:
+    data: bytes
+    mime_type: str
+    name: str
+    uri: str
+
+
+# ---- URL ------------------------------------------------------------------------------------
+
+
+async def fetch_url(url: str, settings: Settings) -> Fetched:
+    allow = Allowlist.parse(settings.url_allowlist)
+    limit = settings.max_content_bytes
+    current = _parse_url(url)
+    async with httpx.AsyncClient(
+        timeout=TIMEOUT, follow_redirects=False, trust_env=False
+    ) as client:
+        for _ in range(MAX_REDIRECTS + 1):
+            response = await _connect(client, current, await _vetted_addresses(current, allow), url)
+            try:
+                if response.is_redirect and "location" in response.headers:
+                    current = _parse_url(str(current.join(response.headers["location"])))
+                    continue
+                if response.status_code >= 400:
+                    raise FetchFailed(
+                        f"fetching {url} returned HTTP {response.status_code}", field="url"
+                    )
+                data = await _read_limited(response, limit, url)
+            except httpx.HTTPError as err:
+                raise FetchFailed(
+                    f"could not fetch {url}: {err or type(err).__name__}", field="url"
+                ) from err
+            finally:
+                await response.aclose()
+            content_type = response.headers.get("content-type")
+            name = _name_from(response.headers.get("content-disposition"), current)
+            # The extension comes from a real file name, never from the host fallback.
+            file_name = name if name != current.host else ""
+            mime = detect_mime(content_type, file_name, data)
+            return Fetched(
+                data=_to_utf8(data, content_type, mime), mime_type=mime, name=name, uri=url
+            )
+    raise FetchFailed(f"fetching {url} took more than {MAX_REDIRECTS} redirects", field="url")
+
+
+async def _connect(
+    client: httpx.AsyncClient, url: httpx.URL, addresses: list[IPAddress], original: str
+) -> httpx.Response:
+    """GET from the vetted addresses in turn (a name may resolve to ::1 and 127.0.0.1 while
+    the server listens on one): the connection never goes anywhere that was not checked."""
+    error: httpx.HTTPError | None = None
+    for address in addresses:
+        request = client.build_request(
+            "GET",
+            url.copy_with(host=str(address)),
+            headers={"Host": url.netloc.decode("ascii"), "User-Agent": USER_AGENT},
+            # TLS still verifies the certificate against the name, not the address.
+            extensions={"sni_hostname": url.host} if url.scheme == "https" else {},
+        )
+        try:
+            return await client.send(request, stream=True)
+        except httpx.ConnectError as err:
+            error = err
+        except httpx.HTTPError as err:
+            error = err
+            break
+    raise FetchFailed(
+        f"could not fetch {original}: {error or 'no address'}", field="url"
+    ) from error
+
+
+def _parse_url(raw: str) -> httpx.URL:
+    try:
+        url = httpx.URL(raw)
+    except httpx.InvalidURL as err:
+        raise InvalidInput(f"invalid url {raw!r}: {err}", field="url") from err
+    if url.scheme not in ("http", "https") or not url.host:
+        raise InvalidInput("url must be an absolute http:// or https:// URL", field="url")
+    return url
+
+
+@dataclass(frozen=True)
+class Allowlist:
+    """`KBMESH_URL_ALLOWLIST` entries: host names (`*.example.com` covers subdomains), IP
+    addresses and CIDRs."""
+
+    hosts: frozenset[str]
+    suffixes: tuple[str, ...]
+    networks: tuple[IPNetwork, ...]
+
+    @classmethod
+    def parse(cls, entries: list[str]) -> Allowlist:
+        hosts: set[str] = set()
+        suffixes: list[str] = []
+        networks: list[IPNetwork] = []
+        for raw in entries:
+            entry = raw.strip().lower().strip("[]")
+            if not entry:
+                continue
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+                continue
+            except ValueError:
+                pass
+            if entry.startswith("*."):
+                suffixes.append(entry[1:])
+            else:
+                hosts.add(entry)
+        return cls(frozenset(hosts), tuple(suffixes), tuple(networks))
+
+    def host_allowed(self, host: str) -> bool:
+        host = host.lower().rstrip(".")
+        return host in self.hosts or any(host.endswith(s) for s in self.suffixes)
+
+    def address_allowed(self, address: IPAddress) -> bool:
+        return any(address in net for net in self.networks if net.version == address.version)
+
+
+async def _vetted_addresses(url: httpx.URL, allow: Allowlist) -> list[IPAddress]:
+    """The addresses that may be connected to: every address of the host must be public or
+    allow-listed, so a name that resolves to both a public and a private one is refused."""
+    host = url.host
+    addresses = await _resolve(host, url.port or (443 if url.scheme == "https" else 80))
+    if allow.host_allowed(host):
+        return addresses
+    for address in addresses:
+        if not (_is_public(address) or allow.address_allowed(address)):
+            raise Forbidden(
+                f"refusing to fetch {host!r}: it resolves to the non-public address {address}; "
+                "add the host or its network to KBMESH_URL_ALLOWLIST to allow it",
+                field="url",
+            )
+    return addresses
+
+
+async def _resolve(host: str, port: int) -> list[IPAddress]:
+    try:
+        return [_normalise(ipaddress.ip_address(host))]
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as err:
+        raise FetchFailed(f"cannot resolve host {host!r}: {err}", field="url") from err
+    addresses: list[IPAddress] = []
+    for info in infos:
+        address = _normalise(ipaddress.ip_address(str(info[4][0]).split("%")[0]))
+        if address not in addresses:
+            addresses.append(address)
+    if not addresses:
+        raise FetchFailed(f"host {host!r} has no address", field="url")
+    return addresses
+
+
+def _normalise(address: IPAddress) -> IPAddress:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _is_public(address: IPAddress) -> bool:
+    # is_global excludes private, loopback, link-local, shared (CGNAT), reserved, unspecified.
+    return address.is_global and not address.is_multicast
+
+
+async def _read_limited(response: httpx.Response, limit: int, url: str) -> bytes:
+    too_large = f"the document at {url} exceeds the {_mb(limit)} limit (KBMESH_MAX_CONTENT_BYTES)"
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"{too_large}: it declares {declared} bytes", field="url")
+    buf = bytearray()
+    # Decoded bytes: a compressed body cannot smuggle more than the limit past this loop.
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        if len(buf) > limit:
+            raise TooLarge(too_large, field="url")
+    return bytes(buf)
+
+
+def _mb(limit: int) -> str:
+    return f"{limit / (1024 * 1024):g} MB"
+
+
+_FILENAME = re.compile(r"""filename\*?=(?:UTF-8'')?"?([^";]+)"?""", re.IGNORECASE)
+
+
+def _name_from(disposition: str | None, url: httpx.URL) -> str:
+    if disposition and (m := _FILENAME.search(disposition)):
+        name = PurePosixPath(unquote(m.group(1)).strip()).name
+        if name:
+            return name[:512]
+    segment = PurePosixPath(unquote(url.path)).name
+    return (segment or url.host)[:512]
+
+
+def _to_utf8(data: bytes, content_type: str | None, mime: str) -> bytes:
+    """Text declared in another charset is re-encoded, since extraction reads UTF-8."""
+    if not (mime.startswith("text/") or mime == "application/json") or not content_type:
+        return data
+    m = re.search(r"charset=\"?([\w.:-]+)", content_type, re.IGNORECASE)
+    if not m or m.group(1).lower().replace("_", "-") in ("utf-8", "utf8", "us-ascii", "ascii"):
+        return data
+    try:
+        return data.decode(m.group(1), errors="replace").encode("utf-8")
+    except LookupError:
+        return data
+
+
+# ---- type detection -----------------------------------------------------------------------
+
+_MARKDOWN_SUFFIXES = (".md", ".markdown", ".mdown")
+_GENERIC = {"", "application/octet-stream", "binary/octet-stream", "application/x-download"}
+_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"%PDF-", PDF_TYPE),
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+    (b"II*\x00", "image/tiff"),
+    (b"MM\x00*", "image/tiff"),
+)
+
+
+def detect_mime(content_type: str | None, name: str, data: bytes) -> str:
+    """Declared type first (unless generic), then the file extension, then the bytes."""
+    declared = (content_type or "").split(";")[0].strip().lower()
+    lower = name.lower()
+    if declared == "text/plain" and lower.endswith(_MARKDOWN_SUFFIXES):
+        return "text/markdown"
+    if declared not in _GENERIC:
+        return declared
+    if lower.endswith(_MARKDOWN_SUFFIXES):
+        return "text/markdown"
+    guessed, _ = mimetypes.guess_type(lower)
+    if guessed:
+        return guessed
+    return sniff(data)
+
+
+def sniff(data: bytes) -> str:
+    head = data[:64]
+    for magic, mime in _MAGIC:
+        if head.startswith(magic):
+            return mime
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return "image/webp"
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            with zipfile.ZipFile(BytesIO(data)) as z:
+                if "word/document.xml" in z.namelist():
+                    return DOCX_TYPE
+        except zipfile.BadZipFile:
+            pass
+        return "application/zip"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "application/octet-stream"
+    start = text.lstrip()[:100].lower()
+    if start.startswith(("<!doctype html", "<html")):
+        return "text/html"
+    return "text/plain"
+
+
+# ---- path -----------------------------------------------------------------------------------
+
+
+async def read_path(path: str, settings: Settings) -> Fetched:
+    return await asyncio.to_thread(_read_path, path, settings)
+
+
+def _read_path(path: str, settings: Settings) -> Fetched:
+    if settings.upload_root is None:
+        raise Forbidden(
+            "ingest by path is disabled on this server (set KBMESH_UPLOAD_ROOT)", field="path"
+        )
+    if not path.strip() or "\x00" in path:
+        raise InvalidInput("path must be a file path under the upload root", field="path")
+    try:
+        root = settings.upload_root.resolve(strict=True)
+    except OSError as err:
+        raise Forbidden(
+            "the upload root (KBMESH_UPLOAD_ROOT) does not exist", field="path"
+        ) from err
+    candidate = Path(path)
+    if not candidate.is_absolute():
+        candidate = root / candidate
+    # resolve() follows every symlink, so containment is checked on the real target; a
+    # missing file is reported only inside the root, never outside it.
+    resolved = candidate.resolve()
+    if not resolved.is_relative_to(root):
+        raise Forbidden(f"path {path!r} is outside the upload root", field="path")
+    limit = settings.max_content_bytes
+    try:
+        # O_NOFOLLOW: the checked path cannot be swapped for a symlink before it is opened.
+        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError as err:
+        raise NotFound(f"no file at {path!r} under the upload root", field="path") from err
+    except OSError as err:
+        raise Forbidden(f"cannot open {path!r}: {err.strerror}", field="path") from err
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidInput(f"{path!r} is not a regular file", field="path")
+        if info.st_size > limit:
+            raise TooLarge(
+                f"{path!r} has {info.st_size} bytes, over the {_mb(limit)} limit "
+                "(KBMESH_MAX_CONTENT_BYTES)",
+                field="path",
+            )
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise TooLarge(f"{path!r} is over the {_mb(limit)} limit", field="path")
+    return Fetched(
+        data=data, mime_type=detect_mime(None, resolved.name, data), name=resolved.name, uri=path
+    )

@@ -1,0 +1,291 @@
+"""The MCP server: the tools of `tools.py` over streamable HTTP (mounted at /mcp by the app)
+and over stdio (`kbmesh mcp`).
+
+Built on the SDK's `MCPServer`; only `list_tools` and `call_tool` are ours, so kbmesh validates
+arguments itself and every failure comes back as the structured tool error with `isError`.
+Over HTTP each call runs as the principal of its own request's API key, exactly as REST does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.transport_security import (
+    DEFAULT_MAX_REQUEST_BODY_SIZE,
+    TransportSecuritySettings,
+)
+from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from mcp_types import Tool as MCPTool
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.common.errors import KbmeshError, NotFound
+from services.common.settings import Settings
+from services.gateway.auth import KeyResolver, Principal, Unauthorized
+from services.gateway.service import GatewayService
+from services.gateway.tools import ToolOutcome, ToolSpec, error_outcome, run_tool, tools_for
+
+log = logging.getLogger("kbmesh.mcp")
+VERSION = "0.1.0"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+# The Host that Starlette's and httpx's in-process test clients send.
+TEST_HOSTS = ("testserver",)
+INSTRUCTIONS = {
+    "core": "kbmesh holds knowledge bases of documents. To answer from them, call kb_search "
+    "and cite the document names it returns; kb_get_chunk expands a hit and kb_list shows "
+    "which knowledge bases exist. kb_upload adds documents (content, a url, or a server "
+    "path); kb_delete, kb_update_document and kb_set_collection change them.",
+    "compat": "Search with search_docs (one project) or search_knowledge_base (everything); "
+    "add documents with upload_document or manageKnowledge, remove them with "
+    "delete_document.",
+}
+
+
+class KbmeshMCP(MCPServer):
+    """MCPServer whose tools are the kbmesh tool registry."""
+
+    def __init__(
+        self,
+        service: GatewayService,
+        settings: Settings,
+        tools: dict[str, ToolSpec],
+        *,
+        keys: KeyResolver | None,
+        principal: Principal | None,
+    ) -> None:
+        # MCPServer() calls logging.basicConfig; a placeholder handler makes that a no-op, so
+        # logging stays configured where the process configures it (the CLI).
+        root = logging.getLogger()
+        placeholder = logging.NullHandler() if not root.handlers else None
+        if placeholder is not None:
+            root.addHandler(placeholder)
+        try:
+            super().__init__(
+                name="kbmesh",
+                title="kbmesh knowledge bases",
+                version=VERSION,
+                instructions=" ".join(
+                    text for name, text in INSTRUCTIONS.items() if name in settings.toolsets
+                ),
+            )
+        finally:
+            if placeholder is not None:
+                root.removeHandler(placeholder)
+        self.service = service
+        self.gateway_settings = settings
+        self.tools = tools
+        self.keys = keys
+        self.principal = principal
+
+    async def list_tools(self) -> list[MCPTool]:
+        return [
+            MCPTool(
+                name=spec.name,
+                title=spec.title,
+                description=spec.description,
+                input_schema=spec.input_schema,
+                output_schema=spec.output_schema,
+                annotations=ToolAnnotations(
+                    title=spec.title,
+                    read_only_hint=spec.read_only,
+                    destructive_hint=spec.destructive,
+                    open_world_hint=spec.open_world,
+                ),
+            )
+            for spec in self.tools.values()
+        ]
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
+    ) -> CallToolResult:
+        outcome = await self.dispatch(name, arguments, context)
+        return CallToolResult(
+            content=[TextContent(type="text", text=outcome.text)],
+            structured_content=outcome.structured,
+            is_error=outcome.is_error,
+        )
+
+    async def dispatch(
+        self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None
+    ) -> ToolOutcome:
+        spec = self.tools.get(name)
+        if spec is None:
+            return error_outcome(NotFound(f"unknown tool {name!r}; call tools/list", field="name"))
+        try:
+            principal = await self.principal_for(context)
+        except KbmeshError as err:
+            return error_outcome(err)
+        return await run_tool(spec, self.service, principal, arguments)
+
+    async def principal_for(self, context: Context[Any, Any] | None) -> Principal:
+        """HTTP: the request's API key, like REST. stdio: the principal the process runs as."""
+        request = None
+        if context is not None:
+            with contextlib.suppress(ValueError):
+                request = context.request_context.request
+        headers = getattr(request, "headers", None)
+        if headers is not None and self.keys is not None:
+            client = getattr(request, "client", None)
+            return await self.keys.resolve(
+                headers.get("authorization"), client.host if client else None
+            )
+        if self.principal is not None:
+            return self.principal
+        return Principal(org_id=self.gateway_settings.default_org)
+
+    def streamable_http_app(self, **kwargs: Any) -> Starlette:
+        """The SDK's app, with kbmesh's allowed hosts, a body limit that lets a maximum-size
+        upload reach the tool (which then answers with a clear error past it), and API keys
+        checked before the MCP session sees the request."""
+        kwargs.setdefault("transport_security", transport_security(self.gateway_settings))
+        kwargs.setdefault("max_request_body_size", request_body_limit(self.gateway_settings))
+        app = super().streamable_http_app(**kwargs)
+        if self.keys is not None:
+            app.add_middleware(ApiKeyGuard, keys=self.keys)
+        return app
+
+
+def create_mcp(
+    service: GatewayService,
+    settings: Settings,
+    keys: KeyResolver | None = None,
+    *,
+    principal: Principal | None = None,
+) -> KbmeshMCP:
+    """The MCP server with the toolsets of `KBMESH_MCP_TOOLSETS`. Over HTTP, pass the app's
+    `KeyResolver`; stdio passes the fixed `principal` it runs as instead."""
+    if keys is None and principal is None:
+        keys = KeyResolver(service.reg.keys, settings.default_org)
+    return KbmeshMCP(
+        service, settings, tools_for(settings.toolsets), keys=keys, principal=principal
+    )
+
+
+def transport_security(settings: Settings) -> TransportSecuritySettings:
+    """DNS-rebinding protection: loopback (any port) and the test client's host always, plus
+    `KBMESH_MCP_ALLOWED_HOSTS`; `*` there turns the check off (e.g. behind a proxy that
+    checks Host itself)."""
+    extra = [h.strip() for h in settings.mcp_allowed_hosts if h.strip()]
+    if "*" in extra:
+        return TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    bases = [*LOOPBACK_HOSTS, *TEST_HOSTS, *extra]
+    if settings.host not in ("0.0.0.0", "::", "", *LOOPBACK_HOSTS):
+        bases.append(f"[{settings.host}]" if ":" in settings.host else settings.host)
+    hosts: list[str] = []
+    for base in bases:
+        has_port = base.endswith(":*") or ":" in base.rsplit("]", 1)[-1]
+        for h in (base,) if has_port else (base, f"{base}:*"):
+            if h not in hosts:
+                hosts.append(h)
+    origins = [f"{scheme}://{h}" for h in hosts for scheme in ("http", "https")]
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins
+    )
+
+
+def request_body_limit(settings: Settings) -> int:
+    # Base64 inflates by 4/3 and JSON escaping adds more: twice the content limit plus room.
+    return max(DEFAULT_MAX_REQUEST_BODY_SIZE, settings.max_content_bytes * 2 + 1024 * 1024)
+
+
+class ApiKeyGuard:
+    """Rejects a missing or unknown API key with 401 before any MCP session work, so clients
+    see an authentication error rather than a session that fails call by call."""
+
+    def __init__(self, app: ASGIApp, keys: KeyResolver) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            client = scope.get("client")
+            try:
+                await self.keys.resolve(
+                    Headers(scope=scope).get("authorization"), client[0] if client else None
+                )
+            except Unauthorized as err:
+                body = {"status": "error", "error_type": err.error_type, "message": err.message}
+                response = JSONResponse(
+                    body, status_code=401, headers={"WWW-Authenticate": 'Bearer realm="kbmesh"'}
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class MountRoot:
+    """Serves `<prefix>` itself with the app mounted at `<prefix>`: a mount alone answers it
+    with a redirect to `<prefix>/`, which some MCP clients do not follow on POST."""
+
+    def __init__(self, app: ASGIApp, prefix: str) -> None:
+        self.app = app
+        self.prefix = prefix.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        root = scope.get("root_path", "")
+        path = f"{root}{self.prefix}/"
+        scope = {**scope, "path": path, "raw_path": path.encode(), "root_path": root + self.prefix}
+        await self.app(scope, receive, send)
+
+
+# ---- stdio ----------------------------------------------------------------------------------
+
+
+async def serve_stdio(settings: Settings, *, embedded: bool, api_key: str | None) -> None:
+    """`kbmesh mcp`: MCP over this process's stdin/stdout. Connects to a running stack
+    (`settings.nats_url`), or with `embedded` runs the whole stack in this process."""
+    from services.gateway.waiter import IndexWaiter
+    from services.runtime import SERVICES, build_runtime, start_consuming
+
+    with _stdout_to_stderr():
+        rt = await build_runtime(
+            settings, SERVICES if embedded else ("gateway",), embedded_nats=embedded
+        )
+    waiter = IndexWaiter()
+    try:
+        with _stdout_to_stderr():
+            service = GatewayService(rt.bus, rt.registries, settings, waiter)
+            await start_consuming(rt)
+            if rt.bus.nc is None:
+                raise RuntimeError("bus not connected")
+            await waiter.start(rt.bus.nc)
+            await service.ensure_default_kb(settings.default_org)
+            principal = Principal(org_id=settings.default_org)
+            if api_key:
+                resolver = KeyResolver(rt.registries.keys, settings.default_org)
+                principal = await resolver.resolve(f"Bearer {api_key}", None)
+            server = create_mcp(service, settings, principal=principal)
+            log.info(
+                "mcp_stdio_ready nats=%s embedded=%s toolsets=%s org_id=%s",
+                rt.bus.url,
+                embedded,
+                ",".join(settings.toolsets),
+                principal.org_id,
+            )
+        await server.run_stdio_async()
+    finally:
+        await waiter.stop()
+        await rt.close()
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """stdout is the protocol channel: while starting up, anything a library prints goes to
+    stderr instead (the SDK diverts it the same way while serving)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
