@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "mock":
         from services.mock import serve_mock
 
-        asyncio.run(serve_mock(args.host, args.port, args.toolsets.split(",")))
+        toolsets = [t.strip() for t in args.toolsets.split(",") if t.strip()]
+        try:
+            asyncio.run(serve_mock(args.host, args.port, toolsets))
+        except ValueError as err:  # an unknown toolset
+            sys.exit(f"kbmesh mock: {err}")
     elif args.command == "contracts":
         sys.exit(_contracts(args.contracts_command, args.dir))
 
