@@ -3,16 +3,47 @@ shared by the gateway (REST, MCP) and the search service."""
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+import re
+from datetime import UTC, datetime, time
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from services.common.store.base import Mode
 
 # Metadata keys are plain names: no dots, so a caller can never address another payload path.
 METADATA_KEY = r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$"
+_METADATA_KEY_RE = re.compile(METADATA_KEY)
+_DATE_ONLY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 Scalar = str | int | float | bool
+MatchType = Literal["semantic", "keyword", "hybrid"]
+
+
+def _utc(value: datetime) -> datetime:
+    # Naive times are UTC (as stored upload times are); mixing naive and aware times would
+    # otherwise make range checks fail with a TypeError instead of a clear answer.
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _end_of_day(value: Any) -> Any:
+    """An inclusive upper bound given as a bare date means the whole of that day."""
+    if isinstance(value, str) and _DATE_ONLY_RE.match(value.strip()):
+        return datetime.combine(datetime.fromisoformat(value.strip()).date(), time.max, UTC)
+    return value
+
+
+Since = Annotated[datetime, AfterValidator(_utc)]
+Until = Annotated[datetime, BeforeValidator(_end_of_day), AfterValidator(_utc)]
 
 
 class MetadataCondition(BaseModel):
@@ -21,15 +52,37 @@ class MetadataCondition(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    key: str = Field(pattern=METADATA_KEY, description="metadata key (no dots)")
-    eq: Scalar | None = Field(None, description="equal to this value")
-    any_of: list[str | int] | None = Field(None, min_length=1, description="equal to any")
-    gte: float | None = None
-    gt: float | None = None
-    lte: float | None = None
-    lt: float | None = None
-    date_from: datetime | None = Field(None, description="ISO 8601, inclusive")
-    date_to: datetime | None = Field(None, description="ISO 8601, inclusive")
+    key: str = Field(
+        description="metadata key: 1-64 letters, digits, '_' or '-' (no dots: only "
+        "top-level metadata keys can be filtered)",
+        json_schema_extra={"pattern": METADATA_KEY},
+    )
+    eq: Scalar | None = Field(None, description="equal to this value (numbers: 3 equals 3.0)")
+    any_of: list[StrictStr | StrictInt] | None = Field(
+        None, min_length=1, description="equal to any of these strings or integers"
+    )
+    gte: float | None = Field(None, description="numeric value >= this")
+    gt: float | None = Field(None, description="numeric value > this")
+    lte: float | None = Field(None, description="numeric value <= this")
+    lt: float | None = Field(None, description="numeric value < this")
+    date_from: Since | None = Field(
+        None, description="ISO 8601 date-time value at or after this (naive means UTC)"
+    )
+    date_to: Until | None = Field(
+        None,
+        description="ISO 8601 date-time value at or before this; a bare date means "
+        "the end of that day",
+    )
+
+    @field_validator("key")
+    @classmethod
+    def _plain_key(cls, key: str) -> str:
+        if not _METADATA_KEY_RE.match(key):
+            raise ValueError(
+                f"metadata key {key!r} is not allowed: use 1-64 letters, digits, '_' or '-' "
+                "(no dots or other path characters)"
+            )
+        return key
 
     @model_validator(mode="after")
     def _one_kind(self) -> MetadataCondition:
@@ -41,12 +94,21 @@ class MetadataCondition(BaseModel):
                 f"metadata condition on {self.key!r} needs exactly one of eq, any_of, "
                 "a numeric range (gte/gt/lte/lt) or a date range (date_from/date_to)"
             )
+        if self.gte is not None and self.gt is not None:
+            raise ValueError(f"metadata range on {self.key!r}: give gte or gt, not both")
+        if self.lte is not None and self.lt is not None:
+            raise ValueError(f"metadata range on {self.key!r}: give lte or lt, not both")
         low = self.gte if self.gte is not None else self.gt
         high = self.lte if self.lte is not None else self.lt
         if low is not None and high is not None and low > high:
             raise ValueError(f"metadata range on {self.key!r} is inverted ({low} > {high})")
         if self.date_from and self.date_to and self.date_from > self.date_to:
-            raise ValueError(f"metadata date range on {self.key!r} is inverted")
+            raise ValueError(
+                f"metadata date range on {self.key!r} is inverted: date_from "
+                f"{self.date_from.isoformat()} is after date_to {self.date_to.isoformat()}"
+            )
+        if self.any_of is not None and len({type(v) for v in self.any_of}) > 1:
+            raise ValueError(f"any_of on {self.key!r} mixes strings and integers; use one type")
         return self
 
 
@@ -59,17 +121,37 @@ class SearchFilters(BaseModel):
     source_ids: list[str] | None = Field(None, min_length=1)
     tags: list[str] | None = Field(None, min_length=1, description="documents with any of these")
     collection: str | None = None
-    document_name: str | None = Field(None, min_length=1)
-    document_name_match: Literal["exact", "substring"] = "substring"
-    metadata: list[MetadataCondition] = Field(default_factory=list)
-    upload_date_from: datetime | None = Field(None, description="ISO 8601, inclusive")
-    upload_date_to: datetime | None = Field(None, description="ISO 8601, inclusive")
+    document_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        description="document name to match, see document_name_match",
+    )
+    document_name_match: Literal["exact", "substring"] = Field(
+        "substring",
+        description="'substring': the name contains document_name, ignoring case; "
+        "'exact': the name equals it, case included",
+    )
+    metadata: list[MetadataCondition] = Field(
+        default_factory=list, max_length=20, description="conditions on custom metadata keys"
+    )
+    upload_date_from: Since | None = Field(
+        None, description="uploaded at or after this ISO 8601 time (naive means UTC)"
+    )
+    upload_date_to: Until | None = Field(
+        None,
+        description="uploaded at or before this ISO 8601 time; a bare date means the "
+        "end of that day",
+    )
 
     @model_validator(mode="after")
     def _dates_ordered(self) -> SearchFilters:
-        if self.upload_date_from and self.upload_date_to:
-            if self.upload_date_from > self.upload_date_to:
-                raise ValueError("upload_date_from is after upload_date_to")
+        start, end = self.upload_date_from, self.upload_date_to
+        if start is not None and end is not None and start > end:
+            raise ValueError(
+                f"upload date range is inverted: upload_date_from {start.isoformat()} is "
+                f"after upload_date_to {end.isoformat()}"
+            )
         return self
 
 
@@ -87,11 +169,21 @@ class SearchQuery(BaseModel):
     filters: SearchFilters | None = None
     min_score: float | None = Field(
         None,
-        description="drop hits whose `score` is below this (see SearchResponse.score_kind)",
+        description="drop matched chunks whose `score` is below this, in every mode; the "
+        "response's `score_kind` says which score: 'cosine' (hybrid, dense: similarity of "
+        "chunk and query, -1..1, typically 0.2-0.7 for relevant text with the default "
+        "model) or 'bm25_relative' (keyword: BM25 divided by the best hit's, 0..1)",
     )
     coalesce_neighbors: int | None = Field(
         None, ge=0, le=5, description="chunks added on each side of a match; KB default if unset"
     )
+
+    @field_validator("query")
+    @classmethod
+    def _has_text(cls, query: str) -> str:
+        if not query.strip():
+            raise ValueError("query must contain text, not only whitespace")
+        return query
 
 
 class SearchRequest(SearchQuery):
@@ -111,9 +203,16 @@ class SearchHit(BaseModel):
     chunk_index: int
     total_chunks: int
     content: str
-    score: float | None = Field(None, description="None for neighbour chunks")
+    score: float | None = Field(
+        None, description="see SearchResponse.score_kind; None for neighbour chunks"
+    )
     rank: int | None = Field(None, description="1-based rank of a matched chunk")
-    match_type: Literal["semantic", "keyword", "hybrid"] | None = None
+    match_type: MatchType | None = Field(
+        None,
+        description="how the chunk matched: 'keyword' (keyword mode), 'semantic' (by meaning "
+        "only: dense mode, or hybrid with none of the query's terms in the chunk), 'hybrid' "
+        "(hybrid mode, by meaning and by the query's terms); None for neighbour chunks",
+    )
     tags: list[str] = Field(default_factory=list)
     collection: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -123,12 +222,14 @@ class SearchHit(BaseModel):
 class SearchResponse(BaseModel):
     query: str
     mode: Mode
-    score_kind: str = Field(
+    score_kind: Literal["cosine", "bm25_relative"] = Field(
         description="what `score` and `min_score` mean: 'cosine' (similarity of the chunk to "
         "the query, hybrid and dense) or 'bm25_relative' (BM25 relative to the best hit)"
     )
     kb_ids: list[str]
-    coalesced: int = 0
+    coalesced: int = Field(
+        0, description="neighbour chunks added on each side of matches (the widest window used)"
+    )
     hits: list[SearchHit]
 
 

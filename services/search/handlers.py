@@ -44,13 +44,22 @@ async def _answer(
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
-        return {"error": RemoteError(error_type="ValidationError",
-                                     message=f"{field}: {first['msg']}", field=field).model_dump()}
+        return {
+            "error": RemoteError(
+                error_type="ValidationError", message=f"{field}: {first['msg']}", field=field
+            ).model_dump()
+        }
     except KbmeshError as err:
-        return {"error": RemoteError(error_type=err.error_type, message=err.message,
-                                     field=err.field).model_dump()}
+        return {
+            "error": RemoteError(
+                error_type=err.error_type, message=err.message, field=err.field
+            ).model_dump()
+        }
     except Exception as err:
         log.exception("search request failed")
-        return {"error": RemoteError(error_type="InternalError",
-                                     message=f"search failed: {type(err).__name__}").model_dump()}
+        return {
+            "error": RemoteError(
+                error_type="InternalError", message=f"search failed: {type(err).__name__}"
+            ).model_dump()
+        }
     return {"result": result.model_dump(mode="json")}

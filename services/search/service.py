@@ -4,29 +4,37 @@ fuses across KBs by rank, applies min_score, and coalesces neighbours."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import defaultdict
-from typing import Any
 
 from services.common import bm25
-from services.common.embedders import EmbedderPool
-from services.common.errors import Forbidden, NotFound
+from services.common.embedders import EmbedderPool, is_local
+from services.common.errors import Forbidden, InvalidInput, NotFound
 from services.common.models import KnowledgeBase, point_id
 from services.common.queries import (
     ChunkRequest,
     ChunkResponse,
+    MatchType,
     SearchHit,
     SearchRequest,
     SearchResponse,
 )
 from services.common.registry import Registries
 from services.common.settings import SearchSettings
-from services.common.store import Filter, HasIds, Hit, Match, Mode, Query, VectorStore
+from services.common.store import (
+    Filter,
+    HasIds,
+    Hit,
+    Mode,
+    Query,
+    SparseVector,
+    VectorStore,
+)
 from services.common.telemetry import tracer
 from services.search.filters import build_filter
 from services.search.fusion import coalesce, neighbour_windows, rrf_merge
 
 _tracer = tracer("kbmesh.search")
-MATCH_TYPE = {Mode.hybrid: "hybrid", Mode.dense: "semantic", Mode.keyword: "keyword"}
 
 
 class SearchService:
@@ -61,46 +69,66 @@ class SearchService:
         with _tracer.start_as_current_span("kbmesh.search") as span:
             span.set_attribute("kbmesh.mode", req.mode.value)
             kbs = await self.resolve_kbs(req.org_id, req.kb_ids, req.scope_kb_ids)
+            span.set_attribute("kbmesh.kb_count", len(kbs))
             flt = build_filter(req.org_id, req.filters)
             sparse = bm25.encode_query(req.query) if req.mode != Mode.dense else None
+            # One query embedding per distinct model (keyed as the embedder pool keys them),
+            # shared by every KB that uses it.
             groups: dict[tuple[str, str | None], list[KnowledgeBase]] = defaultdict(list)
             for kb in kbs:
-                groups[(kb.embedding_model, kb.api_base)].append(kb)
+                groups[
+                    (kb.embedding_model, None if is_local(kb.embedding_model) else kb.api_base)
+                ].append(kb)
 
-            async def run_group(model: str, api_base: str | None, members: list[KnowledgeBase]):
+            async def run_group(
+                model: str, api_base: str | None, members: list[KnowledgeBase]
+            ) -> list[list[SearchHit]]:
                 dense = None
                 if req.mode != Mode.keyword:
-                    # Once per distinct model, shared by every KB that uses it.
                     dense = await self.embedders.embed_query(model, req.query, api_base)
-                return await asyncio.gather(
-                    *(self._query_kb(kb, req, flt, dense, sparse) for kb in members)
+                return list(
+                    await asyncio.gather(
+                        *(self._query_kb(kb, req, flt, dense, sparse) for kb in members)
+                    )
                 )
 
             per_group = await asyncio.gather(
                 *(run_group(m, a, members) for (m, a), members in groups.items())
             )
-            ranked_lists = [hits for group in per_group for hits in group if hits]
+            ranked_lists = [hits for group in per_group for hits in group]
+            if req.min_score is not None:
+                # Before fusion, so that ranks are ranks among the hits that count.
+                floor = req.min_score
+                ranked_lists = [
+                    [h for h in hits if h.score is not None and h.score >= floor]
+                    for hits in ranked_lists
+                ]
+            ranked_lists = [hits for hits in ranked_lists if hits]
+            # Scores of different KBs (other models, other IDF statistics) are not comparable:
+            # several KBs are fused by rank.
             merged = (
                 ranked_lists[0]
                 if len(ranked_lists) == 1
-                else rrf_merge(ranked_lists, k=self.settings.rrf_k)
+                else rrf_merge(ranked_lists, k=self.settings.rrf_k, key=_hit_key)
             )
-            if req.min_score is not None:
-                merged = [h for h in merged if h.score is not None and h.score >= req.min_score]
             matched = [
                 h.model_copy(update={"rank": i}) for i, h in enumerate(merged[: req.top_k], 1)
             ]
-            n = req.coalesce_neighbors
-            if n is None:
-                n = max((kb.coalesce_neighbors for kb in kbs), default=0)
-            hits = await self._coalesce(matched, n, kbs) if n and matched else matched
+            # Per KB: the query's value, else that KB's own default.
+            windows = {
+                kb.kb_id: kb.coalesce_neighbors
+                if req.coalesce_neighbors is None
+                else req.coalesce_neighbors
+                for kb in kbs
+            }
+            hits = await self._coalesce(req.org_id, matched, windows, kbs) if matched else []
             span.set_attribute("kbmesh.hits", len(matched))
         return SearchResponse(
             query=req.query,
             mode=req.mode,
             score_kind="bm25_relative" if req.mode == Mode.keyword else "cosine",
             kb_ids=[kb.kb_id for kb in kbs],
-            coalesced=n if matched else 0,
+            coalesced=max((windows[h.kb_id] for h in matched), default=0),
             hits=hits,
         )
 
@@ -110,8 +138,9 @@ class SearchService:
         req: SearchRequest,
         flt: Filter,
         dense: list[float] | None,
-        sparse: Any,
+        sparse: SparseVector | None,
     ) -> list[SearchHit]:
+        name = kb.collection_name
         query = Query(
             mode=req.mode,
             limit=req.top_k,
@@ -122,44 +151,78 @@ class SearchService:
             rrf_k=self.settings.rrf_k,
             hnsw_ef=self.settings.hnsw_ef,
         )
-        hits = await self.store.query(kb.collection_name, query)
+        hits = await self.store.query(name, query)
         if not hits:
             return []
-        scores: dict[str, float | None]
-        if req.mode == Mode.hybrid and dense is not None:
-            # RRF scores say nothing about relevance; report the chunk's cosine similarity.
-            cosine = await self.store.query(
-                kb.collection_name,
-                Query(mode=Mode.dense, limit=len(hits), dense=dense,
-                      filter=flt.and_(HasIds(tuple(h.id for h in hits))),
-                      hnsw_ef=self.settings.hnsw_ef),
-            )
-            by_id = {h.id: h.score for h in cosine}
-            scores = {h.id: by_id.get(h.id) for h in hits}
-        elif req.mode == Mode.keyword:
+        if req.mode == Mode.keyword:
+            # Raw BM25 depends on the KB's IDF statistics and the query's length; relative to
+            # the best hit it reads the same in every KB (1.0 = as good as the best match).
             best = max((h.score or 0.0) for h in hits) or 1.0
-            scores = {h.id: (h.score or 0.0) / best for h in hits}
-        else:
-            scores = {h.id: h.score for h in hits}
-        return [to_hit(h, scores[h.id], MATCH_TYPE[req.mode]) for h in hits]
+            return [to_hit(h, (h.score or 0.0) / best, "keyword") for h in hits]
+        if req.mode == Mode.dense:
+            return [to_hit(h, h.score, "semantic") for h in hits]
+        # Hybrid: an RRF score says nothing about relevance, so the score reported is the
+        # chunk's cosine similarity; and a chunk that holds none of the query's terms matched
+        # by meaning only. Both are looked up among these hits alone (exact, cheap).
+        only = flt.and_(HasIds(tuple(h.id for h in hits)))
+        cosine, lexical = await asyncio.gather(
+            self.store.query(
+                name,
+                Query(
+                    mode=Mode.dense,
+                    limit=len(hits),
+                    dense=dense,
+                    filter=only,
+                    hnsw_ef=self.settings.hnsw_ef,
+                ),
+            ),
+            self.store.query(
+                name, Query(mode=Mode.keyword, limit=len(hits), sparse=sparse, filter=only)
+            )
+            if sparse is not None and sparse.indices
+            else _no_hits(),
+        )
+        by_id = {h.id: h.score for h in cosine}
+        worded = {h.id for h in lexical if h.score}
+        return [
+            to_hit(h, by_id.get(h.id), "hybrid" if h.id in worded else "semantic") for h in hits
+        ]
 
     async def _coalesce(
-        self, matched: list[SearchHit], n: int, kbs: list[KnowledgeBase]
+        self,
+        org_id: str,
+        matched: list[SearchHit],
+        windows: dict[str, int],
+        kbs: list[KnowledgeBase],
     ) -> list[SearchHit]:
         collections = {kb.kb_id: kb.collection_name for kb in kbs}
-        windows = neighbour_windows(matched, n)
+        wanted = neighbour_windows(matched, windows)
+        if not wanted:
+            return coalesce(matched, [])
         fetched = await asyncio.gather(
             *(
                 self.store.retrieve(
                     collections[kb_id], [point_id(kb_id, document_id, i) for i in indexes]
                 )
-                for (kb_id, document_id), indexes in windows.items()
+                for (kb_id, document_id), indexes in wanted.items()
             )
         )
-        neighbours = [to_hit(h, None, None) for hits in fetched for h in hits]
+        neighbours = [
+            to_hit(h, None, None)
+            for hits in fetched
+            for h in hits
+            if h.payload.get("org_id") == org_id
+        ]
         return coalesce(matched, neighbours)
 
     async def get_chunk(self, req: ChunkRequest) -> ChunkResponse:
+        try:
+            uuid.UUID(req.chunk_id)
+        except ValueError as err:
+            raise InvalidInput(
+                f"chunk_id {req.chunk_id!r} is not a chunk id (a UUID, as in search hits)",
+                field="chunk_id",
+            ) from err
         kbs = await self.resolve_kbs(
             req.org_id, [req.kb_id] if req.kb_id else None, req.scope_kb_ids
         )
@@ -181,7 +244,11 @@ class SearchService:
                 ]
                 got = await self.store.retrieve(kb.collection_name, ids)
                 neighbours = sorted(
-                    (to_hit(h, None, None).model_copy(update={"is_matched": False}) for h in got),
+                    (
+                        to_hit(h, None, None).model_copy(update={"is_matched": False})
+                        for h in got
+                        if h.payload.get("org_id") == req.org_id
+                    ),
                     key=lambda h: h.chunk_index,
                 )
             return ChunkResponse(chunk=chunk, neighbors=neighbours)
@@ -190,7 +257,7 @@ class SearchService:
         raise NotFound(f"chunk {req.chunk_id!r} not found", field="chunk_id")
 
 
-def to_hit(hit: Hit, score: float | None, match_type: str | None) -> SearchHit:
+def to_hit(hit: Hit, score: float | None, match_type: MatchType | None) -> SearchHit:
     p = hit.payload
     return SearchHit(
         chunk_id=hit.id,
@@ -203,11 +270,20 @@ def to_hit(hit: Hit, score: float | None, match_type: str | None) -> SearchHit:
         total_chunks=p.get("total_chunks", 1),
         content=p.get("content", ""),
         score=score,
-        match_type=match_type,  # type: ignore[arg-type]
+        rank=None,
+        match_type=match_type,
         tags=p.get("tags") or [],
         collection=p.get("collection"),
         metadata=p.get("metadata") or {},
     )
 
 
-__all__ = ["Match", "SearchService", "to_hit"]
+def _hit_key(hit: SearchHit) -> tuple[str, str]:
+    return (hit.kb_id, hit.chunk_id)
+
+
+async def _no_hits() -> list[Hit]:
+    return []
+
+
+__all__ = ["SearchService", "to_hit"]

@@ -55,7 +55,17 @@ class MatchAny:
 
 @dataclass(frozen=True)
 class MatchText:
-    """Substring / full-text match on a text-indexed field."""
+    """Full-text match on a text-indexed field: every word of `text` occurs in the value
+    (whole words, case-insensitive; not a substring match)."""
+
+    key: str
+    text: str
+
+
+@dataclass(frozen=True)
+class MatchSubstring:
+    """The value of a keyword field contains `text` anywhere (byte-wise, case-sensitive:
+    fold both sides beforehand for a case-insensitive match)."""
 
     key: str
     text: str
@@ -82,7 +92,7 @@ class HasIds:
     ids: tuple[str, ...]
 
 
-Condition = Match | MatchAny | MatchText | Range | DateRange | HasIds
+Condition = Match | MatchAny | MatchText | MatchSubstring | Range | DateRange | HasIds
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,10 @@ PAYLOAD_INDEXES: dict[str, str] = {
     "collection": "keyword",
     "uri": "keyword",
     "document_name": "text",
-    # The same name under a keyword index, for exact-name filters.
+    # The same name under a keyword index, for exact-name filters, and casefolded, for
+    # case-insensitive substring filters.
     "document_name_exact": "keyword",
+    "document_name_folded": "keyword",
     "chunk_index": "integer",
     "uploaded_at": "datetime",
 }

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import qdrant_edge as qe
 
 from services.common.errors import InvalidInput, NotFound
@@ -31,6 +32,7 @@ from services.common.store.base import (
     Hit,
     Match,
     MatchAny,
+    MatchSubstring,
     MatchText,
     Mode,
     Query,
@@ -331,12 +333,19 @@ def _edge_filter(flt: Filter | None) -> qe.Filter:
 
 def _edge_condition(c: Condition) -> qe.FieldCondition | qe.HasIdCondition:
     match c:
+        case Match(key=key, value=bool() as flag):
+            # qdrant-edge-py 0.9 reads a Python bool as an integer (MatchValue(True).value == 1)
+            # and then matches only the number 1, never a stored true; numpy's bool is read
+            # as a bool.
+            return qe.FieldCondition(key, match=qe.MatchValue(np.bool_(flag)))  # type: ignore[arg-type]
         case Match(key=key, value=value):
             return qe.FieldCondition(key, match=qe.MatchValue(value))
         case MatchAny(key=key, values=values):
             return qe.FieldCondition(key, match=qe.MatchAny(_any_values(values)))
         case MatchText(key=key, text=text):
             return qe.FieldCondition(key, match=qe.MatchText(text))
+        case MatchSubstring(key=key, text=text):
+            return qe.FieldCondition(key, match=qe.MatchSubstring(text))
         case Range(key=key, gte=gte, lte=lte, gt=gt, lt=lt):
             return qe.FieldCondition(key, range=qe.RangeFloat(gte=gte, gt=gt, lte=lte, lt=lt))
         case DateRange(key=key, gte=gte, lte=lte):

@@ -28,6 +28,7 @@ from services.common.store.base import (
     Hit,
     Match,
     MatchAny,
+    MatchSubstring,
     MatchText,
     Mode,
     Query,
@@ -296,6 +297,8 @@ def _server_condition(c: Condition) -> models.Condition:
             return _field(key, models.MatchAny(any=_any_values(values)))
         case MatchText(key=key, text=text):
             return _field(key, models.MatchText(text=text))
+        case MatchSubstring(key=key, text=text):
+            return _field(key, models.MatchSubstring(substring=text))
         case Range(key=key, gte=gte, lte=lte, gt=gt, lt=lt):
             return models.FieldCondition(
                 key=key, range=models.Range(gte=gte, lte=lte, gt=gt, lt=lt)
