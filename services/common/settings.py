@@ -23,6 +23,12 @@ class BusSettings(BaseModel):
 
 class SearchSettings(BaseModel):
     rrf_k: int = Field(60, ge=1, description="reciprocal rank fusion constant")
+    lead_weight: float = Field(
+        1.0,
+        ge=0,
+        description="RRF weight of the lead-chunk candidate lists (a document's first chunk "
+        "states what it is about); 0 turns the document-position signal off",
+    )
     prefetch_limit: int = Field(100, ge=1, le=1000, description="candidates per prefetch")
     hnsw_ef: int = Field(128, ge=8, description="HNSW search breadth (recall vs latency)")
     query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")

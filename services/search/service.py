@@ -30,6 +30,7 @@ from services.common.store import (
     SparseVector,
     VectorStore,
 )
+from services.common.store.base import fusion_plan
 from services.common.telemetry import tracer
 from services.search.filters import build_filter
 from services.search.fusion import coalesce, neighbour_windows, rrf_merge
@@ -150,42 +151,50 @@ class SearchService:
             prefetch_limit=max(self.settings.prefetch_limit, req.top_k),
             rrf_k=self.settings.rrf_k,
             hnsw_ef=self.settings.hnsw_ef,
+            lead_weight=self.settings.lead_weight,
         )
         hits = await self.store.query(name, query)
         if not hits:
             return []
+        fused = fusion_plan(query) is not None
+        cosine: dict[str, float | None] = {h.id: h.score for h in hits}
+        lexical: dict[str, float | None] = dict(cosine)
+        if fused:
+            # Fused (RRF) scores rank but say nothing about relevance: look up each hit's
+            # cosine similarity and BM25 score among these hits alone (exact, cheap).
+            only = flt.and_(HasIds(tuple(h.id for h in hits)))
+            has_terms = sparse is not None and bool(sparse.indices)
+            dense_scores, bm25_scores = await asyncio.gather(
+                self.store.query(
+                    name,
+                    Query(
+                        mode=Mode.dense,
+                        limit=len(hits),
+                        dense=dense,
+                        filter=only,
+                        hnsw_ef=self.settings.hnsw_ef,
+                    ),
+                )
+                if dense is not None
+                else _no_hits(),
+                self.store.query(
+                    name, Query(mode=Mode.keyword, limit=len(hits), sparse=sparse, filter=only)
+                )
+                if has_terms
+                else _no_hits(),
+            )
+            cosine = {h.id: h.score for h in dense_scores}
+            lexical = {h.id: h.score for h in bm25_scores}
         if req.mode == Mode.keyword:
             # Raw BM25 depends on the KB's IDF statistics and the query's length; relative to
             # the best hit it reads the same in every KB (1.0 = as good as the best match).
-            best = max((h.score or 0.0) for h in hits) or 1.0
-            return [to_hit(h, (h.score or 0.0) / best, "keyword") for h in hits]
+            best = max((lexical.get(h.id) or 0.0) for h in hits) or 1.0
+            return [to_hit(h, (lexical.get(h.id) or 0.0) / best, "keyword") for h in hits]
         if req.mode == Mode.dense:
-            return [to_hit(h, h.score, "semantic") for h in hits]
-        # Hybrid: an RRF score says nothing about relevance, so the score reported is the
-        # chunk's cosine similarity; and a chunk that holds none of the query's terms matched
-        # by meaning only. Both are looked up among these hits alone (exact, cheap).
-        only = flt.and_(HasIds(tuple(h.id for h in hits)))
-        cosine, lexical = await asyncio.gather(
-            self.store.query(
-                name,
-                Query(
-                    mode=Mode.dense,
-                    limit=len(hits),
-                    dense=dense,
-                    filter=only,
-                    hnsw_ef=self.settings.hnsw_ef,
-                ),
-            ),
-            self.store.query(
-                name, Query(mode=Mode.keyword, limit=len(hits), sparse=sparse, filter=only)
-            )
-            if sparse is not None and sparse.indices
-            else _no_hits(),
-        )
-        by_id = {h.id: h.score for h in cosine}
-        worded = {h.id for h in lexical if h.score}
+            return [to_hit(h, cosine.get(h.id), "semantic") for h in hits]
+        # Hybrid: a chunk holding none of the query's terms matched by meaning only.
         return [
-            to_hit(h, by_id.get(h.id), "hybrid" if h.id in worded else "semantic") for h in hits
+            to_hit(h, cosine.get(h.id), "hybrid" if lexical.get(h.id) else "semantic") for h in hits
         ]
 
     async def _coalesce(

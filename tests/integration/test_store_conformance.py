@@ -5,6 +5,8 @@ reachable. Each test runs through the public interface only, on a fresh uuid-nam
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import asyncio
 import os
 import signal
@@ -210,6 +212,25 @@ async def test_replace_document_removes_extra_chunks_and_is_idempotent(
     assert await store.count(kb, of_document("doc-1")) == 2
     assert {h.id for h in await store.scroll(kb, of_document("doc-1"), 10)} == {p.id for p in fewer}
     assert await store.count(kb, of_document("doc-2")) == 1
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+async def test_lead_weight_fuses_a_lead_chunk_list_in_every_mode(
+    store: VectorStore, kb: str, mode: Mode
+) -> None:
+    """With lead_weight, documents' first chunks are fused in as an extra candidate list:
+    a lead chunk ranked just below another document's middle chunk overtakes it, in every
+    mode; without it the plain order holds."""
+    await load(store, kb, [
+        chunk("doc-a", 0, vector=dense(0.0, 1.0), terms={9: 0.1}),
+        chunk("doc-a", 1, vector=dense(1.0, 0.0), terms={1: 1.0}),
+        chunk("doc-b", 0, vector=dense(0.9, 0.43), terms={1: 0.9}),
+    ])
+    base = Query(mode=mode, limit=3, filter=Filter(), dense=dense(1.0), sparse=sparse({1: 1.0}))
+    plain = await store.query(kb, base)
+    assert plain[0].payload["document_id"] == "doc-a"
+    boosted = await store.query(kb, replace(base, lead_weight=1.0))
+    assert (boosted[0].payload["document_id"], boosted[0].payload["chunk_index"]) == ("doc-b", 0)
 
 
 async def test_bulk_upsert_overwrites_by_id_across_documents(store: VectorStore, kb: str) -> None:

@@ -37,6 +37,8 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
+    fusion_plan,
+    lead_filter,
 )
 
 # Collection names become directory names, so they stay inside a safe set.
@@ -287,22 +289,30 @@ def _edge_point(p: ChunkPoint) -> qe.Point:
 def _edge_query(q: Query) -> qe.QueryRequest:
     flt = _edge_filter(q.filter)
     params = qe.SearchParams(hnsw_ef=q.hnsw_ef)
-    if q.mode is Mode.dense:
-        return qe.QueryRequest(
-            limit=q.limit, query=_dense(q), filter=flt, params=params, with_payload=True
-        )
-    if q.mode is Mode.keyword:
+    plan = fusion_plan(q)
+    if plan is None:
+        if q.mode is Mode.dense:
+            return qe.QueryRequest(
+                limit=q.limit, query=_dense(q), filter=flt, params=params, with_payload=True
+            )
         return qe.QueryRequest(limit=q.limit, query=_sparse(q), filter=flt, with_payload=True)
     # The filter must hold inside each prefetch, or a selective filter would leave nothing of
     # the prefetched candidates. Qdrant already propagates a top-level filter into prefetches
     # (checked on Edge 0.9); stating it per prefetch keeps that from being an assumption.
+    lead = _edge_filter(lead_filter(q.filter))
+    prefetches = [
+        qe.Prefetch(
+            limit=q.prefetch_limit,
+            query=_dense(q) if p.vector == DENSE else _sparse(q),
+            filter=lead if p.lead_only else flt,
+            params=params if p.vector == DENSE else None,
+        )
+        for p in plan
+    ]
     return qe.QueryRequest(
         limit=q.limit,
-        prefetches=[
-            qe.Prefetch(limit=q.prefetch_limit, query=_dense(q), filter=flt, params=params),
-            qe.Prefetch(limit=q.prefetch_limit, query=_sparse(q), filter=flt),
-        ],
-        query=qe.Fusion.Rrf(k=q.rrf_k),  # type: ignore[arg-type]  # stub omits Rrf from the union
+        prefetches=prefetches,
+        query=qe.Fusion.Rrf(k=q.rrf_k, weights=[p.weight for p in plan]),  # type: ignore[arg-type]  # stub omits Rrf
         filter=flt,
         with_payload=True,
     )

@@ -33,6 +33,8 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
+    fusion_plan,
+    lead_filter,
 )
 
 _INDEX_KINDS: dict[str, models.PayloadSchemaType] = {
@@ -249,21 +251,32 @@ def _server_query(q: Query, *, local: bool) -> dict[str, Any]:
     flt = _server_filter(q.filter)
     # Local mode searches exhaustively and warns about HNSW parameters it would ignore.
     params = None if local else models.SearchParams(hnsw_ef=q.hnsw_ef)
-    if q.mode is Mode.dense:
-        return {"query": _dense(q), "using": DENSE, "query_filter": flt, "search_params": params}
-    if q.mode is Mode.keyword:
+    plan = fusion_plan(q)
+    if plan is None:
+        if q.mode is Mode.dense:
+            return {
+                "query": _dense(q),
+                "using": DENSE,
+                "query_filter": flt,
+                "search_params": params,
+            }
         return {"query": _sparse(q), "using": SPARSE, "query_filter": flt}
     # The filter must hold inside each prefetch, or a selective filter would leave nothing of
-    # the prefetched candidates. Qdrant already propagates a top-level filter into prefetches
-    # (checked on Edge 0.9); stating it per prefetch keeps that from being an assumption.
+    # the prefetched candidates; Qdrant propagates a top-level filter, but we don't rely on it.
+    lead = _server_filter(lead_filter(q.filter))
+    prefetch = [
+        models.Prefetch(
+            query=_dense(q) if p.vector == DENSE else _sparse(q),
+            using=p.vector,
+            limit=q.prefetch_limit,
+            filter=lead if p.lead_only else flt,
+            params=params if p.vector == DENSE else None,
+        )
+        for p in plan
+    ]
     return {
-        "prefetch": [
-            models.Prefetch(
-                query=_dense(q), using=DENSE, limit=q.prefetch_limit, filter=flt, params=params
-            ),
-            models.Prefetch(query=_sparse(q), using=SPARSE, limit=q.prefetch_limit, filter=flt),
-        ],
-        "query": models.RrfQuery(rrf=models.Rrf(k=q.rrf_k)),
+        "prefetch": prefetch,
+        "query": models.RrfQuery(rrf=models.Rrf(k=q.rrf_k, weights=[p.weight for p in plan])),
         "query_filter": flt,
     }
 
