@@ -29,6 +29,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check services tests benchmarks
 	$(BIN)/ruff format --check services tests benchmarks
+	$(BIN)/mypy services
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.embedding_throughput

@@ -143,7 +143,10 @@ def target(args: argparse.Namespace) -> Iterator[str]:
     if args.base_url:
         yield args.base_url
     else:
-        with kbmesh_up_at(args.data_dir) as base:
+        env = {f"KBMESH_SEARCH__{k.upper()}": str(v) for k, v in
+               (("rrf_k", args.rrf_k), ("lead_weight", args.lead_weight),
+                ("prefetch_limit", args.prefetch_limit)) if v is not None}
+        with kbmesh_up_at(args.data_dir, **env) as base:
             yield base
 
 
@@ -158,6 +161,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=50, help="chunks fetched per query")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--max-queries", type=int)
+    parser.add_argument("--rrf-k", type=int, help="KBMESH_SEARCH__RRF_K for the started stack")
+    parser.add_argument("--lead-weight", type=float, help="KBMESH_SEARCH__LEAD_WEIGHT")
+    parser.add_argument("--prefetch-limit", type=int, help="KBMESH_SEARCH__PREFETCH_LIMIT")
     args = parser.parse_args()
 
     corpus, queries, qrels = load_beir(args.beir_dir)
@@ -171,7 +177,8 @@ def main() -> None:
         if seconds:
             print(f"ingested in {seconds:.0f}s ({stats['chunk_count'] / seconds:.1f} chunks/s)")
         print(f"date {datetime.date.today()}  chunks {stats['chunk_count']}  "
-              f"chunk_size {args.chunk_size}  top_k {args.top_k}")
+              f"chunk_size {args.chunk_size}  top_k {args.top_k}  rrf_k {args.rrf_k}  "
+              f"lead_weight {args.lead_weight}  prefetch_limit {args.prefetch_limit}")
         print(f"| mode | MRR@10 | Recall@10 | nDCG@10 |\n| --- | --- | --- | --- |")
         results = {}
         for mode in args.modes.split(","):

@@ -54,3 +54,12 @@ class Transient(KbmeshError):
     status_code = 503
     error_type = "Unavailable"
     retryable = True
+
+
+def error_class(error_type: str) -> type[KbmeshError]:
+    """The class for an `error_type` received from another service (KbmeshError if unknown).
+    TooLarge comes before InvalidInput so that the more specific class wins."""
+    for cls in (TooLarge, InvalidInput, NotFound, Forbidden, Conflict, Transient):
+        if cls.error_type == error_type:
+            return cls
+    return KbmeshError

@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 import nats
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
@@ -34,11 +35,11 @@ class IndexWaiter:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def _on_indexed(self, msg: nats.aio.msg.Msg) -> None:
+    async def _on_indexed(self, msg: Msg) -> None:
         with contextlib.suppress(ValidationError):
             self._dispatch(DocIndexed.model_validate_json(msg.data))
 
-    async def _on_failed(self, msg: nats.aio.msg.Msg) -> None:
+    async def _on_failed(self, msg: Msg) -> None:
         with contextlib.suppress(ValidationError):
             self._dispatch(DocFailed.model_validate_json(msg.data))
 
