@@ -115,9 +115,11 @@ async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
         storage=StorageType.FILE,
         max_age=bus.stream_max_age_days * 86400,
         duplicate_window=120.0,
+        num_replicas=bus.replicas,
     )
     dlq = StreamConfig(
-        name=DLQ_STREAM, subjects=["dlq.>"], storage=StorageType.FILE, max_age=30 * 86400
+        name=DLQ_STREAM, subjects=["dlq.>"], storage=StorageType.FILE, max_age=30 * 86400,
+        num_replicas=bus.replicas,
     )
     for config in (stream, dlq):
         try:
@@ -125,8 +127,8 @@ async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
         except BadRequestError:
             await js.update_stream(config)
     for bucket in KV_BUCKETS:
-        await js.create_key_value(bucket=bucket, history=1)
-    await js.create_object_store(OBJECT_STORE)
+        await js.create_key_value(bucket=bucket, history=1, replicas=bus.replicas)
+    await js.create_object_store(OBJECT_STORE, replicas=bus.replicas)
 
 
 async def dead_letter(bus: Bus, msg: Any, reason: str, error_type: str) -> None:

@@ -33,7 +33,10 @@ def check_size(size: int, max_bytes: int) -> None:
 
 def _too_large(max_bytes: int, size: int | None = None) -> str:
     got = f" (got {size} bytes)" if size is not None else ""
-    return f"content exceeds the {max_bytes // (1024 * 1024)} MB limit{got}"
+    mb = 1024 * 1024
+    # Whole megabytes read best; any other configured limit is stated exactly (not "0 MB").
+    limit = f"{max_bytes // mb} MB" if max_bytes % mb == 0 else f"{max_bytes} bytes"
+    return f"content exceeds the {limit} limit{got}"
 
 
 def checksum(text: str) -> str:
@@ -59,6 +62,9 @@ def normalise_mime(mime_type: str | None, name: str = "") -> str:
 
 
 def is_supported(mime: str) -> bool:
-    return mime in TEXT_TYPES or mime in HTML_TYPES or mime in (PDF_TYPE, DOCX_TYPE) or (
-        mime.startswith(IMAGE_PREFIX)
+    return (
+        mime in TEXT_TYPES
+        or mime in HTML_TYPES
+        or mime in (PDF_TYPE, DOCX_TYPE)
+        or (mime.startswith(IMAGE_PREFIX))
     )

@@ -51,7 +51,9 @@ def split_tags(tags: list[str]) -> tuple[list[str], str | None]:
     """Stored tags → (visible tags, collection). Implicit `kb:` tags stay visible; the
     collection tag never is."""
     visible = [t for t in tags if not t.startswith(COLLECTION_PREFIX)]
-    collection = next((t[len(COLLECTION_PREFIX) :] for t in tags if t.startswith(COLLECTION_PREFIX)), None)
+    collection = next(
+        (t[len(COLLECTION_PREFIX) :] for t in tags if t.startswith(COLLECTION_PREFIX)), None
+    )
     return visible, collection
 
 

@@ -19,6 +19,9 @@ class BusSettings(BaseModel):
     )
     ack_wait_seconds: float = Field(120.0, gt=0, description="redelivery when a worker dies")
     stream_max_age_days: float = Field(7.0, gt=0)
+    replicas: int = Field(
+        1, ge=1, le=5, description="JetStream replicas of streams, buckets and the object store"
+    )
 
 
 class SearchSettings(BaseModel):

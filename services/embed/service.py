@@ -4,11 +4,14 @@ registries, so stale, duplicated or reordered messages converge to the registry'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from services.common import bm25
 from services.common.embedders import EmbedderPool
+from services.common.errors import Transient
 from services.common.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish, Subject
 from services.common.models import (
     DocumentRecord,
@@ -28,6 +31,8 @@ log = logging.getLogger("kbmesh.embed")
 _tracer = tracer("kbmesh.embed")
 # Titles ride along in every chunk's embedded text; cap what they may take of the model's input.
 TITLE_TOKEN_BUDGET = 24
+# How often one kb.index catches up with a document that changed while it was being indexed.
+CATCH_UP_ROUNDS = 5
 
 
 def document_payload(record: DocumentRecord) -> dict[str, Any]:
@@ -38,6 +43,7 @@ def document_payload(record: DocumentRecord) -> dict[str, Any]:
         "document_id": record.document_id,
         "document_name": record.name,
         "document_name_exact": record.name,
+        "document_name_folded": record.name.casefold(),
         "source_id": record.source_id,
         "uri": record.uri,
         "tags": tags,
@@ -60,8 +66,40 @@ class EmbedService:
         self.store = store
         self.embedders = embedders
         self.publish = publish
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._waiters: dict[tuple[str, str], int] = {}
 
     async def index(self, ev: KbIndex) -> IndexEntry | None:
+        async with self._serial(ev.kb_id, ev.document_id):
+            done = await self._index_once(ev)
+            embedded = bool(done and done[1])
+            # The document or the KB may have changed while this ran (on another worker or
+            # replica, or a kb.remove ran before our write): look again, so that the last
+            # writer always leaves the registry's current state in the index.
+            for _ in range(CATCH_UP_ROUNDS):
+                if done is None:
+                    return None
+                entry = done[0]
+                kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
+                record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
+                if kb is None or record is None or not kb.matches(record.tags):
+                    log.info("document left the kb while indexing kb_id=%s document_id=%s",
+                             ev.kb_id, ev.document_id)
+                    await self._drop(ev.kb_id, ev.document_id, gone=kb is None)
+                    return None
+                if (
+                    record.revision <= entry.revision
+                    and kb.settings_version == entry.settings_version
+                ):
+                    await self._announce(kb, record, entry, embedded=embedded)
+                    return entry
+                done = await self._index_once(ev.model_copy(update={"revision": record.revision}))
+                embedded = embedded or bool(done and done[1])
+            raise Transient(f"document {ev.document_id} keeps changing; indexing again later")
+
+    async def _index_once(self, ev: KbIndex) -> tuple[IndexEntry, bool] | None:
+        """Bring the document's points in the KB to the registry's state; returns the index
+        entry and whether anything was embedded, or None for stale work."""
         kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
         record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
         if kb is None or record is None or record.checksum is None:
@@ -80,8 +118,7 @@ class EmbedService:
             and entry.settings_version == kb.settings_version
         )
         if entry is not None and same_build and entry.revision >= record.revision:
-            await self._announce(kb, record, entry, embedded=False)
-            return entry
+            return entry, False
         if entry is not None and same_build:
             # Same text, same settings: only labels changed. Rewrite payloads, no embedding.
             with _tracer.start_as_current_span("kbmesh.embed.set_payload"):
@@ -93,12 +130,10 @@ class EmbedService:
             entry.revision = record.revision
             entry.indexed_at = utcnow()
             await self.reg.index.put(entry_key, entry)
-            await self._announce(kb, record, entry, embedded=False)
-            return entry
+            return entry, False
         entry = await self._build(kb, record)
         await self.reg.index.put(entry_key, entry)
-        await self._announce(kb, record, entry, embedded=True)
-        return entry
+        return entry, True
 
     async def _build(self, kb: KnowledgeBase, record: DocumentRecord) -> IndexEntry:
         text = await self.reg.texts.get_text(record.text_object)
@@ -162,20 +197,46 @@ class EmbedService:
         )
 
     async def remove(self, ev: KbRemove) -> None:
-        kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
-        record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
-        if kb is not None and record is not None and kb.matches(record.tags):
-            log.info("drop stale kb.remove kb_id=%s document_id=%s", ev.kb_id, ev.document_id)
-            return
-        collection = kb.collection_name if kb else f"kb_{ev.kb_id}"
-        with _tracer.start_as_current_span("kbmesh.embed.delete"):
-            await self.store.delete_document(collection, ev.document_id)
-        await self.reg.index.delete(f"{ev.kb_id}.{ev.document_id}")
+        async with self._serial(ev.kb_id, ev.document_id):
+            kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
+            record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
+            if kb is not None and record is not None and kb.matches(record.tags):
+                log.info("drop stale kb.remove kb_id=%s document_id=%s",
+                         ev.kb_id, ev.document_id)
+                return
+            await self._drop(ev.kb_id, ev.document_id, gone=False)
         await self.publish(
             Subject.DOC_INDEXED,
             DocIndexed(org_id=ev.org_id, kb_id=ev.kb_id, document_id=ev.document_id,
                        revision=ev.revision, chunk_count=0, embedded=False, removed=True),
         )
+
+    async def _drop(self, kb_id: str, document_id: str, *, gone: bool) -> None:
+        """Delete the document's points and index entry in the KB; all of the KB's points
+        when the KB itself is gone (an index that raced its deletion may have re-created
+        the collection)."""
+        collection = f"kb_{kb_id}"
+        with _tracer.start_as_current_span("kbmesh.embed.delete"):
+            if gone:
+                await self.store.drop_collection(collection)
+            else:
+                await self.store.delete_document(collection, document_id)
+        await self.reg.index.delete(f"{kb_id}.{document_id}")
+
+    @contextlib.asynccontextmanager
+    async def _serial(self, kb_id: str, document_id: str) -> AsyncIterator[None]:
+        """One piece of work per (KB, document) at a time in this process: concurrent
+        workers would otherwise race their reads and writes of the same points."""
+        key = (kb_id, document_id)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._waiters[key] -= 1
+            if not self._waiters[key]:
+                del self._waiters[key], self._locks[key]
 
     async def kb_changed(self, ev: KbChanged) -> None:
         if ev.change != "deleted":

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from services.common.errors import Forbidden, KbmeshError, NotFound
+from services.common.models import check_id
 from services.common.registry import ApiKey, Registry
 
 KEY_PREFIX = "kbm_"
@@ -65,10 +66,14 @@ class KeyResolver:
         self._any_keys: tuple[float, bool] = (0.0, False)
 
     async def any_keys(self) -> bool:
+        # Only "keys exist" is cached: a key created elsewhere (`kbmesh keys create`, another
+        # gateway replica) must end keyless access at once, not after a cache period.
         checked, value = self._any_keys
-        if time.monotonic() - checked < 5.0:
-            return value
-        value = bool(await self.keys.list())
+        if value and time.monotonic() - checked < 5.0:
+            return True
+        # The bucket's message count is one cheap request; it is 0 until a key is stored.
+        status = await self.keys.kv.status()
+        value = status.values > 0 and bool(await self.keys.list())
         self._any_keys = (time.monotonic(), value)
         return value
 
@@ -94,14 +99,24 @@ class KeyResolver:
         )
 
     async def create(
-        self, org_id: str, name: str = "", kb_ids: list[str] | None = None,
+        self,
+        org_id: str,
+        name: str = "",
+        kb_ids: list[str] | None = None,
         read_only: bool = False,
     ) -> str:
+        # The org becomes the first segment of every registry key: no dots, no wildcards.
+        check_id(org_id, "org_id")
         token = new_key()
         await self.keys.put(
             hash_key(token),
-            ApiKey(key_hash=hash_key(token), org_id=org_id, name=name, kb_ids=kb_ids,
-                   read_only=read_only),
+            ApiKey(
+                key_hash=hash_key(token),
+                org_id=org_id,
+                name=name,
+                kb_ids=kb_ids,
+                read_only=read_only,
+            ),
         )
         self._any_keys = (0.0, False)
         return token

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any
 
 from services.common.bus import Bus
 from services.common.content import decode_content, is_supported, normalise_mime
 from services.common.embedders import model_limits
-from services.common.errors import Conflict, Forbidden, InvalidInput, NotFound
+from services.common.errors import (
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    Transient,
+    error_class,
+)
 from services.common.events import (
     DocDeleted,
     DocFailed,
@@ -63,6 +71,10 @@ from services.gateway.schemas import (
 )
 from services.gateway.waiter import IndexWaiter
 
+# Derives other orgs' default KB ids (see `GatewayService.default_kb_id`).
+DEFAULT_KB_NAMESPACE = uuid.UUID("0b3f6c52-2d7e-4f0a-9a43-5c1e8d7b6a29")
+KB_CAS_ATTEMPTS = 20
+PATCH_ATTEMPTS = 10
 REINDEX_FIELDS = ("chunker", "chunk_size", "chunk_overlap", "embedding_model", "api_base")
 POLL_SECONDS = 0.05
 
@@ -78,13 +90,22 @@ class GatewayService:
 
     # ---- knowledge bases ------------------------------------------------------------------
 
+    def default_kb_id(self, org_id: str) -> str:
+        """The id of an org's default KB. KB ids must be unique across orgs: collections,
+        index entries and point ids are keyed by KB id alone, so a default KB shared by id
+        would let one org overwrite, count or drop another's vectors. The configured
+        default org keeps the plain name as id; every other org gets one derived from it."""
+        if org_id == self.settings.default_org:
+            return self.settings.default_kb
+        return uuid.uuid5(DEFAULT_KB_NAMESPACE, f"{org_id}/{self.settings.default_kb}").hex
+
     async def ensure_default_kb(self, org_id: str) -> KnowledgeBase:
-        key = f"{org_id}.{self.settings.default_kb}"
+        key = f"{org_id}.{self.default_kb_id(org_id)}"
         kb = await self.reg.kbs.get(key)
         if kb is not None:
             return kb
         kb = KnowledgeBase(
-            org_id=org_id, kb_id=self.settings.default_kb, name=self.settings.default_kb,
+            org_id=org_id, kb_id=self.default_kb_id(org_id), name=self.settings.default_kb,
             description="Created on first start.", embedding_model=self.settings.default_model,
         )
         try:
@@ -149,23 +170,47 @@ class GatewayService:
             others = await self.reg.kbs.list(f"{p.org_id}.")
             if any(k.name == changes["name"] for k in others):
                 raise Conflict(f"a knowledge base named {changes['name']!r} exists", field="name")
-        updated = kb.model_copy(update={k: v for k, v in changes.items() if v is not None or k == "api_base"})
+        update = {k: v for k, v in changes.items() if v is not None or k == "api_base"}
+
+        def apply(current: KnowledgeBase) -> KnowledgeBase:
+            updated = current.model_copy(update=update)
+            validate_kb(updated)
+            if any(getattr(updated, f) != getattr(current, f) for f in REINDEX_FIELDS):
+                updated.settings_version = current.settings_version + 1
+                updated.status = KBStatus.pending_reindex
+            updated.updated_at = utcnow()
+            return updated
+
         # Off the loop: the first remote model lookup imports litellm (seconds).
-        await asyncio.to_thread(validate_kb, updated)
-        reindex = any(getattr(updated, f) != getattr(kb, f) for f in REINDEX_FIELDS)
-        retag = set(updated.tag_ids) != set(kb.tag_ids)
-        if reindex:
-            updated.settings_version = kb.settings_version + 1
-            updated.status = KBStatus.pending_reindex
-        updated.updated_at = utcnow()
-        await self.reg.kbs.put(f"{p.org_id}.{kb.kb_id}", updated)
-        if retag:
+        await asyncio.to_thread(apply, kb)
+        old, updated = await self._change_kb(p.org_id, kb.kb_id, apply)
+        if set(updated.tag_ids) != set(old.tag_ids):
             await self.bus.publish(Subject.KB_CHANGED, KbChanged(
-                org_id=p.org_id, kb_id=kb.kb_id, change="tags", old_tag_ids=kb.tag_ids))
-        if reindex:
+                org_id=p.org_id, kb_id=kb.kb_id, change="tags", old_tag_ids=old.tag_ids))
+        if updated.settings_version != old.settings_version:
             await self.bus.publish(Subject.KB_CHANGED, KbChanged(
                 org_id=p.org_id, kb_id=kb.kb_id, change="settings"))
         return await self.kb_view(updated)
+
+    async def _change_kb(
+        self, org_id: str, kb_id: str, apply: Any
+    ) -> tuple[KnowledgeBase, KnowledgeBase]:
+        """Compare-and-set a KB definition: `apply(current) -> updated` runs again on the
+        newest version when another request changed the KB meanwhile, so concurrent updates
+        each count (every settings change gets its own settings version)."""
+        key = f"{org_id}.{kb_id}"
+        for _ in range(KB_CAS_ATTEMPTS):
+            found = await self.reg.kbs.get_versioned(key)
+            if found is None:
+                raise NotFound(f"knowledge base {kb_id!r} not found", field="kb_id")
+            current, last = found
+            updated = apply(current.model_copy(deep=True))
+            try:
+                await self.reg.kbs.update(key, updated, last)
+            except Conflict:
+                continue
+            return current, updated
+        raise Transient("the knowledge base is being changed concurrently; try again")
 
     async def delete_kb(self, p: Principal, ref: str) -> Ack:
         kb = await self.resolve_kb(p, ref, write=True)
@@ -178,10 +223,14 @@ class GatewayService:
     async def reindex_kb(self, p: Principal, ref: str, *, failed_only: bool = False) -> Ack:
         kb = await self.resolve_kb(p, ref, write=True)
         if not failed_only:
-            kb.settings_version += 1
-            kb.status = KBStatus.pending_reindex
-            kb.updated_at = utcnow()
-            await self.reg.kbs.put(f"{p.org_id}.{kb.kb_id}", kb)
+
+            def bump(current: KnowledgeBase) -> KnowledgeBase:
+                current.settings_version += 1
+                current.status = KBStatus.pending_reindex
+                current.updated_at = utcnow()
+                return current
+
+            _, kb = await self._change_kb(p.org_id, kb.kb_id, bump)
         await self.bus.publish(Subject.KB_CHANGED, KbChanged(
             org_id=p.org_id, kb_id=kb.kb_id, change="retry_failed" if failed_only else "reindex"))
         members = [d for d in await self.reg.documents.list(f"{p.org_id}.") if kb.matches(d.tags)]
@@ -231,9 +280,11 @@ class GatewayService:
         status = kb.status
         behind = [e for e in entries if e.settings_version != kb.settings_version]
         ready = [d for d in members if d.status == DocStatus.ready]
-        if status == KBStatus.pending_reindex and not behind and len(entries) >= len(ready):
+        # The stored status only records that a reindex was asked for; what is left to do
+        # is read from the index entries.
+        if status == KBStatus.pending_reindex and not behind:
             status = KBStatus.active
-        elif status == KBStatus.active and len(entries) < len(ready):
+        if status == KBStatus.active and len(entries) < len(ready):
             status = KBStatus.indexing
         return KbView(
             **kb.model_dump(exclude={"org_id", "status"}),
@@ -290,7 +341,7 @@ class GatewayService:
         key = f"{event.org_id}.{event.document_id}"
         record: DocumentRecord | None = None
         while time.monotonic() < deadline:
-            failed = _drain_failure(events, stage="ingest")
+            failed = _drain_failure(events, event.org_id, stage="ingest")
             if failed is not None:
                 return result.model_copy(update={"status": "failed", "error": failed.error})
             record = await self.reg.documents.get(key)
@@ -299,7 +350,8 @@ class GatewayService:
             await asyncio.sleep(POLL_SECONDS)
         else:
             return result
-        assert record is not None  # noqa: S101 - loop exits with a record or returns
+        if record is None:  # pragma: no cover - the loop breaks only with a record
+            return result
         result.revision = record.revision
         result.kb_ids = record.kb_ids
         if record.status == DocStatus.awaiting_ocr:
@@ -308,8 +360,8 @@ class GatewayService:
             return result.model_copy(update={"status": "failed", "error": record.error})
         if not record.kb_ids:
             return result.model_copy(update={"status": "stored", "chunk_count": 0})
-        outcome = await self._await_kbs(events, set(record.kb_ids), set(), record.revision,
-                                        deadline)
+        outcome = await self._await_kbs(events, event.org_id, set(record.kb_ids), set(),
+                                        record.revision, deadline)
         if isinstance(outcome, DocFailed):
             return result.model_copy(update={"status": "failed", "error": outcome.error})
         if outcome is None:
@@ -319,12 +371,13 @@ class GatewayService:
         return result.model_copy(update={"status": "complete", "chunk_count": chunk_count})
 
     async def _await_kbs(
-        self, events: asyncio.Queue[Any], index_kbs: set[str], remove_kbs: set[str],
-        revision: int, deadline: float,
+        self, events: asyncio.Queue[Any], org_id: str, index_kbs: set[str],
+        remove_kbs: set[str], revision: int, deadline: float,
     ) -> dict[str, int] | DocFailed | None:
         """Wait for doc.indexed from every KB in index_kbs (at `revision` or later) and a
         removal from every KB in remove_kbs. Returns chunk counts, the failure, or None on
-        timeout."""
+        timeout. Document ids are per org: another org's events for the same id are not
+        ours."""
         counts: dict[str, int] = {}
         removed: set[str] = set()
         while (index_kbs - counts.keys()) or (remove_kbs - removed):
@@ -335,6 +388,8 @@ class GatewayService:
                 ev = await asyncio.wait_for(events.get(), timeout=remaining)
             except TimeoutError:
                 return None
+            if ev.org_id != org_id:
+                continue
             if isinstance(ev, DocFailed):
                 if ev.kb_id in index_kbs and (ev.revision or revision) >= revision:
                     return ev
@@ -378,36 +433,52 @@ class GatewayService:
     async def patch_document(
         self, p: Principal, document_id: str, patch: DocumentPatch, *, wait: bool = True
     ) -> DocumentView:
+        """Set tags, collection and/or metadata. The change is sent as the next revision of
+        the record read here; if another change took that revision first, ingest drops ours
+        as stale, so with `wait` it is applied again on the newer record (what the caller
+        asked to set is set, whatever happened meanwhile)."""
         record = await self._document(p, document_id)
         self._check_doc_write(p, record)
-        visible, collection = split_tags(record.tags)
-        if patch.tags is not None:
-            # Implicit KB tags stay: they are membership, not labels the caller manages here.
-            visible = [t for t in visible if t.startswith("kb:")] + patch.tags
-        if patch.clear_collection:
-            collection = None
-        elif patch.collection is not None:
-            collection = patch.collection
-        _check_labels(visible, collection)
-        tags = join_tags(visible, collection)
-        await self._check_tag_scope(p, tags)
-        metadata = patch.metadata if patch.metadata is not None else record.metadata
-        if tags == record.tags and metadata == record.metadata:
-            return await self._document_view(record)
-        revision = record.revision + 1
-        event = TagsChanged(org_id=p.org_id, document_id=document_id, tags=tags,
-                            metadata=patch.metadata, revision=revision)
-        if not wait:
-            await self.bus.publish(Subject.TAGS_CHANGED, event)
-            return await self._document_view(record)
-        async with self.waiter.watch([document_id]) as events:
-            await self.bus.publish(Subject.TAGS_CHANGED, event)
-            deadline = time.monotonic() + self.settings.wait_timeout_seconds
-            updated = await self._await_record(record.key, lambda r: r.revision >= revision,
-                                               deadline)
-            if updated is not None and updated.status == DocStatus.ready:
-                lost = set(record.kb_ids) - set(updated.kb_ids)
-                await self._await_kbs(events, set(updated.kb_ids), lost, revision, deadline)
+        deadline = time.monotonic() + self.settings.wait_timeout_seconds
+        for _ in range(PATCH_ATTEMPTS):
+            visible, collection = split_tags(record.tags)
+            if patch.tags is not None:
+                # Implicit KB tags stay: they are membership, not labels the caller manages.
+                visible = [t for t in visible if t.startswith("kb:")] + patch.tags
+            if patch.clear_collection:
+                collection = None
+            elif patch.collection is not None:
+                collection = patch.collection
+            _check_labels(visible, collection)
+            tags = join_tags(visible, collection)
+            await self._check_tag_scope(p, tags)
+            metadata = patch.metadata if patch.metadata is not None else record.metadata
+            if tags == record.tags and metadata == record.metadata:
+                return await self._document_view(record)
+            revision = record.revision + 1
+            event = TagsChanged(org_id=p.org_id, document_id=document_id, tags=tags,
+                                metadata=patch.metadata, revision=revision)
+            if not wait:
+                await self.bus.publish(Subject.TAGS_CHANGED, event)
+                return await self._document_view(record)
+            async with self.waiter.watch([document_id]) as events:
+                await self.bus.publish(Subject.TAGS_CHANGED, event)
+                updated = await self._await_record(
+                    record.key, lambda r, rev=revision: r.revision >= rev, deadline)
+                if updated is None:
+                    break  # timed out, or deleted meanwhile
+                if updated.last_event_id != event.event_id and not _patched(patch, updated):
+                    record = updated  # ours was dropped as stale: again, on the newer record
+                    self._check_doc_write(p, record)
+                    continue
+                if updated.status == DocStatus.ready:
+                    lost = set(record.kb_ids) - set(updated.kb_ids)
+                    await self._await_kbs(events, p.org_id, set(updated.kb_ids), lost,
+                                          updated.revision, deadline)
+                break
+        else:
+            raise Conflict(f"document {document_id!r} keeps changing; try again",
+                           field="document_id")
         return await self.get_document(p, document_id)
 
     async def delete_document(
@@ -425,7 +496,9 @@ class GatewayService:
         return DeleteResult(status="deleted", deleted_count=1, document_id=document_id,
                             title=record.name, document_ids=[document_id])
 
-    async def delete_source(self, p: Principal, source_id: str, *, wait: bool = True) -> DeleteResult:
+    async def delete_source(
+        self, p: Principal, source_id: str, *, wait: bool = True
+    ) -> DeleteResult:
         if not source_id.strip():
             raise InvalidInput("source_id must not be empty", field="source_id")
         # Only what the caller can see: a scoped key never learns of documents outside it.
@@ -450,7 +523,9 @@ class GatewayService:
                 return r
         return None
 
-    async def _delete(self, records: list[DocumentRecord], event: DocDeleted, *, wait: bool) -> None:
+    async def _delete(
+        self, records: list[DocumentRecord], event: DocDeleted, *, wait: bool
+    ) -> None:
         if not wait:
             await self.bus.publish(Subject.DOC_DELETED, event)
             return
@@ -466,7 +541,7 @@ class GatewayService:
                     ev = await asyncio.wait_for(events.get(), deadline - time.monotonic())
                 except TimeoutError:
                     break
-                if isinstance(ev, DocIndexed) and ev.removed:
+                if isinstance(ev, DocIndexed) and ev.removed and ev.org_id == event.org_id:
                     seen.add((ev.document_id, ev.kb_id))
             for r in records:
                 await self._await_record(r.key, None, deadline)
@@ -550,8 +625,6 @@ class GatewayService:
         return ChunkResponse.model_validate(await self._request(Subject.SEARCH_CHUNK, request))
 
     async def _request(self, subject: str, request: Any) -> dict[str, Any]:
-        from services.common.errors import KbmeshError, Transient
-
         try:
             reply = await self.bus.request(subject, request,
                                            timeout=self.settings.search.timeout_seconds)
@@ -563,8 +636,7 @@ class GatewayService:
             raise
         if "error" in reply:
             error = RemoteError.model_validate(reply["error"])
-            cls = next((c for c in _ERRORS if c.error_type == error.error_type), KbmeshError)
-            raise cls(error.message, field=error.field)
+            raise error_class(error.error_type)(error.message, field=error.field)
         result: dict[str, Any] = reply["result"]
         return result
 
@@ -611,12 +683,28 @@ def _check_labels(tags: list[str], collection: str | None) -> None:
         raise InvalidInput("collection must be 1-200 characters", field="collection")
 
 
-def _drain_failure(events: asyncio.Queue[Any], stage: str) -> DocFailed | None:
+def _patched(patch: DocumentPatch, record: DocumentRecord) -> bool:
+    """Whether `record` already has what `patch` sets (by this or another change)."""
+    visible, collection = split_tags(record.tags)
+    if patch.tags is not None:
+        labels = {t for t in visible if not t.startswith("kb:")}
+        wanted = set(patch.tags)
+        if labels != {t for t in wanted if not t.startswith("kb:")} or not wanted <= set(visible):
+            return False
+    if patch.clear_collection and collection is not None:
+        return False
+    if not patch.clear_collection and patch.collection not in (None, collection):
+        return False
+    return patch.metadata is None or record.metadata == patch.metadata
+
+
+def _drain_failure(events: asyncio.Queue[Any], org_id: str, stage: str) -> DocFailed | None:
     pending: list[Any] = []
     failure = None
     while not events.empty():
         ev = events.get_nowait()
-        if isinstance(ev, DocFailed) and ev.stage == stage and failure is None:
+        if (isinstance(ev, DocFailed) and ev.stage == stage and ev.org_id == org_id
+                and failure is None):
             failure = ev
         else:
             pending.append(ev)
@@ -639,13 +727,3 @@ def _key_safe(value: str) -> bool:
     except InvalidInput:
         return False
     return True
-
-
-def _errors() -> list[type]:
-    from services.common import errors
-
-    return [errors.InvalidInput, errors.TooLarge, errors.NotFound, errors.Forbidden,
-            errors.Conflict, errors.Transient]
-
-
-_ERRORS = _errors()

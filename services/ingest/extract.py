@@ -18,6 +18,7 @@ from services.common.errors import InvalidInput
 class NeedsOcr(Exception):
     """The content has no text layer; it waits for `ocr.done`."""
 
+
 def extract_text(data: bytes, mime: str) -> str:
     """Return the document's text, or raise NeedsOcr / InvalidInput."""
     if mime in TEXT_TYPES:

@@ -29,7 +29,9 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
         if document_id:
             key = f"{ev.org_id}.{document_id}"
             record = await service.reg.documents.get(key)
-            if record is not None:
+            # Only this upload's own record says why it failed: a rejected re-upload (bad
+            # content, unknown KB) leaves the document as it was.
+            if record is not None and record.last_event_id == ev.event_id:
                 record.status = DocStatus.failed
                 record.error = str(err)
                 await service.reg.documents.put(key, record)
@@ -50,8 +52,14 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
     async def on_kb(ev: KbChanged) -> None:
         await service.kb_changed(ev)
 
-    consume(router, bus, Subject.DOC_UPLOADED, "ingest-doc-uploaded", on_upload,
-            on_failure=upload_failed)
+    consume(
+        router,
+        bus,
+        Subject.DOC_UPLOADED,
+        "ingest-doc-uploaded",
+        on_upload,
+        on_failure=upload_failed,
+    )
     consume(router, bus, Subject.OCR_DONE, "ingest-ocr-done", on_ocr)
     consume(router, bus, Subject.TAGS_CHANGED, "ingest-tags-changed", on_tags)
     consume(router, bus, Subject.DOC_DELETED, "ingest-doc-deleted", on_delete)

@@ -3,7 +3,13 @@ turns every change into `kb.index` / `kb.remove` for the embed service."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from nats.js.errors import APIError
 
 from services.common.content import (
     check_size,
@@ -12,7 +18,7 @@ from services.common.content import (
     is_supported,
     normalise_mime,
 )
-from services.common.errors import InvalidInput, NotFound
+from services.common.errors import Conflict, InvalidInput, NotFound, Transient
 from services.common.events import (
     DocDeleted,
     DocFailed,
@@ -41,6 +47,12 @@ from services.common.settings import Settings
 from services.ingest.extract import NeedsOcr, extract_text
 
 log = logging.getLogger("kbmesh.ingest")
+T = TypeVar("T")
+# Ingest's consumers (uploads, OCR, tags, deletes, KB changes) run side by side and all write
+# document records: every write is compare-and-set, and a lost race re-runs the read-decide-
+# write step. A race that keeps being lost is left to the bus's redelivery with backoff.
+CAS_ATTEMPTS = 10
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed compare-and-set
 
 
 class IngestService:
@@ -69,64 +81,87 @@ class IngestService:
             kb = await self._kb(ev.org_id, ev.kb_id)
             tags.append(kb_tag(kb.kb_id))
         visible, collection = split_tags(tags)
-        record = DocumentRecord(
-            org_id=ev.org_id,
-            document_id=document_id,
-            name=ev.name,
-            mime_type=mime,
-            source_id=ev.source_id,
-            uri=ev.uri,
-            tags=join_tags(visible, ev.collection or collection),
-            metadata=ev.metadata,
-            size_bytes=len(data),
-            last_event_id=ev.event_id,
-        )
-        if existing is not None:
-            record.revision = existing.revision + 1
-            record.created_at = existing.created_at
-            record.kb_ids = existing.kb_ids
-        original = f"{ev.org_id}/{document_id}/original"
-        await self.reg.texts.put(original, data)
         try:
-            text = extract_text(data, mime)
+            # Parsing a large PDF or DOCX is CPU work: keep it off the event loop.
+            text: str | None = await asyncio.to_thread(extract_text, data, mime)
         except NeedsOcr:
-            record.status = DocStatus.awaiting_ocr
-            await self.reg.documents.put(key, record)
-            log.info("awaiting_ocr org_id=%s document_id=%s", ev.org_id, document_id)
-            return record
-        return await self._store_text(record, text, existing)
+            text = None
+        await self.reg.texts.put(f"{ev.org_id}/{document_id}/original", data)
+
+        async def write() -> DocumentRecord:
+            existing, last = await self._get(key)
+            if existing is not None and existing.last_event_id == ev.event_id:
+                return existing  # a concurrent redelivery applied it meanwhile
+            record = DocumentRecord(
+                org_id=ev.org_id,
+                document_id=document_id,
+                name=ev.name,
+                mime_type=mime,
+                source_id=ev.source_id,
+                uri=ev.uri,
+                tags=join_tags(visible, ev.collection or collection),
+                metadata=ev.metadata,
+                size_bytes=len(data),
+                last_event_id=ev.event_id,
+            )
+            if existing is not None:
+                record.revision = existing.revision + 1
+                record.created_at = existing.created_at
+                record.kb_ids = existing.kb_ids
+            if text is None:
+                record.status = DocStatus.awaiting_ocr
+                await self._save(record, last)
+                log.info("awaiting_ocr org_id=%s document_id=%s", ev.org_id, document_id)
+                return record
+            return await self._store_text(record, text, existing, last)
+
+        return await self._cas(write)
 
     async def ocr_done(self, ev: OcrDone) -> DocumentRecord:
         key = f"{ev.org_id}.{ev.document_id}"
-        record = await self.reg.documents.get(key)
-        if record is None:
-            raise NotFound(f"document {ev.document_id} not found")
-        if record.status != DocStatus.awaiting_ocr:
-            return record  # a duplicate, or OCR for a document that already has text
-        if not ev.ok:
-            record.status = DocStatus.failed
-            record.error = f"OCR failed: {ev.error or 'no reason given'}"
-            record.updated_at = utcnow()
-            await self.reg.documents.put(key, record)
-            await self.publish(
-                Subject.DOC_FAILED,
-                DocFailed(org_id=ev.org_id, document_id=ev.document_id, stage="ocr",
-                          revision=record.revision, error=record.error),
-            )
-            return record
-        if ev.text is not None:
-            text = ev.text
-        elif ev.object_ref:
-            found = await self.reg.texts.get_text(ev.object_ref)
-            if found is None:
-                raise InvalidInput(f"object {ev.object_ref!r} not found", field="object_ref")
-            text = found
-        else:
-            raise InvalidInput("ocr.done with ok=true needs text or object_ref", field="text")
-        return await self._store_text(record, text, record)
+
+        async def write() -> DocumentRecord:
+            record, last = await self._get(key)
+            if record is None:
+                raise NotFound(f"document {ev.document_id} not found")
+            if record.status != DocStatus.awaiting_ocr:
+                return record  # a duplicate, or OCR for a document that already has text
+            if not ev.ok:
+                record.status = DocStatus.failed
+                record.error = f"OCR failed: {ev.error or 'no reason given'}"
+                record.updated_at = utcnow()
+                await self._save(record, last)
+                await self.publish(
+                    Subject.DOC_FAILED,
+                    DocFailed(
+                        org_id=ev.org_id,
+                        document_id=ev.document_id,
+                        stage="ocr",
+                        revision=record.revision,
+                        error=record.error,
+                    ),
+                )
+                return record
+            if ev.text is not None:
+                text = ev.text
+            elif ev.object_ref:
+                found = await self.reg.texts.get_text(ev.object_ref)
+                if found is None:
+                    raise InvalidInput(f"object {ev.object_ref!r} not found", field="object_ref")
+                text = found
+            else:
+                raise InvalidInput("ocr.done with ok=true needs text or object_ref", field="text")
+            # The upload made this revision; OCR supplies its text, so the revision stays.
+            return await self._store_text(record, text, record, last)
+
+        return await self._cas(write)
 
     async def _store_text(
-        self, record: DocumentRecord, text: str, previous: DocumentRecord | None
+        self,
+        record: DocumentRecord,
+        text: str,
+        previous: DocumentRecord | None,
+        last: int | None,
     ) -> DocumentRecord:
         record.checksum = checksum(text)
         if previous is not None and previous.checksum != record.checksum:
@@ -134,101 +169,177 @@ class IngestService:
         await self.reg.texts.put(record.text_object, text.encode("utf-8"))
         record.status = DocStatus.ready
         record.error = None
-        return await self._apply_membership(record)
+        return await self._apply_membership(record, last)
 
     async def change_tags(self, ev: TagsChanged) -> DocumentRecord | None:
         key = f"{ev.org_id}.{ev.document_id}"
-        found = await self.reg.documents.get_versioned(key)
-        if found is None:
-            raise NotFound(f"document {ev.document_id} not found")
-        record, _ = found
-        if ev.revision is not None and ev.revision <= record.revision:
-            log.info(
-                "stale tags.changed org_id=%s document_id=%s revision=%d current=%d",
-                ev.org_id, ev.document_id, ev.revision, record.revision,
-            )
-            return None
-        visible, collection = split_tags(ev.tags)
-        record.tags = join_tags(visible, collection)
-        if ev.metadata is not None:
-            record.metadata = ev.metadata
-        record.revision = ev.revision or record.revision + 1
-        record.last_event_id = ev.event_id
-        if record.status in (DocStatus.awaiting_ocr, DocStatus.failed):
-            record.updated_at = utcnow()
-            await self.reg.documents.put(key, record)
-            return record
-        return await self._apply_membership(record)
+
+        async def write() -> DocumentRecord | None:
+            record, last = await self._get(key)
+            if record is None:
+                raise NotFound(f"document {ev.document_id} not found")
+            if record.last_event_id == ev.event_id:
+                # A redelivery of the change last applied (past JetStream's de-duplication
+                # window, or after a crash before the ack): re-announce, change nothing.
+                if record.status == DocStatus.ready:
+                    await self._announce(record, record.kb_ids, [])
+                return record
+            if ev.revision is not None and ev.revision <= record.revision:
+                log.info(
+                    "stale tags.changed org_id=%s document_id=%s revision=%d current=%d",
+                    ev.org_id,
+                    ev.document_id,
+                    ev.revision,
+                    record.revision,
+                )
+                return None
+            visible, collection = split_tags(ev.tags)
+            record.tags = join_tags(visible, collection)
+            if ev.metadata is not None:
+                record.metadata = ev.metadata
+            record.revision = ev.revision or record.revision + 1
+            record.last_event_id = ev.event_id
+            if record.status in (DocStatus.awaiting_ocr, DocStatus.failed):
+                record.updated_at = utcnow()
+                await self._save(record, last)
+                return record
+            return await self._apply_membership(record, last)
+
+        return await self._cas(write)
 
     async def delete(self, ev: DocDeleted) -> list[DocumentRecord]:
-        records: list[DocumentRecord] = []
-        for document_id in ev.document_ids:
-            record = await self.reg.documents.get(f"{ev.org_id}.{document_id}")
-            if record is not None:
-                records.append(record)
+        keys = [f"{ev.org_id}.{document_id}" for document_id in ev.document_ids]
         if ev.source_id:
-            records += [
-                r for r in await self.reg.documents.list(f"{ev.org_id}.")
+            keys += [
+                r.key
+                for r in await self.reg.documents.list(f"{ev.org_id}.")
                 if r.source_id == ev.source_id
             ]
-        for record in records:
-            # Remove vectors first: the record is what embed checks membership against.
-            record.revision += 1
-            lost = record.kb_ids
-            record.kb_ids = []
-            record.tags = []
-            await self.reg.documents.put(record.key, record)
-            await self._announce(record, [], lost)
-            await self.reg.documents.delete(record.key)
+        deleted: list[DocumentRecord] = []
+        for key in dict.fromkeys(keys):
+
+            async def clear(key: str = key) -> DocumentRecord | None:
+                record, last = await self._get(key)
+                if record is None:
+                    return None
+                # Remove vectors first: the record is what embed checks membership against.
+                lost = record.kb_ids
+                record.revision += 1
+                record.kb_ids = []
+                record.tags = []
+                last = await self._save(record, last)
+                await self._announce(record, [], lost)
+                # Only the record we cleared: a change that slipped in meanwhile (and may
+                # have indexed the document again) is cleared and announced once more.
+                try:
+                    await self.reg.documents.kv.delete(key, last=last)
+                except APIError as err:
+                    if err.err_code == WRONG_LAST_SEQUENCE:
+                        raise _Raced(key) from err
+                    raise
+                return record
+
+            record = await self._cas(clear)
+            if record is None:
+                continue
             await self.reg.texts.delete(record.text_object)
             await self.reg.texts.delete(f"{record.org_id}/{record.document_id}/original")
-        return records
+            deleted.append(record)
+        return deleted
 
     # ---- knowledge bases ------------------------------------------------------------------
 
     async def kb_changed(self, ev: KbChanged) -> None:
         """Backfill or remove documents when a KB is created, retagged, reconfigured."""
         kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
-        documents = await self.reg.documents.list(f"{ev.org_id}.")
-        for record in documents:
-            if record.status != DocStatus.ready:
-                continue
-            member = kb is not None and ev.change != "deleted" and kb.matches(record.tags)
-            was = ev.kb_id in record.kb_ids
-            if member == was and ev.change not in ("settings", "reindex", "retry_failed"):
-                continue
-            if member != was:
+        if ev.change == "deleted":
+            kb = None
+        rebuild = ev.change in ("settings", "reindex", "retry_failed")
+
+        def member(record: DocumentRecord) -> bool:
+            return kb is not None and kb.matches(record.tags)
+
+        async def apply(key: str) -> None:
+            record, last = await self._get(key)  # again: it may have changed since the listing
+            if record is None or record.status != DocStatus.ready:
+                return
+            now, was = member(record), ev.kb_id in record.kb_ids
+            if now != was:
                 record.kb_ids = sorted(
-                    {*record.kb_ids, ev.kb_id} if member else set(record.kb_ids) - {ev.kb_id}
+                    {*record.kb_ids, ev.kb_id} if now else set(record.kb_ids) - {ev.kb_id}
                 )
-                await self.reg.documents.put(record.key, record)
+                await self._save(record, last)
             # Fresh event ids: a KB change moves documents without bumping their revision, so
             # a document can leave, rejoin and leave a KB at one revision; ids derived from
             # the revision would make JetStream drop the second removal as a duplicate.
-            if member:
+            if now and (rebuild or not was):
                 await self._index(record, ev.kb_id, dedupe=False)
-            elif was:
+            elif was and not now:
                 await self._remove(record, ev.kb_id, dedupe=False)
+
+        for listed in await self.reg.documents.list(f"{ev.org_id}."):
+            # A document written after the listing checks the KBs again itself (see
+            # `_apply_membership`), so deciding from the listing here loses nothing.
+            if listed.status != DocStatus.ready:
+                continue
+            if not rebuild and member(listed) == (ev.kb_id in listed.kb_ids):
+                continue
+            await self._cas(functools.partial(apply, listed.key))
 
     # ---- helpers --------------------------------------------------------------------------
 
-    async def _apply_membership(self, record: DocumentRecord) -> DocumentRecord:
+    async def _apply_membership(self, record: DocumentRecord, last: int | None) -> DocumentRecord:
+        """Write `record` with its KB membership (compare-and-set on `last`) and announce it.
+
+        The KB list is read before the write; a KB changed after that read is handled by
+        ingest's `kb.changed` consumer only if it sees this write. When it may have read the
+        record before it, the KB list read again after the write shows the change, and the
+        membership is corrected here."""
         kbs = await self.reg.kbs.list(f"{record.org_id}.")
         members = sorted(kb.kb_id for kb in kbs if kb.matches(record.tags))
         lost = sorted(set(record.kb_ids) - set(members))
         record.kb_ids = members
         record.updated_at = utcnow()
-        await self.reg.documents.put(record.key, record)
+        last = await self._save(record, last)
         await self._announce(record, members, lost)
         log.info(
             "document org_id=%s document_id=%s revision=%d kbs=%s removed=%s",
-            record.org_id, record.document_id, record.revision, members, lost,
+            record.org_id,
+            record.document_id,
+            record.revision,
+            members,
+            lost,
         )
-        return record
+        for _ in range(CAS_ATTEMPTS):
+            kbs = await self.reg.kbs.list(f"{record.org_id}.")
+            now = sorted(kb.kb_id for kb in kbs if kb.matches(record.tags))
+            if now == record.kb_ids:
+                return record
+            current, last = await self._get(record.key)
+            if current is None or current.revision != record.revision:
+                return record  # deleted or changed again: that change announces itself
+            gained = sorted(set(now) - set(current.kb_ids))
+            lost = sorted(set(current.kb_ids) - set(now))
+            current.kb_ids = now
+            try:
+                last = await self._save(current, last)
+            except _Raced:
+                continue
+            record = current
+            log.info(
+                "membership corrected org_id=%s document_id=%s kbs=%s removed=%s",
+                record.org_id,
+                record.document_id,
+                gained,
+                lost,
+            )
+            for kb_id in gained:
+                await self._index(record, kb_id, dedupe=False)
+            for kb_id in lost:
+                await self._remove(record, kb_id, dedupe=False)
+        raise Transient(f"knowledge bases of {record.org_id} keep changing; retrying later")
 
-    async def _announce(
-        self, record: DocumentRecord, members: list[str], lost: list[str]
-    ) -> None:
+    async def _announce(self, record: DocumentRecord, members: list[str], lost: list[str]) -> None:
         for kb_id in members:
             await self._index(record, kb_id)
         for kb_id in lost:
@@ -236,7 +347,9 @@ class IngestService:
 
     async def _index(self, record: DocumentRecord, kb_id: str, *, dedupe: bool = True) -> None:
         event = KbIndex(
-            org_id=record.org_id, kb_id=kb_id, document_id=record.document_id,
+            org_id=record.org_id,
+            kb_id=kb_id,
+            document_id=record.document_id,
             revision=record.revision,
         )
         if dedupe:
@@ -245,12 +358,35 @@ class IngestService:
 
     async def _remove(self, record: DocumentRecord, kb_id: str, *, dedupe: bool = True) -> None:
         event = KbRemove(
-            org_id=record.org_id, kb_id=kb_id, document_id=record.document_id,
+            org_id=record.org_id,
+            kb_id=kb_id,
+            document_id=record.document_id,
             revision=record.revision,
         )
         if dedupe:
             event.event_id = _event_id("r", record, kb_id)
         await self.publish(Subject.KB_REMOVE, event)
+
+    async def _get(self, key: str) -> tuple[DocumentRecord | None, int | None]:
+        found = await self.reg.documents.get_versioned(key)
+        return found if found is not None else (None, None)
+
+    async def _save(self, record: DocumentRecord, last: int | None) -> int:
+        """Compare-and-set: create when `last` is None, else update only from `last`."""
+        try:
+            if last is None:
+                return await self.reg.documents.create(record.key, record)
+            return await self.reg.documents.update(record.key, record, last)
+        except Conflict as err:
+            raise _Raced(record.key) from err
+
+    async def _cas(self, step: Callable[[], Awaitable[T]]) -> T:
+        for _ in range(CAS_ATTEMPTS):
+            try:
+                return await step()
+            except _Raced:
+                continue
+        raise Transient("the document keeps changing concurrently; retrying later")
 
     async def _kb(self, org_id: str, kb_ref: str) -> KnowledgeBase:
         kb = await self.reg.kbs.get(f"{org_id}.{kb_ref}")
@@ -274,6 +410,10 @@ class IngestService:
         raise InvalidInput("doc.uploaded needs content or object_ref", field="content")
 
 
+class _Raced(Exception):
+    """Another writer changed the record between our read and our write."""
+
+
 def _derived_id(event_id: str) -> str:
     """Upstream uploads without an id get one derived from the event, so a redelivery
     names the same document."""
@@ -282,4 +422,6 @@ def _derived_id(event_id: str) -> str:
 
 def _event_id(kind: str, record: DocumentRecord, kb_id: str) -> str:
     # Deterministic: a redelivered upload republishes the same ids, and JetStream drops them.
-    return f"{kind}-{kb_id}-{record.document_id}-{record.revision}"
+    # The change's own event id is part of it because a revision alone is not unique over
+    # time: a document deleted and uploaded again starts over at revision 1.
+    return f"{kind}-{kb_id}-{record.document_id}-{record.revision}-{record.last_event_id}"

@@ -64,10 +64,15 @@ async def test_one_document_two_kbs_own_chunking_and_retag_removes_within_one_ro
     large = await create_kb(client, chunk_size=120, tag_ids=[t_large])
     name, text = "glaciers.md", LONG_DOCS["glaciers.md"]
 
-    r = await client.post("/v1/documents?wait=true", json={
-        "name": name, "content": text, "mime_type": "text/markdown",
-        "tags": [t_small, t_large, "geo"],
-    })
+    r = await client.post(
+        "/v1/documents?wait=true",
+        json={
+            "name": name,
+            "content": text,
+            "mime_type": "text/markdown",
+            "tags": [t_small, t_large, "geo"],
+        },
+    )
     assert r.status_code == 200, r.text
     up = r.json()
     doc = up["document_id"]
@@ -110,8 +115,9 @@ async def test_kb_tag_changes_backfill_and_remove_every_time(stack):
     t_a, t_b = tag(), tag()
     docs = {}
     for t, name in ((t_a, "espresso.md"), (t_b, "raft.md")):
-        r = await client.post("/v1/documents?wait=true", json={
-            "name": name, "content": LONG_DOCS[name], "tags": [t]})
+        r = await client.post(
+            "/v1/documents?wait=true", json={"name": name, "content": LONG_DOCS[name], "tags": [t]}
+        )
         assert r.json()["status"] == "stored", r.text  # no KB matches yet
         docs[t] = r.json()["document_id"]
 
@@ -151,18 +157,26 @@ async def test_out_of_order_and_duplicated_tags_changed_end_in_newest_revision(s
     kb_a = await create_kb(client, chunk_size=120, tag_ids=[t_a])
     kb_b = await create_kb(client, chunk_size=120, tag_ids=[t_b])
     kb_c = await create_kb(client, chunk_size=120, tag_ids=[t_c])
-    r = await client.post("/v1/documents?wait=true", json={
-        "name": "raft.md", "content": LONG_DOCS["raft.md"], "tags": [t_a]})
+    r = await client.post(
+        "/v1/documents?wait=true",
+        json={"name": "raft.md", "content": LONG_DOCS["raft.md"], "tags": [t_a]},
+    )
     doc = r.json()["document_id"]
     assert r.json()["kb_ids"] == [kb_a["kb_id"]]
     before = embed_count(rt)
 
     rev2 = TagsChanged(org_id=ORG, document_id=doc, tags=[t_b], metadata={"v": 2}, revision=2)
-    rev3 = TagsChanged(org_id=ORG, document_id=doc, tags=[t_c, "collection:final"],
-                       metadata={"v": 3}, revision=3)
-    for event in (rev3, rev2, rev3, rev2,
-                  rev3.model_copy(update={"event_id": uuid.uuid4().hex}),
-                  rev2.model_copy(update={"event_id": uuid.uuid4().hex})):
+    rev3 = TagsChanged(
+        org_id=ORG, document_id=doc, tags=[t_c, "collection:final"], metadata={"v": 3}, revision=3
+    )
+    for event in (
+        rev3,
+        rev2,
+        rev3,
+        rev2,
+        rev3.model_copy(update={"event_id": uuid.uuid4().hex}),
+        rev2.model_copy(update={"event_id": uuid.uuid4().hex}),
+    ):
         await rt.bus.publish(Subject.TAGS_CHANGED, event)
     await settled(rt)
 
@@ -176,19 +190,22 @@ async def test_out_of_order_and_duplicated_tags_changed_end_in_newest_revision(s
     assert await rt.registries.index.get(f"{kb_b['kb_id']}.{doc}") is None
     entry = await rt.registries.index.get(f"{kb_c['kb_id']}.{doc}")
     assert entry is not None and entry.revision == 3
-    chunks = await rt.objects["embed"].store.scroll(
-        f"kb_{kb_c['kb_id']}", Filter(),
-        100)
+    chunks = await rt.objects["embed"].store.scroll(f"kb_{kb_c['kb_id']}", Filter(), 100)
     assert chunks and all(
-        h.payload["tags"] == [t_c] and h.payload["collection"] == "final"
-        and h.payload["metadata"] == {"v": 3} and h.payload["revision"] == 3 for h in chunks
+        h.payload["tags"] == [t_c]
+        and h.payload["collection"] == "final"
+        and h.payload["metadata"] == {"v": 3}
+        and h.payload["revision"] == 3
+        for h in chunks
     )
 
     # Stale work orders for revision 2, arriving late, are dropped by embed.
-    await rt.bus.publish(Subject.KB_INDEX, KbIndex(
-        org_id=ORG, kb_id=kb_b["kb_id"], document_id=doc, revision=2))
-    await rt.bus.publish(Subject.KB_REMOVE, KbRemove(
-        org_id=ORG, kb_id=kb_c["kb_id"], document_id=doc, revision=2))
+    await rt.bus.publish(
+        Subject.KB_INDEX, KbIndex(org_id=ORG, kb_id=kb_b["kb_id"], document_id=doc, revision=2)
+    )
+    await rt.bus.publish(
+        Subject.KB_REMOVE, KbRemove(org_id=ORG, kb_id=kb_c["kb_id"], document_id=doc, revision=2)
+    )
     await settled(rt)
     assert await vector_count(rt, kb_b["kb_id"], doc) == 0
     assert await vector_count(rt, kb_c["kb_id"], doc) == entry.chunk_count
@@ -209,13 +226,17 @@ async def test_redelivered_upload_is_harmless_and_same_content_is_not_re_embedde
     kb = await create_kb(client, chunk_size=50, tag_ids=[t])
     doc = f"doc-{uuid.uuid4().hex[:8]}"
     text = LONG_DOCS["espresso.md"]
-    event = DocUploaded(org_id=ORG, document_id=doc, name="espresso.md", content=text,
-                        tags=[t], metadata={"n": 1})
+    event = DocUploaded(
+        org_id=ORG, document_id=doc, name="espresso.md", content=text, tags=[t], metadata={"n": 1}
+    )
     before = embed_count(rt)
     await rt.bus.publish(Subject.DOC_UPLOADED, event)
     await rt.bus.publish(Subject.DOC_UPLOADED, event)
-    await rt.bus.js.publish(Subject.DOC_UPLOADED, event.model_dump_json().encode(),
-                            headers={"Nats-Msg-Id": f"replay-{event.event_id}"})
+    await rt.bus.js.publish(
+        Subject.DOC_UPLOADED,
+        event.model_dump_json().encode(),
+        headers={"Nats-Msg-Id": f"replay-{event.event_id}"},
+    )
     await settled(rt)
 
     want = expected_chunks(rt, kb, text, "espresso.md")
@@ -234,9 +255,7 @@ async def test_redelivered_upload_is_harmless_and_same_content_is_not_re_embedde
     record = await rt.registries.documents.get(f"{ORG}.{doc}")
     assert record.revision == 2 and record.checksum == entry.checksum
     assert embed_count(rt) == mid, "unchanged text and settings must not be re-embedded"
-    hits = await rt.objects["embed"].store.scroll(
-        f"kb_{kb['kb_id']}", Filter(),
-        100)
+    hits = await rt.objects["embed"].store.scroll(f"kb_{kb['kb_id']}", Filter(), 100)
     assert {h.payload["metadata"]["n"] for h in hits} == {2}
 
 
@@ -251,19 +270,24 @@ async def test_upstream_tags_changed_without_implicit_tag_leaves_direct_kb(stack
     KB, and one carrying it again brings it back — all through the single tag rule."""
     rt, client = stack
     kb = await create_kb(client, chunk_size=120)
-    r = await client.post(f"/v1/kbs/{kb['kb_id']}/documents?wait=true", json={
-        "name": "glaciers.md", "content": LONG_DOCS["glaciers.md"]})
+    r = await client.post(
+        f"/v1/kbs/{kb['kb_id']}/documents?wait=true",
+        json={"name": "glaciers.md", "content": LONG_DOCS["glaciers.md"]},
+    )
     doc = r.json()["document_id"]
     assert r.json()["kb_ids"] == [kb["kb_id"]]
     record = await rt.registries.documents.get(f"{ORG}.{doc}")
     assert f"kb:{kb['kb_id']}" in record.tags
 
-    await rt.bus.publish(Subject.TAGS_CHANGED, TagsChanged(
-        org_id=ORG, document_id=doc, tags=["other"]))
+    await rt.bus.publish(
+        Subject.TAGS_CHANGED, TagsChanged(org_id=ORG, document_id=doc, tags=["other"])
+    )
     await settled(rt)
     assert await vector_count(rt, kb["kb_id"], doc) == 0
-    await rt.bus.publish(Subject.TAGS_CHANGED, TagsChanged(
-        org_id=ORG, document_id=doc, tags=["other", f"kb:{kb['kb_id']}"]))
+    await rt.bus.publish(
+        Subject.TAGS_CHANGED,
+        TagsChanged(org_id=ORG, document_id=doc, tags=["other", f"kb:{kb['kb_id']}"]),
+    )
     await settled(rt)
     assert await vector_count(rt, kb["kb_id"], doc) > 0
     r = await client.get(f"/v1/documents/{doc}")
@@ -278,15 +302,19 @@ async def test_concurrent_tag_and_kb_changes_lose_no_update(stack):
     rt, client = stack
     t_in, t_out = tag(), tag()
     kb = await create_kb(client, chunk_size=120, tag_ids=[t_in])
-    r = await client.post("/v1/documents?wait=true", json={
-        "name": "raft.md", "content": LONG_DOCS["raft.md"], "tags": [t_in, "v0"]})
+    r = await client.post(
+        "/v1/documents?wait=true",
+        json={"name": "raft.md", "content": LONG_DOCS["raft.md"], "tags": [t_in, "v0"]},
+    )
     doc = r.json()["document_id"]
     rounds = 12
     for i in range(1, rounds + 1):
-        await rt.bus.publish(Subject.TAGS_CHANGED, TagsChanged(
-            org_id=ORG, document_id=doc, tags=[t_in, f"v{i}"]))
-        r = await client.patch(f"/v1/kbs/{kb['kb_id']}",
-                               json={"tag_ids": [t_out] if i % 2 else [t_in]})
+        await rt.bus.publish(
+            Subject.TAGS_CHANGED, TagsChanged(org_id=ORG, document_id=doc, tags=[t_in, f"v{i}"])
+        )
+        r = await client.patch(
+            f"/v1/kbs/{kb['kb_id']}", json={"tag_ids": [t_out] if i % 2 else [t_in]}
+        )
         assert r.status_code == 200, r.text
     await settled(rt)
 
@@ -299,5 +327,6 @@ async def test_concurrent_tag_and_kb_changes_lose_no_update(stack):
     entry = await rt.registries.index.get(f"{kb['kb_id']}.{doc}")
     assert entry is not None and entry.revision == record.revision
     hits = await rt.objects["embed"].store.scroll(
-        f"kb_{kb['kb_id']}", Filter(must=(Match("document_id", doc),)), 100)
+        f"kb_{kb['kb_id']}", Filter(must=(Match("document_id", doc),)), 100
+    )
     assert hits and {tuple(h.payload["tags"]) for h in hits} == {tuple(record.tags)}

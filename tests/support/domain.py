@@ -73,7 +73,10 @@ LONG_QUERIES = {
 
 
 async def wait_until(
-    check: Callable[[], Awaitable[T]], *, timeout: float = 60.0, interval: float = 0.05,
+    check: Callable[[], Awaitable[T]],
+    *,
+    timeout: float = 60.0,
+    interval: float = 0.05,
     what: str = "condition",
 ) -> T:
     """Poll `check()` until it returns a truthy value (returned), or fail after `timeout`."""
@@ -116,21 +119,62 @@ async def total_vectors(rt: Any) -> int:
     return sum([await vector_count(rt, kb.kb_id) for kb in kbs])
 
 
+async def object_count(rt: Any) -> int:
+    """Objects (texts, originals, staged uploads) in the `texts` object store."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        return len(await rt.registries.texts.store.list(ignore_deletes=True))
+    except NotFoundError:
+        return 0
+
+
 async def registry_counts(rt: Any) -> dict[str, int]:
+    """Everything an input can change: KBs, documents, index entries, stored objects and
+    vectors."""
     reg = rt.registries
     return {
         "kbs": len(await reg.kbs.list()),
         "documents": len(await reg.documents.list()),
         "index": len(await reg.index.list()),
+        "objects": await object_count(rt),
         "vectors": await total_vectors(rt),
     }
 
 
-def expected_chunks(rt: Any, kb: dict[str, Any] | KnowledgeBase, text: str, title: str) -> list[str]:
+async def dead_letters(rt: Any, subject: str, *, timeout: float = 0.5) -> dict[str, Any]:
+    """Dead letters of `subject` so far, by the original event's id (headers, with the
+    reason under `Kbmesh-Error`). Call after `settled`: a consumer dead-letters before it
+    acks."""
+    import json
+
+    sub = await rt.bus.js.subscribe(f"dlq.{subject}", stream="KBMESH_DLQ", durable=None)
+    out: dict[str, Any] = {}
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=timeout)
+            except TimeoutError:
+                break
+            try:
+                event_id = json.loads(msg.data).get("event_id")
+            except ValueError:
+                continue
+            out[event_id] = msg.headers
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+def expected_chunks(
+    rt: Any, kb: dict[str, Any] | KnowledgeBase, text: str, title: str
+) -> list[str]:
     """The chunk texts embed must produce for `text` in `kb` (its chunker, size, overlap and
     the model's limit less the title's share), computed independently of the bus."""
     if not isinstance(kb, KnowledgeBase):
-        kb = KnowledgeBase(org_id="x", **{k: v for k, v in kb.items() if k in KnowledgeBase.model_fields})
+        kb = KnowledgeBase(
+            org_id="x", **{k: v for k, v in kb.items() if k in KnowledgeBase.model_fields}
+        )
     embedder = rt.embedders.get(kb.embedding_model, kb.api_base)
     title_tokens = min(embedder.count_tokens(title) + 1, TITLE_TOKEN_BUDGET)
     chunks = chunk_text(
@@ -142,7 +186,9 @@ def expected_chunks(rt: Any, kb: dict[str, Any] | KnowledgeBase, text: str, titl
 async def stored_chunks(rt: Any, kb_id: str, document_id: str) -> list[str]:
     """The document's chunk contents in `kb_id`, in chunk order."""
     store = rt.objects["embed"].store
-    hits = await store.scroll(f"kb_{kb_id}", Filter(must=(Match("document_id", document_id),)), 1000)
+    hits = await store.scroll(
+        f"kb_{kb_id}", Filter(must=(Match("document_id", document_id),)), 1000
+    )
     return [h.payload["content"] for h in sorted(hits, key=lambda h: h.payload["chunk_index"])]
 
 
