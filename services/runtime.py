@@ -84,7 +84,10 @@ async def build_runtime(
     try:
         await bus.connect()
         registries = await Registries.open(bus.js)
-        pool = embedders or EmbedderPool(query_cache_size=settings.search.query_cache_size)
+        pool = embedders or EmbedderPool(
+            batch_size=settings.embed_batch_size,
+            query_cache_size=settings.search.query_cache_size,
+        )
         rt = Runtime(settings, chosen, bus, registries, pool, nats=nats_server)
         if "embed" in chosen or "search" in chosen:
             rt.store = create_store(settings)

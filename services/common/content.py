@@ -68,3 +68,6 @@ def is_supported(mime: str) -> bool:
         or mime in (PDF_TYPE, DOCX_TYPE)
         or (mime.startswith(IMAGE_PREFIX))
     )
+
+# Where the gateway stages uploads too large to travel inline; ingest deletes them once stored.
+STAGING_PREFIX = "uploads/"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from faststream.nats import NatsRouter
 
 from services.common.bus import Bus, consume
+from services.common.content import STAGING_PREFIX
 from services.common.events import (
     DocDeleted,
     DocFailed,
@@ -23,6 +24,10 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
 
     async def on_upload(ev: DocUploaded) -> None:
         await service.upload(ev)
+        if ev.object_ref and ev.object_ref.startswith(STAGING_PREFIX):
+            # The gateway's staging copy of a large upload; the original is stored now, and a
+            # redelivery of this event finds the applied record before it reads content.
+            await service.reg.texts.delete(ev.object_ref)
 
     async def upload_failed(ev: DocUploaded, err: Exception) -> None:
         document_id = ev.document_id

@@ -76,3 +76,26 @@ async def test_bad_upload_is_rejected_and_changes_nothing(stack):
         assert r.headers["content-type"].startswith("application/problem+json")
         assert json.loads(r.text)["detail"]
     assert len(await rt.registries.documents.list()) == before
+
+
+async def test_large_upload_travels_via_object_store_and_staging_is_cleaned(tmp_path, embedders):
+    """Content above the inline limit is staged in the object store, indexed from there, and
+    the staging copy is deleted once ingest has stored the original."""
+    async with running_stack(tmp_path, embedders=embedders, inline_content_bytes=1024) as (
+        rt,
+        client,
+    ):
+        text = "Glaciers carve valleys as they slide downhill. " * 60  # ~2.8 kB
+        r = await client.post("/v1/kbs/default/documents?wait=true",
+                              json={"name": "glaciers.txt", "content": text})
+        body = r.json()
+        assert body["status"] == "complete" and body["chunk_count"] >= 1, body
+        staged = [o async for o in _object_names(rt) if o.startswith("uploads/")]
+        assert staged == []
+        original = await rt.registries.texts.get(f"local/{body['document_id']}/original")
+        assert original == text.encode()
+
+
+async def _object_names(rt):
+    for info in await rt.registries.texts.store.list(ignore_deletes=True):
+        yield info.name

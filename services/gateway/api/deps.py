@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
 
 from services.gateway.auth import KeyResolver, Principal
+from services.gateway.schemas import UploadResult
 from services.gateway.service import GatewayService
 
 
@@ -25,3 +26,8 @@ async def get_principal(
 
 Service = Annotated[GatewayService, Depends(get_service)]
 Caller = Annotated[Principal, Depends(get_principal)]
+
+# With wait=true an upload that finished answers 200 instead of 202.
+WAITED: dict[int | str, dict[str, Any]] = {
+    200: {"model": UploadResult, "description": "indexed (or stored) before answering"}
+}

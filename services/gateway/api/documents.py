@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from services.gateway.api.deps import Caller, Service
+from services.gateway.api.deps import WAITED, Caller, Service
 from services.gateway.schemas import (
     DeleteResult,
     DocumentPatch,
@@ -20,7 +20,7 @@ router = APIRouter(prefix="/v1/documents", tags=["documents"])
 Wait = Annotated[bool, Query(description="wait until the index reflects the change")]
 
 
-@router.post("", status_code=202)
+@router.post("", status_code=202, responses=WAITED)
 async def upload(
     body: UploadBody, service: Service, caller: Caller, response: Response, wait: Wait = False
 ) -> UploadResult:

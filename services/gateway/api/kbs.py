@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from services.gateway.api.deps import Caller, Service
+from services.gateway.api.deps import WAITED, Caller, Service
 from services.gateway.schemas import (
     Ack,
     KbCreate,
@@ -79,7 +79,7 @@ async def kb_documents(
     return await service.kb_documents(caller, kb, skip, limit, name_search)
 
 
-@router.post("/{kb}/documents", status_code=202)
+@router.post("/{kb}/documents", status_code=202, responses=WAITED)
 async def upload_to_kb(
     kb: str, body: UploadBody, service: Service, caller: Caller, response: Response,
     wait: Wait = False,
