@@ -18,13 +18,56 @@ from services.common.natsproc import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB_MODULES = [
-    "json", "csv", "argparse", "logging", "asyncio.tasks", "pathlib", "datetime", "re",
-    "collections", "itertools", "functools", "subprocess", "socket", "ssl", "sqlite3",
-    "unittest", "typing", "dataclasses", "http.client", "urllib.parse", "email.message",
-    "shutil", "tarfile", "zipfile", "threading", "multiprocessing.pool", "decimal",
-    "fractions", "statistics", "random", "hashlib", "hmac", "secrets", "uuid", "string",
-    "textwrap", "difflib", "heapq", "bisect", "enum", "contextlib", "inspect", "ast",
-    "tokenize", "pickle", "copy", "pprint", "struct", "io", "os.path",
+    "json",
+    "csv",
+    "argparse",
+    "logging",
+    "asyncio.tasks",
+    "pathlib",
+    "datetime",
+    "re",
+    "collections",
+    "itertools",
+    "functools",
+    "subprocess",
+    "socket",
+    "ssl",
+    "sqlite3",
+    "unittest",
+    "typing",
+    "dataclasses",
+    "http.client",
+    "urllib.parse",
+    "email.message",
+    "shutil",
+    "tarfile",
+    "zipfile",
+    "threading",
+    "multiprocessing.pool",
+    "decimal",
+    "fractions",
+    "statistics",
+    "random",
+    "hashlib",
+    "hmac",
+    "secrets",
+    "uuid",
+    "string",
+    "textwrap",
+    "difflib",
+    "heapq",
+    "bisect",
+    "enum",
+    "contextlib",
+    "inspect",
+    "ast",
+    "tokenize",
+    "pickle",
+    "copy",
+    "pprint",
+    "struct",
+    "io",
+    "os.path",
 ]
 
 
@@ -39,8 +82,12 @@ def stdlib_documents(count: int) -> list[tuple[str, str]]:
 
 def bench_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KBMESH_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", LITELLM_LOCAL_MODEL_COST_MAP="True",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.update(extra)
     return env
 
@@ -65,7 +112,10 @@ def kbmesh_up_at(data_dir: Path | None, **env: str) -> Iterator[str]:
         log = open(Path(data) / "kbmesh.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--data-dir", data, "--port", str(port)],
-            cwd=ROOT, env=bench_env(**env), stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=bench_env(**env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         base = f"http://127.0.0.1:{port}"
         try:

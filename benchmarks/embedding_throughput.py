@@ -39,8 +39,9 @@ def pipeline(docs: list[tuple[str, str]]) -> tuple[int, float]:
     with kbmesh_up() as base, httpx.Client(base_url=base, timeout=600) as client:
         started = time.perf_counter()
         for name, text in docs:
-            client.post("/v1/kbs/default/documents",
-                        json={"name": name, "content": text}).raise_for_status()
+            client.post(
+                "/v1/kbs/default/documents", json={"name": name, "content": text}
+            ).raise_for_status()
         while True:
             stats = client.get("/v1/kbs/default/stats").json()
             if stats["document_count"] >= len(docs):

@@ -46,8 +46,9 @@ def load_beir(directory: Path) -> tuple[dict, dict, dict[str, dict[str, int]]]:
             q = json.loads(line)
             queries[str(q["_id"])] = q["text"]
     qrels: dict[str, dict[str, int]] = {}
-    split = next(p for p in [directory / "qrels" / "test.tsv", directory / "qrels" / "dev.tsv"]
-                 if p.exists())
+    split = next(
+        p for p in [directory / "qrels" / "test.tsv", directory / "qrels" / "dev.tsv"] if p.exists()
+    )
     with open(split) as f:
         for i, line in enumerate(f):
             parts = line.rstrip("\n").split("\t")
@@ -81,16 +82,23 @@ def ingest(client: httpx.Client, kb: str, corpus: dict, chunk_size: int) -> floa
         r.raise_for_status()
     started = time.perf_counter()
     for beir_id, doc in corpus.items():
-        body = {"name": doc.get("title") or beir_id, "content": doc["text"] or " ",
-                "document_id": document_id(beir_id), "metadata": {"beir_id": beir_id}}
+        body = {
+            "name": doc.get("title") or beir_id,
+            "content": doc["text"] or " ",
+            "document_id": document_id(beir_id),
+            "metadata": {"beir_id": beir_id},
+        }
         r = client.post(f"/v1/kbs/{kb}/documents", json=body)
         if r.status_code >= 400:
             raise SystemExit(f"upload of {beir_id!r} failed: {r.status_code} {r.text}")
     while True:
         stats = client.get(f"/v1/kbs/{kb}/stats").json()
         done = stats["document_count"] + stats["failed_count"]
-        print(f"\r  indexed {stats['document_count']}/{len(corpus)} documents, "
-              f"{stats['chunk_count']} chunks, {time.perf_counter() - started:.0f}s", end="")
+        print(
+            f"\r  indexed {stats['document_count']}/{len(corpus)} documents, "
+            f"{stats['chunk_count']} chunks, {time.perf_counter() - started:.0f}s",
+            end="",
+        )
         if done >= len(corpus):
             print()
             return time.perf_counter() - started
@@ -98,8 +106,16 @@ def ingest(client: httpx.Client, kb: str, corpus: dict, chunk_size: int) -> floa
 
 
 def ranked_documents(client: httpx.Client, kb: str, query: str, mode: str, top_k: int) -> list[str]:
-    r = client.post("/v1/search", json={"query": query, "kb_ids": [kb], "mode": mode,
-                                        "top_k": top_k, "coalesce_neighbors": 0})
+    r = client.post(
+        "/v1/search",
+        json={
+            "query": query,
+            "kb_ids": [kb],
+            "mode": mode,
+            "top_k": top_k,
+            "coalesce_neighbors": 0,
+        },
+    )
     r.raise_for_status()
     seen: list[str] = []
     for hit in r.json()["hits"]:
@@ -119,8 +135,9 @@ def metrics(ranked: list[str], relevant: dict[str, int]) -> tuple[float, float, 
     return rr, recall, dcg / idcg if idcg else 0.0
 
 
-def evaluate(client: httpx.Client, kb: str, queries: dict, qrels: dict, mode: str,
-             top_k: int) -> dict[str, float]:
+def evaluate(
+    client: httpx.Client, kb: str, queries: dict, qrels: dict, mode: str, top_k: int
+) -> dict[str, float]:
     def one(item: tuple[str, str]) -> tuple[float, float, float]:
         qid, text = item
         return metrics(ranked_documents(client, kb, text, mode, top_k), qrels[qid])
@@ -143,16 +160,23 @@ def target(args: argparse.Namespace) -> Iterator[str]:
     if args.base_url:
         yield args.base_url
     else:
-        env = {f"KBMESH_SEARCH__{k.upper()}": str(v) for k, v in
-               (("rrf_k", args.rrf_k), ("lead_weight", args.lead_weight),
-                ("prefetch_limit", args.prefetch_limit)) if v is not None}
+        env = {
+            f"KBMESH_SEARCH__{k.upper()}": str(v)
+            for k, v in (
+                ("rrf_k", args.rrf_k),
+                ("lead_weight", args.lead_weight),
+                ("prefetch_limit", args.prefetch_limit),
+            )
+            if v is not None
+        }
         with kbmesh_up_at(args.data_dir, **env) as base:
             yield base
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("beir_dir", type=Path)
     parser.add_argument("--base-url", help="a running kbmesh; default: start `kbmesh up`")
     parser.add_argument("--data-dir", type=Path, help="persist the index here (reuse it)")
@@ -176,16 +200,21 @@ def main() -> None:
         stats = client.get(f"/v1/kbs/{kb}/stats").json()
         if seconds:
             print(f"ingested in {seconds:.0f}s ({stats['chunk_count'] / seconds:.1f} chunks/s)")
-        print(f"date {datetime.date.today()}  chunks {stats['chunk_count']}  "
-              f"chunk_size {args.chunk_size}  top_k {args.top_k}  rrf_k {args.rrf_k}  "
-              f"lead_weight {args.lead_weight}  prefetch_limit {args.prefetch_limit}")
-        print(f"| mode | MRR@10 | Recall@10 | nDCG@10 |\n| --- | --- | --- | --- |")
+        print(
+            f"date {datetime.date.today()}  chunks {stats['chunk_count']}  "
+            f"chunk_size {args.chunk_size}  top_k {args.top_k}  rrf_k {args.rrf_k}  "
+            f"lead_weight {args.lead_weight}  prefetch_limit {args.prefetch_limit}"
+        )
+        print("| mode | MRR@10 | Recall@10 | nDCG@10 |\n| --- | --- | --- | --- |")
         results = {}
         for mode in args.modes.split(","):
             results[mode] = evaluate(client, kb, queries, qrels, mode, args.top_k)
             m = results[mode]
-            print(f"| {mode} | {m['MRR@10']:.3f} | {m['Recall@10']:.3f} | {m['nDCG@10']:.3f} |"
-                  f"  ({m['seconds']:.0f}s)", flush=True)
+            print(
+                f"| {mode} | {m['MRR@10']:.3f} | {m['Recall@10']:.3f} | {m['nDCG@10']:.3f} |"
+                f"  ({m['seconds']:.0f}s)",
+                flush=True,
+            )
     if {"hybrid", "dense", "keyword"} <= results.keys():
         best = max(results["dense"]["MRR@10"], results["keyword"]["MRR@10"])
         print(f"hybrid - best single mode: {results['hybrid']['MRR@10'] - best:+.3f}")

@@ -41,12 +41,18 @@ SOURCES = [f"repo-{i}" for i in range(5)]
 
 def texts_and_queries() -> tuple[list[tuple[str, str]], list[str]]:
     if (MANPAGES / "corpus.jsonl").exists():
-        docs = [json.loads(line) for line in open(MANPAGES / "corpus.jsonl")]
-        queries = [json.loads(line)["text"] for line in open(MANPAGES / "queries.jsonl")]
+        lines = (MANPAGES / "corpus.jsonl").read_text().splitlines()
+        docs = [json.loads(line) for line in lines]
+        lines = (MANPAGES / "queries.jsonl").read_text().splitlines()
+        queries = [json.loads(line)["text"] for line in lines]
         return [(d["title"], d["text"]) for d in docs], queries
     docs = stdlib_documents(50)
-    queries = [line.strip() for _, text in docs for line in text.splitlines()
-               if 30 < len(line.strip()) < 90][:1200]
+    queries = [
+        line.strip()
+        for _, text in docs
+        for line in text.splitlines()
+        if 30 < len(line.strip()) < 90
+    ][:1200]
     return docs, queries
 
 
@@ -73,24 +79,37 @@ async def build_points(kb_id: str, n_chunks: int, n_real: int) -> list[ChunkPoin
         vec /= np.linalg.norm(vec)
         doc = f"doc{i // per_doc}"
         sparse = bm25.encode_document(f"{title}\n{text}")
-        points.append(ChunkPoint(
-            id=point_id(kb_id, doc, i % per_doc), dense=vec.tolist(),
-            sparse=SparseVector(sparse.indices, sparse.values),
-            payload={
-                "org_id": "local", "kb_id": kb_id, "document_id": doc,
-                "document_name": title, "document_name_exact": title,
-                "source_id": SOURCES[(i // per_doc) % len(SOURCES)], "uri": None,
-                "tags": [TAGS[(i // per_doc) % len(TAGS)]], "collection": None,
-                "metadata": {}, "uploaded_at": "2026-11-01T00:00:00+00:00", "revision": 1,
-                "chunk_index": i % per_doc, "total_chunks": per_doc, "content": text,
-                "settings_version": 1,
-            },
-        ))
+        points.append(
+            ChunkPoint(
+                id=point_id(kb_id, doc, i % per_doc),
+                dense=vec.tolist(),
+                sparse=SparseVector(sparse.indices, sparse.values),
+                payload={
+                    "org_id": "local",
+                    "kb_id": kb_id,
+                    "document_id": doc,
+                    "document_name": title,
+                    "document_name_exact": title,
+                    "source_id": SOURCES[(i // per_doc) % len(SOURCES)],
+                    "uri": None,
+                    "tags": [TAGS[(i // per_doc) % len(TAGS)]],
+                    "collection": None,
+                    "metadata": {},
+                    "uploaded_at": "2026-11-01T00:00:00+00:00",
+                    "revision": 1,
+                    "chunk_index": i % per_doc,
+                    "total_chunks": per_doc,
+                    "content": text,
+                    "settings_version": 1,
+                },
+            )
+        )
     return points
 
 
-def measure(base: str, kb: str, queries: list[str], concurrency: int,
-            filters: dict | None) -> dict[str, float]:
+def measure(
+    base: str, kb: str, queries: list[str], concurrency: int, filters: dict | None
+) -> dict[str, float]:
     def one(query: str) -> float:
         body = {"query": query, "kb_ids": [kb], "top_k": 10}
         if filters:
@@ -101,8 +120,9 @@ def measure(base: str, kb: str, queries: list[str], concurrency: int,
         r.raise_for_status()
         return elapsed
 
-    with httpx.Client(base_url=base, timeout=60,
-                      limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    with httpx.Client(
+        base_url=base, timeout=60, limits=httpx.Limits(max_connections=concurrency + 4)
+    ) as client:
         for q in queries[:5]:  # warm-up (not reused later)
             one(q + " warmup")
         started = time.perf_counter()
@@ -118,8 +138,9 @@ def measure(base: str, kb: str, queries: list[str], concurrency: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--chunks", type=int, default=100_000)
     parser.add_argument("--real", type=int, default=2000, help="chunks embedded for real")
     parser.add_argument("--queries", type=int, default=300)
@@ -131,10 +152,17 @@ def main() -> None:
         data = args.data_dir or Path(tmp)
         with kbmesh_up_at(data) as base:
             r = httpx.post(f"{base}/v1/kbs", json={"name": "latency"})
-            kb_id = r.json()["kb_id"] if r.status_code == 201 else httpx.get(
-                f"{base}/v1/kbs/latency").json()["kb_id"]
-            httpx.post(f"{base}/v1/kbs/latency/documents", params={"wait": "true"},
-                       json={"name": "seed", "content": "creates the collection"}, timeout=120)
+            kb_id = (
+                r.json()["kb_id"]
+                if r.status_code == 201
+                else httpx.get(f"{base}/v1/kbs/latency").json()["kb_id"]
+            )
+            httpx.post(
+                f"{base}/v1/kbs/latency/documents",
+                params={"wait": "true"},
+                json={"name": "seed", "content": "creates the collection"},
+                timeout=120,
+            )
 
         async def load() -> None:
             store = EdgeStore(data / "shards")
@@ -158,10 +186,14 @@ def main() -> None:
             rows = [
                 ("hybrid, concurrency 1", measure(base, "latency", queries[:n], 1, None)),
                 ("hybrid, concurrency 16", measure(base, "latency", queries[n : 4 * n], 16, None)),
-                ("hybrid + 2 filters, c=1",
-                 measure(base, "latency", queries[4 * n : 5 * n], 1, two)),
-                ("hybrid + 2 filters, c=16",
-                 measure(base, "latency", [q + " ?" for q in queries[: 3 * n]], 16, two)),
+                (
+                    "hybrid + 2 filters, c=1",
+                    measure(base, "latency", queries[4 * n : 5 * n], 1, two),
+                ),
+                (
+                    "hybrid + 2 filters, c=16",
+                    measure(base, "latency", [q + " ?" for q in queries[: 3 * n]], 16, two),
+                ),
             ]
     print(f"date {datetime.date.today()}  chunks {args.chunks}  real embeddings {args.real}")
     print("| run | queries | p50 ms | p99 ms | requests/s |\n| --- | --- | --- | --- | --- |")

@@ -26,8 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     _server_args(up)
 
     serve = sub.add_parser("serve", help="the named services, against KBMESH_NATS_URL")
-    serve.add_argument("services", nargs="+", metavar="SERVICE",
-                       help="ingest, embed, search, gateway")
+    serve.add_argument(
+        "services", nargs="+", metavar="SERVICE", help="ingest, embed, search, gateway"
+    )
     _server_args(serve)
 
     keys = sub.add_parser("keys", help="API keys")
@@ -42,28 +43,42 @@ def main(argv: list[str] | None = None) -> None:
     mcp = sub.add_parser(
         "mcp", help="MCP over stdio for desktop agents; logs go to stderr, stdout is the protocol"
     )
-    mcp.add_argument("--embedded", action="store_true",
-                     help="run the whole stack in this process (private NATS, embedded Qdrant, "
-                     "local model) instead of connecting to a running one")
-    mcp.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR); "
-                     "without --embedded, where `kbmesh up` recorded its NATS URL")
+    mcp.add_argument(
+        "--embedded",
+        action="store_true",
+        help="run the whole stack in this process (private NATS, embedded Qdrant, "
+        "local model) instead of connecting to a running one",
+    )
+    mcp.add_argument(
+        "--data-dir",
+        type=Path,
+        help="default ./.kbmesh (KBMESH_DATA_DIR); "
+        "without --embedded, where `kbmesh up` recorded its NATS URL",
+    )
     mcp.add_argument("--toolsets", help="core, compat or core,compat (KBMESH_MCP_TOOLSETS)")
-    mcp.add_argument("--api-key", default=os.environ.get("KBMESH_API_KEY"),
-                     help="run as this API key's org and scope (KBMESH_API_KEY); "
-                     "default: the default org, unscoped")
+    mcp.add_argument(
+        "--api-key",
+        default=os.environ.get("KBMESH_API_KEY"),
+        help="run as this API key's org and scope (KBMESH_API_KEY); "
+        "default: the default org, unscoped",
+    )
 
-    mock = sub.add_parser("mock", help="serve the contract examples (REST, /api/v1/tools, MCP); "
-                          "no NATS, no model")
+    mock = sub.add_parser(
+        "mock", help="serve the contract examples (REST, /api/v1/tools, MCP); no NATS, no model"
+    )
     mock.add_argument("--port", type=int, default=8080)
     mock.add_argument("--host", default="127.0.0.1")
     mock.add_argument("--toolsets", default="core,compat", help="core, compat or core,compat")
 
     contracts = sub.add_parser("contracts", help="the JSON Schemas and examples in contracts/")
     contracts_sub = contracts.add_subparsers(dest="contracts_command", required=True)
-    for name, text in (("export", "write contracts/ from the code"),
-                       ("check", "exit 1 when contracts/ differs from the code")):
+    for name, text in (
+        ("export", "write contracts/ from the code"),
+        ("check", "exit 1 when contracts/ differs from the code"),
+    ):
         contracts_sub.add_parser(name, help=text).add_argument(
-            "--dir", type=Path, default=Path("contracts"), help="default ./contracts")
+            "--dir", type=Path, default=Path("contracts"), help="default ./contracts"
+        )
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -101,8 +116,9 @@ def _server_args(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from services.common.settings import Settings
 
-    overrides = {k: v for k in ("data_dir", "port", "host")
-                 if (v := getattr(args, k, None)) is not None}
+    overrides = {
+        k: v for k in ("data_dir", "port", "host") if (v := getattr(args, k, None)) is not None
+    }
     return Settings(**overrides)
 
 
@@ -124,8 +140,13 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
         if "gateway" in rt.services:
             from services.gateway.app import create_app
 
-            config = uvicorn.Config(create_app(rt), host=settings.host, port=settings.port,
-                                    log_level="warning", lifespan="on")
+            config = uvicorn.Config(
+                create_app(rt),
+                host=settings.host,
+                port=settings.port,
+                log_level="warning",
+                lifespan="on",
+            )
             server = uvicorn.Server(config)
             tasks.append(asyncio.create_task(server.serve()))
             base = f"http://{settings.host}:{settings.port}"
@@ -180,9 +201,11 @@ async def _mcp(args: argparse.Namespace) -> None:
     url = recorded.read_text().strip() if recorded.exists() else None
     if args.embedded and url and _reachable(url):
         # Its NATS store and Edge shards open in one process only.
-        sys.exit(f"kbmesh mcp --embedded: a kbmesh is already running on {settings.data_dir}; "
-                 "use `kbmesh mcp` (without --embedded) to connect to it, or another "
-                 "KBMESH_DATA_DIR.")
+        sys.exit(
+            f"kbmesh mcp --embedded: a kbmesh is already running on {settings.data_dir}; "
+            "use `kbmesh mcp` (without --embedded) to connect to it, or another "
+            "KBMESH_DATA_DIR."
+        )
     if not args.embedded and not settings.nats_url:
         if not url or not _reachable(url):
             sys.exit(

@@ -124,7 +124,10 @@ async def _wire(rt: Runtime) -> None:
         from services.search.service import SearchService
 
         search = SearchService(
-            rt.registries, rt.store, rt.embedders, rt.settings.search  # type: ignore[arg-type]
+            rt.registries,
+            rt.store,
+            rt.embedders,
+            rt.settings.search,  # type: ignore[arg-type]
         )
         rt.objects["search"] = search
         rt.bus.broker.include_router(search_router(search))

@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from services.common.natsproc import NatsServer  # noqa: E402
+from services.common.natsproc import NatsServer
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +36,10 @@ def embedders():
 
 @contextlib.asynccontextmanager
 async def running_stack(
-    data_dir: Path, nats_url: str | None = None, embedders=None, span_processors=None,
+    data_dir: Path,
+    nats_url: str | None = None,
+    embedders=None,
+    span_processors=None,
     **overrides,
 ) -> AsyncIterator[tuple]:
     """All four services in this process plus an HTTP client on the gateway app.
@@ -61,14 +64,16 @@ async def running_stack(
 
     task = asyncio.create_task(lifespan())
     try:
-        await asyncio.wait([task, asyncio.create_task(started.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            [task, asyncio.create_task(started.wait())], return_when=asyncio.FIRST_COMPLETED
+        )
         if task.done():
             task.result()
         await start_consuming(rt)
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 50000))
-        async with httpx.AsyncClient(transport=transport, base_url="http://kbmesh",
-                                     timeout=120) as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://kbmesh", timeout=120
+        ) as client:
             yield rt, client
     finally:
         stop.set()

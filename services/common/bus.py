@@ -32,9 +32,9 @@ from pydantic import BaseModel, ValidationError
 from services.common.errors import InvalidInput, KbmeshError
 from services.common.events import (
     DLQ_STREAM,
+    EVENT_MODELS,
     STREAM,
     STREAM_SUBJECTS,
-    EVENT_MODELS,
     Event,
     dlq_subject,
 )
@@ -101,9 +101,7 @@ class Bus:
         )
 
     async def request(self, subject: str, payload: BaseModel, timeout: float) -> dict[str, Any]:
-        reply = await self.broker.request(
-            payload.model_dump_json(), subject, timeout=timeout
-        )
+        reply = await self.broker.request(payload.model_dump_json(), subject, timeout=timeout)
         body: dict[str, Any] = json.loads(reply.body)
         return body
 
@@ -118,7 +116,10 @@ async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
         num_replicas=bus.replicas,
     )
     dlq = StreamConfig(
-        name=DLQ_STREAM, subjects=["dlq.>"], storage=StorageType.FILE, max_age=30 * 86400,
+        name=DLQ_STREAM,
+        subjects=["dlq.>"],
+        storage=StorageType.FILE,
+        max_age=30 * 86400,
         num_replicas=bus.replicas,
     )
     for config in (stream, dlq):
@@ -194,7 +195,10 @@ def consume(
                 delay = settings.backoff_seconds[min(delivered, len(settings.backoff_seconds)) - 1]
                 log.warning(
                     "retry subject=%s delivered=%d delay=%.1f error=%r",
-                    subject, delivered, delay, err,
+                    subject,
+                    delivered,
+                    delay,
+                    err,
                 )
                 await msg.nack(delay=delay)
         else:
@@ -229,9 +233,7 @@ async def _keep_alive(msg: Any, ack_wait: float) -> None:
 
 
 def _validation_reason(err: ValidationError) -> str:
-    parts = [
-        f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in err.errors()
-    ]
+    parts = [f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in err.errors()]
     return "malformed event: " + "; ".join(parts)
 
 

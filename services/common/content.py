@@ -69,5 +69,6 @@ def is_supported(mime: str) -> bool:
         or (mime.startswith(IMAGE_PREFIX))
     )
 
+
 # Where the gateway stages uploads too large to travel inline; ingest deletes them once stored.
 STAGING_PREFIX = "uploads/"

@@ -1,12 +1,12 @@
 """The error hierarchy every service shares; transports map each class to one outcome.
 
-    KbmeshError
-    ├── InvalidInput   permanent: HTTP 422/400, MCP tool error, dead letter
-    │   └── TooLarge   HTTP 413
-    ├── NotFound       HTTP 404 (also anything in another org)
-    ├── Forbidden      HTTP 403 (key scope, read-only keys)
-    ├── Conflict       HTTP 409 (limits, duplicate names)
-    └── Transient      retried with backoff; dead letter after the last try
+KbmeshError
+├── InvalidInput   permanent: HTTP 422/400, MCP tool error, dead letter
+│   └── TooLarge   HTTP 413
+├── NotFound       HTTP 404 (also anything in another org)
+├── Forbidden      HTTP 403 (key scope, read-only keys)
+├── Conflict       HTTP 409 (limits, duplicate names)
+└── Transient      retried with backoff; dead letter after the last try
 """
 
 from __future__ import annotations

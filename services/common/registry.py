@@ -34,7 +34,7 @@ class Registry(Generic[M]):
         self._mirror = await self._read_initial(watcher, ">")
 
         async def follow() -> None:
-            assert self._mirror is not None  # noqa: S101 - set just above
+            assert self._mirror is not None
             async for entry in watcher:
                 if entry is None:
                     continue
@@ -196,7 +196,9 @@ class Registries:
     @classmethod
     async def open(cls, js: JetStreamContext) -> Registries:
         kbs, documents, index, keys = await asyncio.gather(
-            js.key_value("kbs"), js.key_value("documents"), js.key_value("index"),
+            js.key_value("kbs"),
+            js.key_value("documents"),
+            js.key_value("index"),
             js.key_value("keys"),
         )
         texts = await js.object_store("texts")

@@ -18,8 +18,14 @@ def create_router(bus: Bus, service: EmbedService, *, concurrency: int = 1) -> N
     async def index_failed(ev: KbIndex, err: Exception) -> None:
         await bus.publish(
             Subject.DOC_FAILED,
-            DocFailed(org_id=ev.org_id, document_id=ev.document_id, kb_id=ev.kb_id,
-                      revision=ev.revision, stage="embed", error=str(err) or repr(err)),
+            DocFailed(
+                org_id=ev.org_id,
+                document_id=ev.document_id,
+                kb_id=ev.kb_id,
+                revision=ev.revision,
+                stage="embed",
+                error=str(err) or repr(err),
+            ),
         )
 
     async def on_remove(ev: KbRemove) -> None:
@@ -28,8 +34,15 @@ def create_router(bus: Bus, service: EmbedService, *, concurrency: int = 1) -> N
     async def on_kb(ev: KbChanged) -> None:
         await service.kb_changed(ev)
 
-    consume(router, bus, Subject.KB_INDEX, "embed-kb-index", on_index,
-            on_failure=index_failed, max_workers=concurrency)
+    consume(
+        router,
+        bus,
+        Subject.KB_INDEX,
+        "embed-kb-index",
+        on_index,
+        on_failure=index_failed,
+        max_workers=concurrency,
+    )
     consume(router, bus, Subject.KB_REMOVE, "embed-kb-remove", on_remove)
     consume(router, bus, Subject.KB_CHANGED, "embed-kb-changed", on_kb)
     return router

@@ -83,8 +83,11 @@ class EmbedService:
                 kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
                 record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
                 if kb is None or record is None or not kb.matches(record.tags):
-                    log.info("document left the kb while indexing kb_id=%s document_id=%s",
-                             ev.kb_id, ev.document_id)
+                    log.info(
+                        "document left the kb while indexing kb_id=%s document_id=%s",
+                        ev.kb_id,
+                        ev.document_id,
+                    )
                     await self._drop(ev.kb_id, ev.document_id, gone=kb is None)
                     return None
                 if (
@@ -103,12 +106,20 @@ class EmbedService:
         kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
         record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
         if kb is None or record is None or record.checksum is None:
-            log.info("drop kb.index: kb or document gone kb_id=%s document_id=%s",
-                     ev.kb_id, ev.document_id)
+            log.info(
+                "drop kb.index: kb or document gone kb_id=%s document_id=%s",
+                ev.kb_id,
+                ev.document_id,
+            )
             return None
         if ev.revision < record.revision or not kb.matches(record.tags):
-            log.info("drop stale kb.index kb_id=%s document_id=%s revision=%d current=%d",
-                     ev.kb_id, ev.document_id, ev.revision, record.revision)
+            log.info(
+                "drop stale kb.index kb_id=%s document_id=%s revision=%d current=%d",
+                ev.kb_id,
+                ev.document_id,
+                ev.revision,
+                record.revision,
+            )
             return None
         entry_key = f"{kb.kb_id}.{record.document_id}"
         entry = await self.reg.index.get(entry_key)
@@ -184,8 +195,14 @@ class EmbedService:
                 await self.store.replace_document(kb.collection_name, record.document_id, points)
             else:  # an empty text indexes as nothing, and leaves nothing behind
                 await self.store.delete_document(kb.collection_name, record.document_id)
-        log.info("indexed org_id=%s kb_id=%s document_id=%s revision=%d chunks=%d",
-                 record.org_id, kb.kb_id, record.document_id, record.revision, len(points))
+        log.info(
+            "indexed org_id=%s kb_id=%s document_id=%s revision=%d chunks=%d",
+            record.org_id,
+            kb.kb_id,
+            record.document_id,
+            record.revision,
+            len(points),
+        )
         return IndexEntry(
             org_id=record.org_id,
             kb_id=kb.kb_id,
@@ -201,14 +218,20 @@ class EmbedService:
             kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
             record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
             if kb is not None and record is not None and kb.matches(record.tags):
-                log.info("drop stale kb.remove kb_id=%s document_id=%s",
-                         ev.kb_id, ev.document_id)
+                log.info("drop stale kb.remove kb_id=%s document_id=%s", ev.kb_id, ev.document_id)
                 return
             await self._drop(ev.kb_id, ev.document_id, gone=False)
         await self.publish(
             Subject.DOC_INDEXED,
-            DocIndexed(org_id=ev.org_id, kb_id=ev.kb_id, document_id=ev.document_id,
-                       revision=ev.revision, chunk_count=0, embedded=False, removed=True),
+            DocIndexed(
+                org_id=ev.org_id,
+                kb_id=ev.kb_id,
+                document_id=ev.document_id,
+                revision=ev.revision,
+                chunk_count=0,
+                embedded=False,
+                removed=True,
+            ),
         )
 
     async def _drop(self, kb_id: str, document_id: str, *, gone: bool) -> None:
@@ -250,7 +273,12 @@ class EmbedService:
     ) -> None:
         await self.publish(
             Subject.DOC_INDEXED,
-            DocIndexed(org_id=record.org_id, kb_id=kb.kb_id, document_id=record.document_id,
-                       revision=entry.revision, chunk_count=entry.chunk_count,
-                       embedded=embedded),
+            DocIndexed(
+                org_id=record.org_id,
+                kb_id=kb.kb_id,
+                document_id=record.document_id,
+                revision=entry.revision,
+                chunk_count=entry.chunk_count,
+                embedded=embedded,
+            ),
         )

@@ -25,8 +25,14 @@ _tracer = trace.get_tracer("kbmesh.gateway")
 
 
 def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONResponse:
-    body = {"type": f"urn:kbmesh:error:{error_type}", "title": error_type, "status": status,
-            "detail": message, "error_type": error_type, **extra}
+    body = {
+        "type": f"urn:kbmesh:error:{error_type}",
+        "title": error_type,
+        "status": status,
+        "detail": message,
+        "error_type": error_type,
+        **extra,
+    }
     return JSONResponse(body, status_code=status, media_type=PROBLEM)
 
 
@@ -43,7 +49,7 @@ def create_app(rt: Runtime) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        assert rt.bus.nc is not None  # noqa: S101 - build_runtime connected it
+        assert rt.bus.nc is not None
         await waiter.start(rt.bus.nc)
         await service.ensure_default_kb(rt.settings.default_org)
         async with contextlib.AsyncExitStack() as stack:
@@ -96,8 +102,11 @@ def create_app(rt: Runtime) -> FastAPI:
     async def readyz() -> JSONResponse:
         connected = rt.bus.nc is not None and rt.bus.nc.is_connected
         ready = rt.ready.is_set() and connected
-        body = {"status": "ready" if ready else "starting", "nats": connected,
-                "services": list(rt.services)}
+        body = {
+            "status": "ready" if ready else "starting",
+            "nats": connected,
+            "services": list(rt.services),
+        }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     app.include_router(kbs.router)
@@ -113,7 +122,8 @@ def create_app(rt: Runtime) -> FastAPI:
 
         mcp_http = mcp_server.streamable_http_app(streamable_http_path="/")
         # /mcp itself too, not only /mcp/...: no redirect for clients to follow.
-        app.router.routes.append(Route("/mcp", MountRoot(mcp_http, "/mcp"),
-                                       methods=["GET", "POST", "DELETE"]))
+        app.router.routes.append(
+            Route("/mcp", MountRoot(mcp_http, "/mcp"), methods=["GET", "POST", "DELETE"])
+        )
         app.mount("/mcp", mcp_http)
     return app

@@ -19,16 +19,20 @@ class UploadBody(BaseModel):
     name: str = Field(min_length=1, max_length=512, description="document title or file name")
     content: str = Field(description="the document: text, or base64 when content_encoding=base64")
     content_encoding: Literal["text", "base64"] = "text"
-    mime_type: str = Field("text/plain", description="text/plain, text/markdown, text/html, "
-                           "application/pdf, DOCX, image/* (images wait for OCR)")
+    mime_type: str = Field(
+        "text/plain",
+        description="text/plain, text/markdown, text/html, "
+        "application/pdf, DOCX, image/* (images wait for OCR)",
+    )
     tags: list[str] = Field(default_factory=list)
     collection: str | None = Field(None, description="at most one per document")
     metadata: dict[str, Any] = Field(default_factory=dict)
     source_id: str = Field(DEFAULT_SOURCE, min_length=1, max_length=256)
     uri: str | None = None
     kb_id: str | None = Field(None, description="KB id or name: direct membership")
-    document_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
-                                    description="replace this document (new revision)")
+    document_id: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_-]{1,64}$", description="replace this document (new revision)"
+    )
 
 
 class UploadResult(BaseModel):

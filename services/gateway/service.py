@@ -105,8 +105,11 @@ class GatewayService:
         if kb is not None:
             return kb
         kb = KnowledgeBase(
-            org_id=org_id, kb_id=self.default_kb_id(org_id), name=self.settings.default_kb,
-            description="Created on first start.", embedding_model=self.settings.default_model,
+            org_id=org_id,
+            kb_id=self.default_kb_id(org_id),
+            name=self.settings.default_kb,
+            description="Created on first start.",
+            embedding_model=self.settings.default_model,
         )
         try:
             await self.reg.kbs.create(key, kb)
@@ -133,8 +136,9 @@ class GatewayService:
         p.check_org_wide_write()
         existing = await self.reg.kbs.list(f"{p.org_id}.")
         if len(existing) >= self.settings.kb_limit:
-            raise Conflict(f"this org already has {self.settings.kb_limit} knowledge bases "
-                           "(KBMESH_KB_LIMIT)")
+            raise Conflict(
+                f"this org already has {self.settings.kb_limit} knowledge bases (KBMESH_KB_LIMIT)"
+            )
         if any(k.name == body.name for k in existing):
             raise Conflict(f"a knowledge base named {body.name!r} exists", field="name")
         fields = body.model_dump(exclude_none=True)
@@ -185,11 +189,14 @@ class GatewayService:
         await asyncio.to_thread(apply, kb)
         old, updated = await self._change_kb(p.org_id, kb.kb_id, apply)
         if set(updated.tag_ids) != set(old.tag_ids):
-            await self.bus.publish(Subject.KB_CHANGED, KbChanged(
-                org_id=p.org_id, kb_id=kb.kb_id, change="tags", old_tag_ids=old.tag_ids))
+            await self.bus.publish(
+                Subject.KB_CHANGED,
+                KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="tags", old_tag_ids=old.tag_ids),
+            )
         if updated.settings_version != old.settings_version:
-            await self.bus.publish(Subject.KB_CHANGED, KbChanged(
-                org_id=p.org_id, kb_id=kb.kb_id, change="settings"))
+            await self.bus.publish(
+                Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="settings")
+            )
         return await self.kb_view(updated)
 
     async def _change_kb(
@@ -231,8 +238,12 @@ class GatewayService:
                 return current
 
             _, kb = await self._change_kb(p.org_id, kb.kb_id, bump)
-        await self.bus.publish(Subject.KB_CHANGED, KbChanged(
-            org_id=p.org_id, kb_id=kb.kb_id, change="retry_failed" if failed_only else "reindex"))
+        await self.bus.publish(
+            Subject.KB_CHANGED,
+            KbChanged(
+                org_id=p.org_id, kb_id=kb.kb_id, change="retry_failed" if failed_only else "reindex"
+            ),
+        )
         members = [d for d in await self.reg.documents.list(f"{p.org_id}.") if kb.matches(d.tags)]
         return Ack(status="reindexing", kb_id=kb.kb_id, documents=len(members))
 
@@ -240,10 +251,10 @@ class GatewayService:
         kb = await self.resolve_kb(p, ref)
         entries, members = await self._kb_state(kb)
         failed = [d for d in members if d.status == DocStatus.failed]
-        current = {e.document_id for e in entries
-                   if e.settings_version == kb.settings_version}
-        pending = [d for d in members if d.status == DocStatus.ready
-                   and d.document_id not in current]
+        current = {e.document_id for e in entries if e.settings_version == kb.settings_version}
+        pending = [
+            d for d in members if d.status == DocStatus.ready and d.document_id not in current
+        ]
         return KbStats(
             kb_id=kb.kb_id,
             document_count=len(entries),
@@ -254,7 +265,11 @@ class GatewayService:
         )
 
     async def kb_documents(
-        self, p: Principal, ref: str, skip: int = 0, limit: int = 50,
+        self,
+        p: Principal,
+        ref: str,
+        skip: int = 0,
+        limit: int = 50,
         name_search: str | None = None,
     ) -> Page[KbDocumentView]:
         kb = await self.resolve_kb(p, ref)
@@ -265,7 +280,9 @@ class GatewayService:
         members.sort(key=lambda d: d.created_at)
         items = [
             KbDocumentView(
-                document_id=d.document_id, name=d.name, source_id=d.source_id,
+                document_id=d.document_id,
+                name=d.name,
+                source_id=d.source_id,
                 status=_kb_doc_status(d, by_doc.get(d.document_id), kb),
                 chunk_count=by_doc[d.document_id].chunk_count if d.document_id in by_doc else 0,
                 indexed_at=by_doc[d.document_id].indexed_at if d.document_id in by_doc else None,
@@ -316,9 +333,16 @@ class GatewayService:
         await self._check_tag_scope(p, body.tags)
         document_id = body.document_id or new_id()
         event = DocUploaded(
-            org_id=p.org_id, document_id=document_id, name=body.name, mime_type=mime,
-            source_id=body.source_id, uri=body.uri, tags=body.tags, collection=body.collection,
-            metadata=body.metadata, kb_id=kb.kb_id if kb else None,
+            org_id=p.org_id,
+            document_id=document_id,
+            name=body.name,
+            mime_type=mime,
+            source_id=body.source_id,
+            uri=body.uri,
+            tags=body.tags,
+            collection=body.collection,
+            metadata=body.metadata,
+            kb_id=kb.kb_id if kb else None,
         )
         if len(data) <= self.settings.inline_content_bytes:
             event.content, event.content_encoding = body.content, body.content_encoding
@@ -334,7 +358,10 @@ class GatewayService:
             return await self._await_upload(event, events, kb, result)
 
     async def _await_upload(
-        self, event: DocUploaded, events: asyncio.Queue[Any], kb: KnowledgeBase | None,
+        self,
+        event: DocUploaded,
+        events: asyncio.Queue[Any],
+        kb: KnowledgeBase | None,
         result: UploadResult,
     ) -> UploadResult:
         deadline = time.monotonic() + self.settings.wait_timeout_seconds
@@ -360,8 +387,9 @@ class GatewayService:
             return result.model_copy(update={"status": "failed", "error": record.error})
         if not record.kb_ids:
             return result.model_copy(update={"status": "stored", "chunk_count": 0})
-        outcome = await self._await_kbs(events, event.org_id, set(record.kb_ids), set(),
-                                        record.revision, deadline)
+        outcome = await self._await_kbs(
+            events, event.org_id, set(record.kb_ids), set(), record.revision, deadline
+        )
         if isinstance(outcome, DocFailed):
             return result.model_copy(update={"status": "failed", "error": outcome.error})
         if outcome is None:
@@ -371,8 +399,13 @@ class GatewayService:
         return result.model_copy(update={"status": "complete", "chunk_count": chunk_count})
 
     async def _await_kbs(
-        self, events: asyncio.Queue[Any], org_id: str, index_kbs: set[str],
-        remove_kbs: set[str], revision: int, deadline: float,
+        self,
+        events: asyncio.Queue[Any],
+        org_id: str,
+        index_kbs: set[str],
+        remove_kbs: set[str],
+        revision: int,
+        deadline: float,
     ) -> dict[str, int] | DocFailed | None:
         """Wait for doc.indexed from every KB in index_kbs (at `revision` or later) and a
         removal from every KB in remove_kbs. Returns chunk counts, the failure, or None on
@@ -407,9 +440,16 @@ class GatewayService:
         return await self._document_view(record)
 
     async def list_documents(
-        self, p: Principal, *, kb: str | None = None, tag: str | None = None,
-        collection: str | None = None, source_id: str | None = None,
-        name_search: str | None = None, skip: int = 0, limit: int = 50,
+        self,
+        p: Principal,
+        *,
+        kb: str | None = None,
+        tag: str | None = None,
+        collection: str | None = None,
+        source_id: str | None = None,
+        name_search: str | None = None,
+        skip: int = 0,
+        limit: int = 50,
     ) -> Page[DocumentView]:
         records = await self.reg.documents.list(f"{p.org_id}.")
         if kb:
@@ -456,15 +496,21 @@ class GatewayService:
             if tags == record.tags and metadata == record.metadata:
                 return await self._document_view(record)
             revision = record.revision + 1
-            event = TagsChanged(org_id=p.org_id, document_id=document_id, tags=tags,
-                                metadata=patch.metadata, revision=revision)
+            event = TagsChanged(
+                org_id=p.org_id,
+                document_id=document_id,
+                tags=tags,
+                metadata=patch.metadata,
+                revision=revision,
+            )
             if not wait:
                 await self.bus.publish(Subject.TAGS_CHANGED, event)
                 return await self._document_view(record)
             async with self.waiter.watch([document_id]) as events:
                 await self.bus.publish(Subject.TAGS_CHANGED, event)
                 updated = await self._await_record(
-                    record.key, lambda r, rev=revision: r.revision >= rev, deadline)
+                    record.key, lambda r, rev=revision: r.revision >= rev, deadline
+                )
                 if updated is None:
                     break  # timed out, or deleted meanwhile
                 if updated.last_event_id != event.event_id and not _patched(patch, updated):
@@ -473,12 +519,14 @@ class GatewayService:
                     continue
                 if updated.status == DocStatus.ready:
                     lost = set(record.kb_ids) - set(updated.kb_ids)
-                    await self._await_kbs(events, p.org_id, set(updated.kb_ids), lost,
-                                          updated.revision, deadline)
+                    await self._await_kbs(
+                        events, p.org_id, set(updated.kb_ids), lost, updated.revision, deadline
+                    )
                 break
         else:
-            raise Conflict(f"document {document_id!r} keeps changing; try again",
-                           field="document_id")
+            raise Conflict(
+                f"document {document_id!r} keeps changing; try again", field="document_id"
+            )
         return await self.get_document(p, document_id)
 
     async def delete_document(
@@ -491,10 +539,16 @@ class GatewayService:
         except NotFound:
             return DeleteResult(status="not_found", deleted_count=0, document_id=document_id)
         self._check_doc_write(p, record)
-        await self._delete([record], DocDeleted(org_id=p.org_id, document_ids=[document_id]),
-                           wait=wait)
-        return DeleteResult(status="deleted", deleted_count=1, document_id=document_id,
-                            title=record.name, document_ids=[document_id])
+        await self._delete(
+            [record], DocDeleted(org_id=p.org_id, document_ids=[document_id]), wait=wait
+        )
+        return DeleteResult(
+            status="deleted",
+            deleted_count=1,
+            document_id=document_id,
+            title=record.name,
+            document_ids=[document_id],
+        )
 
     async def delete_source(
         self, p: Principal, source_id: str, *, wait: bool = True
@@ -502,8 +556,11 @@ class GatewayService:
         if not source_id.strip():
             raise InvalidInput("source_id must not be empty", field="source_id")
         # Only what the caller can see: a scoped key never learns of documents outside it.
-        records = [r for r in await self.reg.documents.list(f"{p.org_id}.")
-                   if r.source_id == source_id and self._visible(p, r)]
+        records = [
+            r
+            for r in await self.reg.documents.list(f"{p.org_id}.")
+            if r.source_id == source_id and self._visible(p, r)
+        ]
         for record in records:
             self._check_doc_write(p, record)
         if records:
@@ -513,7 +570,8 @@ class GatewayService:
                 wait=wait,
             )
         return DeleteResult(
-            status="deleted" if records else "not_found", deleted_count=len(records),
+            status="deleted" if records else "not_found",
+            deleted_count=len(records),
             document_ids=[r.document_id for r in records],
         )
 
@@ -562,7 +620,8 @@ class GatewayService:
     async def _document(self, p: Principal, document_id: str) -> DocumentRecord:
         record = (
             await self.reg.documents.get(f"{p.org_id}.{document_id}")
-            if _key_safe(document_id) else None
+            if _key_safe(document_id)
+            else None
         )
         if record is None or not self._visible(p, record):
             raise NotFound(f"document {document_id!r} not found", field="document_id")
@@ -575,12 +634,17 @@ class GatewayService:
             return
         for kb in await self.reg.kbs.list(f"{p.org_id}."):
             if not p.can_see(kb.kb_id) and kb.matches(tags):
-                raise Forbidden("these tags would add the document to a knowledge base outside "
-                                "this API key's scope", field="tags")
+                raise Forbidden(
+                    "these tags would add the document to a knowledge base outside "
+                    "this API key's scope",
+                    field="tags",
+                )
 
     def _visible(self, p: Principal, record: DocumentRecord) -> bool:
-        return p.kb_ids is None or bool(set(p.kb_ids) & set(record.kb_ids)) or any(
-            f"kb:{k}" in record.tags for k in p.kb_ids
+        return (
+            p.kb_ids is None
+            or bool(set(p.kb_ids) & set(record.kb_ids))
+            or any(f"kb:{k}" in record.tags for k in p.kb_ids)
         )
 
     def _check_doc_write(self, p: Principal, record: DocumentRecord) -> None:
@@ -598,11 +662,21 @@ class GatewayService:
             done = all(e is not None and e.revision >= record.revision for e in entries)
             status = "complete" if done else "processing"
         return DocumentView(
-            document_id=record.document_id, name=record.name, mime_type=record.mime_type,
-            source_id=record.source_id, uri=record.uri, tags=tags, collection=collection,
-            metadata=record.metadata, revision=record.revision, status=status,
-            error=record.error, kb_ids=record.kb_ids, size_bytes=record.size_bytes,
-            created_at=record.created_at, updated_at=record.updated_at,
+            document_id=record.document_id,
+            name=record.name,
+            mime_type=record.mime_type,
+            source_id=record.source_id,
+            uri=record.uri,
+            tags=tags,
+            collection=collection,
+            metadata=record.metadata,
+            revision=record.revision,
+            status=status,
+            error=record.error,
+            kb_ids=record.kb_ids,
+            size_bytes=record.size_bytes,
+            created_at=record.created_at,
+            updated_at=record.updated_at,
         )
 
     # ---- search ---------------------------------------------------------------------------
@@ -620,14 +694,20 @@ class GatewayService:
         self, p: Principal, chunk_id: str, kb: str | None = None, neighbors: int = 0
     ) -> ChunkResponse:
         kb_id = (await self.resolve_kb(p, kb)).kb_id if kb else None
-        request = ChunkRequest(org_id=p.org_id, chunk_id=chunk_id, kb_id=kb_id,
-                               neighbors=neighbors, scope_kb_ids=p.scope)
+        request = ChunkRequest(
+            org_id=p.org_id,
+            chunk_id=chunk_id,
+            kb_id=kb_id,
+            neighbors=neighbors,
+            scope_kb_ids=p.scope,
+        )
         return ChunkResponse.model_validate(await self._request(Subject.SEARCH_CHUNK, request))
 
     async def _request(self, subject: str, request: Any) -> dict[str, Any]:
         try:
-            reply = await self.bus.request(subject, request,
-                                           timeout=self.settings.search.timeout_seconds)
+            reply = await self.bus.request(
+                subject, request, timeout=self.settings.search.timeout_seconds
+            )
         except TimeoutError as err:
             raise Transient("search service did not answer in time") from err
         except Exception as err:
@@ -643,9 +723,7 @@ class GatewayService:
 
 def validate_kb(kb: KnowledgeBase) -> None:
     """Cross-field KB rules (single-field ranges are on the request model)."""
-    if kb.embedding_model.startswith("local/") and kb.embedding_model != (
-        "local/all-MiniLM-L6-v2"
-    ):
+    if kb.embedding_model.startswith("local/") and kb.embedding_model != ("local/all-MiniLM-L6-v2"):
         raise InvalidInput(
             f"embedding_model {kb.embedding_model!r}: the only bundled local model is "
             "local/all-MiniLM-L6-v2; use a LiteLLM model id for others",
@@ -655,7 +733,8 @@ def validate_kb(kb: KnowledgeBase) -> None:
     if limit is not None and kb.chunk_size > limit:
         raise InvalidInput(
             f"chunk_size {kb.chunk_size} exceeds the input limit of {kb.embedding_model} "
-            f"({limit} tokens)", field="chunk_size",
+            f"({limit} tokens)",
+            field="chunk_size",
         )
     if not 50 <= kb.chunk_size <= 2000:
         raise InvalidInput("chunk_size must be between 50 and 2000 tokens", field="chunk_size")
@@ -665,8 +744,7 @@ def validate_kb(kb: KnowledgeBase) -> None:
             field="chunk_overlap",
         )
     if not 0 <= kb.coalesce_neighbors <= 5:
-        raise InvalidInput("coalesce_neighbors must be between 0 and 5",
-                           field="coalesce_neighbors")
+        raise InvalidInput("coalesce_neighbors must be between 0 and 5", field="coalesce_neighbors")
     for tag in kb.tag_ids:
         if not tag or tag.startswith(COLLECTION_PREFIX):
             raise InvalidInput(f"tag_ids: invalid tag {tag!r}", field="tag_ids")
@@ -677,8 +755,9 @@ def _check_labels(tags: list[str], collection: str | None) -> None:
         if not tag.strip() or len(tag) > 200:
             raise InvalidInput(f"invalid tag {tag!r}: 1-200 characters", field="tags")
         if tag.startswith(COLLECTION_PREFIX):
-            raise InvalidInput("set collections with `collection`, not a 'collection:' tag",
-                               field="tags")
+            raise InvalidInput(
+                "set collections with `collection`, not a 'collection:' tag", field="tags"
+            )
     if collection is not None and (not collection.strip() or len(collection) > 200):
         raise InvalidInput("collection must be 1-200 characters", field="collection")
 
@@ -703,8 +782,12 @@ def _drain_failure(events: asyncio.Queue[Any], org_id: str, stage: str) -> DocFa
     failure = None
     while not events.empty():
         ev = events.get_nowait()
-        if (isinstance(ev, DocFailed) and ev.stage == stage and ev.org_id == org_id
-                and failure is None):
+        if (
+            isinstance(ev, DocFailed)
+            and ev.stage == stage
+            and ev.org_id == org_id
+            and failure is None
+        ):
             failure = ev
         else:
             pending.append(ev)

@@ -21,8 +21,11 @@ def upload_and_search(base: str) -> dict[str, str]:
     ids = {}
     with httpx.Client(base_url=base, timeout=120) as client:
         for name, text in DOCS.items():
-            r = client.post("/v1/kbs/default/documents", params={"wait": "true"},
-                            json={"name": name, "content": text, "mime_type": "text/markdown"})
+            r = client.post(
+                "/v1/kbs/default/documents",
+                params={"wait": "true"},
+                json={"name": name, "content": text, "mime_type": "text/markdown"},
+            )
             assert r.status_code == 200, r.text
             assert r.json()["status"] == "complete"
             ids[name] = r.json()["document_id"]
@@ -53,8 +56,9 @@ def test_up_indexes_searches_and_survives_a_restart(tmp_path):
     finally:
         assert first.stop() == 0, first.output()[-3000:]
     assert "kbmesh stopped" in first.output()
-    survivors = subprocess.run(["pgrep", "-f", f"nats-server -c {tmp_path}"], check=False,
-                               capture_output=True, text=True).stdout
+    survivors = subprocess.run(
+        ["pgrep", "-f", f"nats-server -c {tmp_path}"], check=False, capture_output=True, text=True
+    ).stdout
     assert not survivors.strip(), "nats-server outlived kbmesh up"
 
     second = Proc(args, tmp_path / "second.log", kbmesh_env())
@@ -74,15 +78,24 @@ def split_stack(tmp_path):
     """nats-server + `serve ingest` + `serve embed search` + `serve gateway`."""
     nats = NatsServer(tmp_path / "nats").start()
     port = free_port()
-    env = kbmesh_env(KBMESH_NATS_URL=nats.url, KBMESH_DATA_DIR=str(tmp_path / "data"),
-                     KBMESH_BUS__ACK_WAIT_SECONDS="4", KBMESH_PORT=str(port))
+    env = kbmesh_env(
+        KBMESH_NATS_URL=nats.url,
+        KBMESH_DATA_DIR=str(tmp_path / "data"),
+        KBMESH_BUS__ACK_WAIT_SECONDS="4",
+        KBMESH_PORT=str(port),
+    )
     procs = {
         "ingest": Proc(["serve", "ingest"], tmp_path / "ingest.log", env),
         "embed": Proc(["serve", "embed", "search"], tmp_path / "embed.log", env),
         "gateway": Proc(["serve", "gateway"], tmp_path / "gateway.log", env),
     }
-    stack = {"base": f"http://127.0.0.1:{port}", "procs": procs, "env": env,
-             "tmp": tmp_path, "nats": nats}
+    stack = {
+        "base": f"http://127.0.0.1:{port}",
+        "procs": procs,
+        "env": env,
+        "tmp": tmp_path,
+        "nats": nats,
+    }
     try:
         wait_ready(stack["base"], procs["gateway"])
         yield stack
@@ -108,13 +121,17 @@ def test_kill9_embed_mid_indexing_loses_nothing_and_duplicates_nothing(split_sta
     )
     with httpx.Client(base_url=base, timeout=60) as client:
         # Warm-up: the embed process has loaded its model once this answers.
-        client.post("/v1/kbs/default/documents", params={"wait": "true"},
-                    json={"name": "warmup", "content": "warm up"}).raise_for_status()
+        client.post(
+            "/v1/kbs/default/documents",
+            params={"wait": "true"},
+            json={"name": "warmup", "content": "warm up"},
+        ).raise_for_status()
         ids = []
         for i in range(50):
             text = "".join(paragraph.format(i=i, j=j) for j in range(12))
-            r = client.post("/v1/kbs/default/documents",
-                            json={"name": f"doc-{i}.txt", "content": text})
+            r = client.post(
+                "/v1/kbs/default/documents", json={"name": f"doc-{i}.txt", "content": text}
+            )
             assert r.status_code == 202, r.text
             ids.append(r.json()["document_id"])
 
@@ -125,8 +142,9 @@ def test_kill9_embed_mid_indexing_loses_nothing_and_duplicates_nothing(split_sta
         wait_until(lambda: indexed() >= 8, 300, "some documents indexed")
         procs["embed"].kill9()
         assert indexed() < 51, "everything was indexed before the kill; nothing was tested"
-        procs["embed"] = Proc(["serve", "embed", "search"], split_stack["tmp"] / "embed2.log",
-                              split_stack["env"])
+        procs["embed"] = Proc(
+            ["serve", "embed", "search"], split_stack["tmp"] / "embed2.log", split_stack["env"]
+        )
         wait_until(lambda: indexed() == 51, 600, "all 51 documents indexed")
         items = client.get("/v1/kbs/default/documents", params={"limit": 500}).json()["items"]
     chunk_counts = {d["document_id"]: d["chunk_count"] for d in items}

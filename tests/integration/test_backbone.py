@@ -20,8 +20,10 @@ async def stack(tmp_path_factory, embedders):
 async def upload_corpus(client, kb: str = "default") -> dict[str, str]:
     ids = {}
     for name, text in DOCS.items():
-        r = await client.post(f"/v1/kbs/{kb}/documents?wait=true",
-                              json={"name": name, "content": text, "mime_type": "text/markdown"})
+        r = await client.post(
+            f"/v1/kbs/{kb}/documents?wait=true",
+            json={"name": name, "content": text, "mime_type": "text/markdown"},
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["status"] == "complete" and body["chunk_count"] >= 1, body
@@ -32,7 +34,7 @@ async def upload_corpus(client, kb: str = "default") -> dict[str, str]:
 async def test_upload_then_paraphrase_search_returns_the_document_first(stack):
     """Three uploads with wait=true index for real; each paraphrase finds its document
     first, with content and a score."""
-    rt, client = stack
+    _rt, client = stack
     ids = await upload_corpus(client)
     for name, query in PARAPHRASES.items():
         r = await client.post("/v1/search", json={"query": query, "kb_ids": ["default"]})
@@ -55,8 +57,10 @@ async def test_malformed_event_is_dead_lettered_and_consumer_keeps_going(stack):
     assert "malformed event" in msg.headers["Kbmesh-Error"]
     assert msg.data == b'{"org_id": "local", "name": 42'
     await sub.unsubscribe()
-    r = await client.post("/v1/kbs/default/documents?wait=true",
-                          json={"name": "after-dlq.txt", "content": "still indexing fine"})
+    r = await client.post(
+        "/v1/kbs/default/documents?wait=true",
+        json={"name": "after-dlq.txt", "content": "still indexing fine"},
+    )
     assert r.json()["status"] == "complete"
 
 
@@ -65,8 +69,16 @@ async def test_bad_upload_is_rejected_and_changes_nothing(stack):
     rt, client = stack
     before = len(await rt.registries.documents.list())
     cases = [
-        ("/v1/kbs/default/documents", {"name": "a", "content": "!!!", "content_encoding": "base64"}, 422),
-        ("/v1/kbs/default/documents", {"name": "a", "content": "x", "mime_type": "audio/mpeg"}, 422),
+        (
+            "/v1/kbs/default/documents",
+            {"name": "a", "content": "!!!", "content_encoding": "base64"},
+            422,
+        ),
+        (
+            "/v1/kbs/default/documents",
+            {"name": "a", "content": "x", "mime_type": "audio/mpeg"},
+            422,
+        ),
         ("/v1/kbs/nope/documents", {"name": "a", "content": "x"}, 404),
         ("/v1/kbs/default/documents", {"name": "a", "content": "x" * (10 * 1024 * 1024 + 1)}, 413),
     ]
@@ -86,8 +98,9 @@ async def test_large_upload_travels_via_object_store_and_staging_is_cleaned(tmp_
         client,
     ):
         text = "Glaciers carve valleys as they slide downhill. " * 60  # ~2.8 kB
-        r = await client.post("/v1/kbs/default/documents?wait=true",
-                              json={"name": "glaciers.txt", "content": text})
+        r = await client.post(
+            "/v1/kbs/default/documents?wait=true", json={"name": "glaciers.txt", "content": text}
+        )
         body = r.json()
         assert body["status"] == "complete" and body["chunk_count"] >= 1, body
         staged = [o async for o in _object_names(rt) if o.startswith("uploads/")]

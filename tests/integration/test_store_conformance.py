@@ -5,14 +5,13 @@ reachable. Each test runs through the public interface only, on a fresh uuid-nam
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import asyncio
 import os
 import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -221,11 +220,15 @@ async def test_lead_weight_fuses_a_lead_chunk_list_in_every_mode(
     """With lead_weight, documents' first chunks are fused in as an extra candidate list:
     a lead chunk ranked just below another document's middle chunk overtakes it, in every
     mode; without it the plain order holds."""
-    await load(store, kb, [
-        chunk("doc-a", 0, vector=dense(0.0, 1.0), terms={9: 0.1}),
-        chunk("doc-a", 1, vector=dense(1.0, 0.0), terms={1: 1.0}),
-        chunk("doc-b", 0, vector=dense(0.9, 0.43), terms={1: 0.9}),
-    ])
+    await load(
+        store,
+        kb,
+        [
+            chunk("doc-a", 0, vector=dense(0.0, 1.0), terms={9: 0.1}),
+            chunk("doc-a", 1, vector=dense(1.0, 0.0), terms={1: 1.0}),
+            chunk("doc-b", 0, vector=dense(0.9, 0.43), terms={1: 0.9}),
+        ],
+    )
     base = Query(mode=mode, limit=3, filter=Filter(), dense=dense(1.0), sparse=sparse({1: 1.0}))
     plain = await store.query(kb, base)
     assert plain[0].payload["document_id"] == "doc-a"

@@ -13,11 +13,14 @@ async def test_one_trace_spans_gateway_ingest_and_embed(tmp_path, embedders):
     """The upload's HTTP span, the doc.uploaded consume span (ingest), the kb.index
     consume span (embed) and the embed work spans all carry the request's trace id."""
     exporter = InMemorySpanExporter()
-    async with running_stack(tmp_path, embedders=embedders,
-                             span_processors=[SimpleSpanProcessor(exporter)]) as (rt, client):
+    async with running_stack(
+        tmp_path, embedders=embedders, span_processors=[SimpleSpanProcessor(exporter)]
+    ) as (_rt, client):
         exporter.clear()
-        r = await client.post("/v1/kbs/default/documents?wait=true",
-                              json={"name": "traced.txt", "content": "trace me end to end"})
+        r = await client.post(
+            "/v1/kbs/default/documents?wait=true",
+            json={"name": "traced.txt", "content": "trace me end to end"},
+        )
         assert r.json()["status"] == "complete"
     spans = exporter.get_finished_spans()
     request = next(s for s in spans if s.name == "POST /v1/kbs/{kb}/documents")

@@ -19,8 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def kbmesh_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KBMESH_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", LITELLM_LOCAL_MODEL_COST_MAP="True",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     env.update(extra)
     return env
 
@@ -32,7 +37,11 @@ class Proc:
         self.log = log
         self._out = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            KBMESH + args, cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT,
+            KBMESH + args,
+            cwd=ROOT,
+            env=env,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
 

@@ -6,10 +6,13 @@ build engine objects or strings.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
+
+from services.common.errors import InvalidInput
 
 DENSE = "dense"
 SPARSE = "bm25"
@@ -220,3 +223,35 @@ class VectorStore(Protocol):
         """Compact/index after bulk loads where the engine needs it (Edge); else no-op."""
 
     async def close(self) -> None: ...
+
+
+# ---- shared by the adapters -------------------------------------------------------------
+
+
+def check_document_points(document_id: str, points: list[ChunkPoint]) -> None:
+    # The delete half of replace_document finds old points by payload document_id; a point
+    # without it would never be cleaned up.
+    for p in points:
+        if p.payload.get("document_id") != document_id:
+            raise InvalidInput(
+                f"point {p.id} has payload document_id {p.payload.get('document_id')!r}, "
+                f"expected {document_id!r}",
+                field="document_id",
+            )
+
+
+def uuid_strings(ids: list[str]) -> list[str]:
+    try:
+        return [str(uuid.UUID(i)) for i in ids]
+    except ValueError as err:
+        raise InvalidInput(f"point ids must be UUIDs: {err}", field="ids") from err
+
+
+def any_values(values: tuple[str | int, ...]) -> list[str] | list[int]:
+    strings = [v for v in values if isinstance(v, str)]
+    if len(strings) == len(values):
+        return strings
+    ints = [v for v in values if isinstance(v, int)]
+    if len(ints) == len(values):
+        return ints
+    raise InvalidInput("MatchAny values must be all strings or all integers")

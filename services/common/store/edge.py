@@ -37,8 +37,11 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
+    any_values,
+    check_document_points,
     fusion_plan,
     lead_filter,
+    uuid_strings,
 )
 
 # Collection names become directory names, so they stay inside a safe set.
@@ -111,7 +114,7 @@ class EdgeStore:
     # ---- writes ----------------------------------------------------------------------------
 
     async def replace_document(self, name: str, document_id: str, points: list[ChunkPoint]) -> None:
-        _check_document_points(document_id, points)
+        check_document_points(document_id, points)
         stale = qe.Filter(
             must=[qe.FieldCondition("document_id", match=qe.MatchValue(document_id))],
             must_not=[qe.HasIdCondition({p.id for p in points})] if points else None,
@@ -153,7 +156,7 @@ class EdgeStore:
         shard = await self._shard(name)
         if shard is None or not ids:
             return []
-        keys = _uuid_strings(ids)
+        keys = uuid_strings(ids)
         records = await asyncio.to_thread(
             shard.retrieve, list(keys), with_payload=True, with_vector=False
         )
@@ -259,25 +262,6 @@ def _close_and_remove(shard: qe.EdgeShard | None, path: Path) -> None:
 # ---- translation ----------------------------------------------------------------------------
 
 
-def _check_document_points(document_id: str, points: list[ChunkPoint]) -> None:
-    # The delete half of replace_document finds old points by payload document_id; a point
-    # without it would never be cleaned up.
-    for p in points:
-        if p.payload.get("document_id") != document_id:
-            raise InvalidInput(
-                f"point {p.id} has payload document_id {p.payload.get('document_id')!r}, "
-                f"expected {document_id!r}",
-                field="document_id",
-            )
-
-
-def _uuid_strings(ids: list[str]) -> list[str]:
-    try:
-        return [str(uuid.UUID(i)) for i in ids]
-    except ValueError as err:
-        raise InvalidInput(f"point ids must be UUIDs: {err}", field="ids") from err
-
-
 def _edge_point(p: ChunkPoint) -> qe.Point:
     vectors: dict[str, Any] = {
         DENSE: p.dense,
@@ -351,7 +335,7 @@ def _edge_condition(c: Condition) -> qe.FieldCondition | qe.HasIdCondition:
         case Match(key=key, value=value):
             return qe.FieldCondition(key, match=qe.MatchValue(value))
         case MatchAny(key=key, values=values):
-            return qe.FieldCondition(key, match=qe.MatchAny(_any_values(values)))
+            return qe.FieldCondition(key, match=qe.MatchAny(any_values(values)))
         case MatchText(key=key, text=text):
             return qe.FieldCondition(key, match=qe.MatchText(text))
         case MatchSubstring(key=key, text=text):
@@ -363,16 +347,6 @@ def _edge_condition(c: Condition) -> qe.FieldCondition | qe.HasIdCondition:
         case HasIds(ids=ids):
             return qe.HasIdCondition(set(ids))
     raise InvalidInput(f"unsupported filter condition {c!r}")
-
-
-def _any_values(values: tuple[str | int, ...]) -> list[str] | list[int]:
-    strings = [v for v in values if isinstance(v, str)]
-    if len(strings) == len(values):
-        return strings
-    ints = [v for v in values if isinstance(v, int)]
-    if len(ints) == len(values):
-        return ints
-    raise InvalidInput("MatchAny values must be all strings or all integers")
 
 
 def _iso(value: datetime | None) -> str | None:

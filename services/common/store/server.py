@@ -6,7 +6,6 @@ for a server in tests; local mode builds no payload indexes, so none are request
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -33,8 +32,11 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
+    any_values,
+    check_document_points,
     fusion_plan,
     lead_filter,
+    uuid_strings,
 )
 
 _INDEX_KINDS: dict[str, models.PayloadSchemaType] = {
@@ -109,7 +111,7 @@ class ServerStore:
     # ---- writes ----------------------------------------------------------------------------
 
     async def replace_document(self, name: str, document_id: str, points: list[ChunkPoint]) -> None:
-        _check_document_points(document_id, points)
+        check_document_points(document_id, points)
         stale = models.Filter(
             must=[_field("document_id", models.MatchValue(value=document_id))],
             must_not=[models.HasIdCondition(has_id=[p.id for p in points])] if points else None,
@@ -156,7 +158,7 @@ class ServerStore:
     async def retrieve(self, name: str, ids: list[str]) -> list[Hit]:
         if not ids:
             return []
-        keys = _uuid_strings(ids)
+        keys = uuid_strings(ids)
         try:
             with _classified(name):
                 records = await self._client.retrieve(
@@ -214,25 +216,6 @@ def _classified(name: str) -> Iterator[None]:
 
 
 # ---- translation ----------------------------------------------------------------------------
-
-
-def _check_document_points(document_id: str, points: list[ChunkPoint]) -> None:
-    # The delete half of replace_document finds old points by payload document_id; a point
-    # without it would never be cleaned up.
-    for p in points:
-        if p.payload.get("document_id") != document_id:
-            raise InvalidInput(
-                f"point {p.id} has payload document_id {p.payload.get('document_id')!r}, "
-                f"expected {document_id!r}",
-                field="document_id",
-            )
-
-
-def _uuid_strings(ids: list[str]) -> list[str]:
-    try:
-        return [str(uuid.UUID(i)) for i in ids]
-    except ValueError as err:
-        raise InvalidInput(f"point ids must be UUIDs: {err}", field="ids") from err
 
 
 def _server_point(p: ChunkPoint) -> models.PointStruct:
@@ -307,7 +290,7 @@ def _server_condition(c: Condition) -> models.Condition:
         case Match(key=key, value=value):
             return _field(key, models.MatchValue(value=value))
         case MatchAny(key=key, values=values):
-            return _field(key, models.MatchAny(any=_any_values(values)))
+            return _field(key, models.MatchAny(any=any_values(values)))
         case MatchText(key=key, text=text):
             return _field(key, models.MatchText(text=text))
         case MatchSubstring(key=key, text=text):
@@ -323,16 +306,6 @@ def _server_condition(c: Condition) -> models.Condition:
         case HasIds(ids=ids):
             return models.HasIdCondition(has_id=list(ids))
     raise InvalidInput(f"unsupported filter condition {c!r}")
-
-
-def _any_values(values: tuple[str | int, ...]) -> list[str] | list[int]:
-    strings = [v for v in values if isinstance(v, str)]
-    if len(strings) == len(values):
-        return strings
-    ints = [v for v in values if isinstance(v, int)]
-    if len(ints) == len(values):
-        return ints
-    raise InvalidInput("MatchAny values must be all strings or all integers")
 
 
 def _field(key: str, match: models.Match) -> models.FieldCondition:

@@ -33,15 +33,25 @@ async def upload(
 
 @router.get("")
 async def list_documents(
-    service: Service, caller: Caller,
-    kb: str | None = None, tag: str | None = None, collection: str | None = None,
-    source_id: str | None = None, name_search: str | None = None,
+    service: Service,
+    caller: Caller,
+    kb: str | None = None,
+    tag: str | None = None,
+    collection: str | None = None,
+    source_id: str | None = None,
+    name_search: str | None = None,
     skip: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> Page[DocumentView]:
     return await service.list_documents(
-        caller, kb=kb, tag=tag, collection=collection, source_id=source_id,
-        name_search=name_search, skip=skip, limit=limit,
+        caller,
+        kb=kb,
+        tag=tag,
+        collection=collection,
+        source_id=source_id,
+        name_search=name_search,
+        skip=skip,
+        limit=limit,
     )
 
 
@@ -68,8 +78,10 @@ async def delete_document(
 
 @router.delete("")
 async def delete_by_source(
-    service: Service, caller: Caller,
-    source_id: Annotated[str, Query(min_length=1)], wait: Wait = True,
+    service: Service,
+    caller: Caller,
+    source_id: Annotated[str, Query(min_length=1)],
+    wait: Wait = True,
 ) -> DeleteResult:
     """Delete every document of a source."""
     return await service.delete_source(caller, source_id, wait=wait)

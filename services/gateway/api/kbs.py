@@ -31,7 +31,8 @@ async def create_kb(body: KbCreate, service: Service, caller: Caller) -> KbView:
 
 @router.get("")
 async def list_kbs(
-    service: Service, caller: Caller,
+    service: Service,
+    caller: Caller,
     skip: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     name_search: str | None = None,
@@ -71,7 +72,9 @@ async def stats(kb: str, service: Service, caller: Caller) -> KbStats:
 
 @router.get("/{kb}/documents")
 async def kb_documents(
-    kb: str, service: Service, caller: Caller,
+    kb: str,
+    service: Service,
+    caller: Caller,
     skip: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     name_search: str | None = None,
@@ -81,7 +84,11 @@ async def kb_documents(
 
 @router.post("/{kb}/documents", status_code=202, responses=WAITED)
 async def upload_to_kb(
-    kb: str, body: UploadBody, service: Service, caller: Caller, response: Response,
+    kb: str,
+    body: UploadBody,
+    service: Service,
+    caller: Caller,
+    response: Response,
     wait: Wait = False,
 ) -> UploadResult:
     """Upload a document into this KB (its implicit tag) and any KB its tags match."""

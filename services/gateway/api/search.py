@@ -20,7 +20,10 @@ async def search(body: SearchQuery, service: Service, caller: Caller) -> SearchR
 
 @router.get("/chunks/{chunk_id}")
 async def get_chunk(
-    chunk_id: str, service: Service, caller: Caller, kb: str | None = None,
+    chunk_id: str,
+    service: Service,
+    caller: Caller,
+    kb: str | None = None,
     neighbors: Annotated[int, Query(ge=0, le=5)] = 0,
 ) -> ChunkResponse:
     return await service.get_chunk(caller, chunk_id, kb, neighbors)
