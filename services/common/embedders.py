@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,8 @@ LOCAL_PREFIX = "local/"
 # LiteLLM's usual limit for OpenAI embedding models; used when the model is not in its map.
 DEFAULT_REMOTE_MAX_TOKENS = 8191
 MODEL_FIELD = "embedding_model"
+# Requests of at most this many texts (queries) are coalesced with concurrent ones.
+COALESCE_MAX_TEXTS = 4
 
 
 @runtime_checkable
@@ -126,6 +128,8 @@ class LocalEmbedder:
         # torch already uses every core for one encode; two at once only thrash.
         self._encode_lock = threading.Lock()
         self._embed_count = 0
+        self._pending: deque[tuple[list[str], asyncio.Future[list[list[float]]]]] = deque()
+        self._drainer: asyncio.Task[None] | None = None
 
     @property
     def model(self) -> str:
@@ -184,6 +188,8 @@ class LocalEmbedder:
         return np.asarray(vectors, dtype=np.float32).tolist()
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
+        if 0 < len(texts) <= COALESCE_MAX_TEXTS:
+            return await self._coalesced(texts)
         out: list[list[float]] = []
         # One thread hop per batch, so a query can slip in between the batches of a large
         # document instead of waiting for all of it.
@@ -192,6 +198,41 @@ class LocalEmbedder:
             out.extend(await asyncio.to_thread(self._encode, batch))
             self._embed_count += len(batch)
         return out
+
+    async def _coalesced(self, texts: list[str]) -> list[list[float]]:
+        """Small requests (queries) that arrive while an encode runs share the next one:
+        one encode of 16 short queries costs about as much as three single ones here, and a
+        lone query still goes at once."""
+        future: asyncio.Future[list[list[float]]] = asyncio.get_running_loop().create_future()
+        self._pending.append((texts, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            group: list[tuple[list[str], asyncio.Future[list[list[float]]]]] = []
+            size = 0
+            while self._pending and (
+                not group or size + len(self._pending[0][0]) <= self._batch_size
+            ):
+                texts, future = self._pending.popleft()
+                group.append((texts, future))
+                size += len(texts)
+            flat = [text for texts, _ in group for text in texts]
+            try:
+                vectors = await asyncio.to_thread(self._encode, flat)
+            except Exception as err:
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(err)
+                continue
+            self._embed_count += len(flat)
+            offset = 0
+            for texts, future in group:
+                if not future.done():  # its caller may have been cancelled
+                    future.set_result(vectors[offset : offset + len(texts)])
+                offset += len(texts)
 
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:

@@ -284,3 +284,27 @@ async def test_query_cache_does_not_keep_failures(server: OpenAIEmbeddingsServer
         await pool.embed_query(REMOTE, "flaky", server.base_url)
     vector = await pool.embed_query(REMOTE, "flaky", server.base_url)
     assert len(vector) == DIM
+
+
+async def test_concurrent_queries_share_encodes_and_get_their_own_vectors(
+    local: LocalEmbedder,
+) -> None:
+    """Sixteen concurrent one-text requests (queries) are coalesced into fewer encodes, and
+    each caller still gets the vector of its own text."""
+    texts = [f"how do I configure service number {i}" for i in range(16)]
+    alone = [(await local.embed([t]))[0] for t in texts[:3]]
+    calls: list[int] = []
+    encode = local._encode
+
+    def counting(batch: list[str]) -> list[list[float]]:
+        calls.append(len(batch))
+        return encode(batch)
+
+    local._encode = counting  # type: ignore[method-assign]
+    try:
+        together = await asyncio.gather(*(local.embed([t]) for t in texts))
+    finally:
+        del local._encode
+    assert len(calls) < len(texts) and sum(calls) == len(texts)
+    for mine, single in zip(together[:3], alone, strict=True):
+        assert np.allclose(mine[0], single, atol=1e-4)
