@@ -130,7 +130,9 @@ async def _wire(rt: Runtime) -> None:
             rt.settings.search,  # type: ignore[arg-type]
         )
         rt.objects["search"] = search
-        rt.bus.broker.include_router(search_router(search))
+        rt.bus.broker.include_router(
+            search_router(search, concurrency=rt.settings.search.concurrency)
+        )
 
 
 def assert_store(rt: Runtime) -> None:

@@ -38,6 +38,7 @@ class SearchSettings(BaseModel):
     hnsw_ef: int = Field(128, ge=8, description="HNSW search breadth (recall vs latency)")
     query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")
     timeout_seconds: float = Field(10.0, gt=0)
+    concurrency: int = Field(32, ge=1, description="search requests answered at once per replica")
 
 
 class Settings(BaseSettings):

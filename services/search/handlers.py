@@ -19,14 +19,16 @@ log = logging.getLogger("kbmesh.search")
 QUEUE = "search"
 
 
-def create_router(service: SearchService) -> NatsRouter:
+def create_router(service: SearchService, *, concurrency: int = 1) -> NatsRouter:
     router = NatsRouter()
 
-    @router.subscriber(Subject.SEARCH_QUERY, queue=QUEUE)
+    # Requests are answered concurrently: a reply spends most of its time waiting on the
+    # model and engine threads, and concurrent query embeddings are coalesced.
+    @router.subscriber(Subject.SEARCH_QUERY, queue=QUEUE, max_workers=concurrency)
     async def on_search(msg: NatsMessage) -> dict[str, Any]:
         return await _answer(msg.body, SearchRequest, service.search)
 
-    @router.subscriber(Subject.SEARCH_CHUNK, queue=QUEUE)
+    @router.subscriber(Subject.SEARCH_CHUNK, queue=QUEUE, max_workers=concurrency)
     async def on_chunk(msg: NatsMessage) -> dict[str, Any]:
         return await _answer(msg.body, ChunkRequest, service.get_chunk)
 
