@@ -113,8 +113,7 @@ async def _wire(rt: Runtime) -> None:
         from services.embed.handlers import create_router as embed_router
         from services.embed.service import EmbedService
 
-        assert_store(rt)
-        embed = EmbedService(rt.registries, rt.store, rt.embedders, publish)  # type: ignore[arg-type]
+        embed = EmbedService(rt.registries, require_store(rt), rt.embedders, publish)
         rt.objects["embed"] = embed
         rt.bus.broker.include_router(
             embed_router(rt.bus, embed, concurrency=rt.settings.embed_concurrency)
@@ -123,21 +122,17 @@ async def _wire(rt: Runtime) -> None:
         from services.search.handlers import create_router as search_router
         from services.search.service import SearchService
 
-        search = SearchService(
-            rt.registries,
-            rt.store,
-            rt.embedders,
-            rt.settings.search,  # type: ignore[arg-type]
-        )
+        search = SearchService(rt.registries, require_store(rt), rt.embedders, rt.settings.search)
         rt.objects["search"] = search
         rt.bus.broker.include_router(
             search_router(search, concurrency=rt.settings.search.concurrency)
         )
 
 
-def assert_store(rt: Runtime) -> None:
+def require_store(rt: Runtime) -> VectorStore:
     if rt.store is None:
-        raise RuntimeError("embed needs a vector store")
+        raise RuntimeError("embed and search need a vector store")
+    return rt.store
 
 
 async def start_consuming(rt: Runtime) -> None:
