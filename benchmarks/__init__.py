@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print figures recorded in docs/benchmarks.md."""

@@ -1,0 +1,1 @@
+"""kbmesh: an event-driven knowledge base for AI agents."""

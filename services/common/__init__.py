@@ -1,0 +1,1 @@
+"""What every service imports: events, settings, bus wiring, registries, store, embedders."""

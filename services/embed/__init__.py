@@ -1,0 +1,1 @@
+"""Embed: chunking, embedding and the vectors (consumes kb.index, kb.remove)."""

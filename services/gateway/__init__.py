@@ -1,0 +1,1 @@
+"""Gateway: REST, MCP tools, API keys; publishes events and sends search requests."""

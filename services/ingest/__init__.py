@@ -1,0 +1,1 @@
+"""Ingest: documents, texts and KB membership (consumes doc.*, ocr.done, tags.changed)."""

@@ -1,0 +1,1 @@
+"""Search: hybrid queries over the KBs (request/reply in a queue group)."""
