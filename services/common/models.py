@@ -133,6 +133,9 @@ class DocumentRecord(BaseModel):
     error: str | None = None
     kb_ids: list[str] = Field(default_factory=list, description="KBs the document belongs to")
     last_event_id: str | None = None
+    kb_errors: dict[str, str] = Field(
+        default_factory=dict, description="KB id → why indexing this revision there failed"
+    )
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
 

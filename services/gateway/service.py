@@ -250,10 +250,14 @@ class GatewayService:
     async def kb_stats(self, p: Principal, ref: str) -> KbStats:
         kb = await self.resolve_kb(p, ref)
         entries, members = await self._kb_state(kb)
-        failed = [d for d in members if d.status == DocStatus.failed]
+        failed = [d for d in members if d.status == DocStatus.failed or kb.kb_id in d.kb_errors]
         current = {e.document_id for e in entries if e.settings_version == kb.settings_version}
         pending = [
-            d for d in members if d.status == DocStatus.ready and d.document_id not in current
+            d
+            for d in members
+            if d.status == DocStatus.ready
+            and d.document_id not in current
+            and kb.kb_id not in d.kb_errors
         ]
         return KbStats(
             kb_id=kb.kb_id,
@@ -661,6 +665,8 @@ class GatewayService:
             )
             done = all(e is not None and e.revision >= record.revision for e in entries)
             status = "complete" if done else "processing"
+            if record.kb_errors:
+                status = "failed"
         return DocumentView(
             document_id=record.document_id,
             name=record.name,
@@ -672,7 +678,9 @@ class GatewayService:
             metadata=record.metadata,
             revision=record.revision,
             status=status,
-            error=record.error,
+            error=record.error
+            or "; ".join(f"KB {k}: {why}" for k, why in sorted(record.kb_errors.items()))
+            or None,
             kb_ids=record.kb_ids,
             size_bytes=record.size_bytes,
             created_at=record.created_at,
@@ -799,6 +807,8 @@ def _drain_failure(events: asyncio.Queue[Any], org_id: str, stage: str) -> DocFa
 def _kb_doc_status(record: DocumentRecord, entry: IndexEntry | None, kb: KnowledgeBase) -> str:
     if record.status != DocStatus.ready:
         return record.status.value
+    if kb.kb_id in record.kb_errors:
+        return "failed"
     if entry is None or entry.revision < record.revision:
         return "processing"
     return "complete" if entry.settings_version == kb.settings_version else "pending_reindex"

@@ -57,6 +57,9 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
     async def on_kb(ev: KbChanged) -> None:
         await service.kb_changed(ev)
 
+    async def on_failed(ev: DocFailed) -> None:
+        await service.indexing_failed(ev)
+
     consume(
         router,
         bus,
@@ -69,4 +72,5 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
     consume(router, bus, Subject.TAGS_CHANGED, "ingest-tags-changed", on_tags)
     consume(router, bus, Subject.DOC_DELETED, "ingest-doc-deleted", on_delete)
     consume(router, bus, Subject.KB_CHANGED, "ingest-kb-changed", on_kb)
+    consume(router, bus, Subject.DOC_FAILED, "ingest-doc-failed", on_failed)
     return router

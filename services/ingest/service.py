@@ -264,10 +264,12 @@ class IngestService:
             if record is None or record.status != DocStatus.ready:
                 return
             now, was = member(record), ev.kb_id in record.kb_ids
-            if now != was:
+            retried = rebuild and ev.kb_id in record.kb_errors
+            if now != was or retried:
                 record.kb_ids = sorted(
                     {*record.kb_ids, ev.kb_id} if now else set(record.kb_ids) - {ev.kb_id}
                 )
+                record.kb_errors.pop(ev.kb_id, None)
                 await self._save(record, last)
             # Fresh event ids: a KB change moves documents without bumping their revision, so
             # a document can leave, rejoin and leave a KB at one revision; ids derived from
@@ -286,6 +288,23 @@ class IngestService:
                 continue
             await self._cas(functools.partial(apply, listed.key))
 
+    async def indexing_failed(self, ev: DocFailed) -> None:
+        """Record why embed gave up on a document in a KB, so its status says why."""
+        if ev.stage != "embed" or not ev.document_id or not ev.kb_id:
+            return
+        kb_id = ev.kb_id
+
+        async def record_error() -> None:
+            record, last = await self._get(f"{ev.org_id}.{ev.document_id}")
+            if record is None or (ev.revision is not None and ev.revision < record.revision):
+                return  # gone, or a newer revision is already being indexed
+            if record.kb_errors.get(kb_id) == ev.error:
+                return
+            record.kb_errors[kb_id] = ev.error
+            await self._save(record, last)
+
+        await self._cas(record_error)
+
     # ---- helpers --------------------------------------------------------------------------
 
     async def _apply_membership(self, record: DocumentRecord, last: int | None) -> DocumentRecord:
@@ -299,6 +318,7 @@ class IngestService:
         members = sorted(kb.kb_id for kb in kbs if kb.matches(record.tags))
         lost = sorted(set(record.kb_ids) - set(members))
         record.kb_ids = members
+        record.kb_errors = {}  # a new revision is a new attempt everywhere
         record.updated_at = utcnow()
         last = await self._save(record, last)
         await self._announce(record, members, lost)
