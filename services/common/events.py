@@ -113,6 +113,9 @@ class KbChanged(Event):
     kb_id: str = Field(pattern=_ID)
     change: Literal["created", "tags", "settings", "reindex", "retry_failed", "deleted"]
     old_tag_ids: list[str] = Field(default_factory=list)
+    collections: list[str] = Field(
+        default_factory=list, description="on deletion: the KB's collections to drop"
+    )
 
 
 class DocIndexed(Event):

@@ -78,6 +78,14 @@ class KBStatus(StrEnum):
     pending_reindex = "pending_reindex"
 
 
+class ServingIndex(BaseModel):
+    """The previous generation, still answering searches while the next one is built."""
+
+    generation: int
+    embedding_model: str
+    api_base: str | None = None
+
+
 class KnowledgeBase(BaseModel):
     """A searchable index with its own chunking and embedding settings."""
 
@@ -99,12 +107,40 @@ class KnowledgeBase(BaseModel):
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
 
+    # A change of embedding model needs a new collection (other vectors, maybe another
+    # dimension). Embed builds generation `index_generation`; until every member document is
+    # in it, search keeps reading `serving` (the previous collection, with its model).
+    index_generation: int = 1
+    serving: ServingIndex | None = None
+
     def matches(self, tags: list[str]) -> bool:
         return kb_tag(self.kb_id) in tags or bool(set(self.tag_ids) & set(tags))
 
+    def collection_for(self, generation: int) -> str:
+        return collection_for(self.kb_id, generation)
+
     @property
     def collection_name(self) -> str:
-        return f"kb_{self.kb_id}"
+        """The collection embed writes: the generation being built."""
+        return self.collection_for(self.index_generation)
+
+    @property
+    def serving_collection(self) -> str:
+        """The collection search reads."""
+        return self.collection_for(
+            self.serving.generation if self.serving else self.index_generation
+        )
+
+    @property
+    def serving_model(self) -> tuple[str, str | None]:
+        """The embedding model (and api_base) of the collection search reads."""
+        if self.serving is not None:
+            return self.serving.embedding_model, self.serving.api_base
+        return self.embedding_model, self.api_base
+
+
+def collection_for(kb_id: str, generation: int) -> str:
+    return f"kb_{kb_id}" if generation == 1 else f"kb_{kb_id}_g{generation}"
 
 
 class DocStatus(StrEnum):

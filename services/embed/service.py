@@ -11,12 +11,14 @@ from typing import Any
 
 from services.common import bm25
 from services.common.embedders import EmbedderPool
-from services.common.errors import Transient
+from services.common.errors import Conflict, Transient
 from services.common.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish, Subject
 from services.common.models import (
+    DocStatus,
     DocumentRecord,
     IndexEntry,
     KnowledgeBase,
+    collection_for,
     point_id,
     split_tags,
     utcnow,
@@ -70,6 +72,39 @@ class EmbedService:
         self._waiters: dict[tuple[str, str], int] = {}
 
     async def index(self, ev: KbIndex) -> IndexEntry | None:
+        entry = await self._index_serialized(ev)
+        if entry is not None:
+            await self._switch_if_built(ev.org_id, ev.kb_id)
+        return entry
+
+    async def _switch_if_built(self, org_id: str, kb_id: str) -> None:
+        """Once every member document is in the generation being built, searches move to
+        it and the previous collection is dropped."""
+        key = f"{org_id}.{kb_id}"
+        found = await self.reg.kbs.get_versioned(key)
+        if found is None or found[0].serving is None:
+            return
+        kb, last = found
+        documents = await self.reg.documents.list(f"{org_id}.")
+        entries = {e.document_id: e for e in await self.reg.index.list(f"{kb_id}.")}
+        for d in documents:
+            if kb.matches(d.tags) and d.status == DocStatus.ready and kb_id not in d.kb_errors:
+                entry = entries.get(d.document_id)
+                if entry is None or entry.settings_version < kb.settings_version:
+                    return
+        assert kb.serving is not None
+        previous = kb.collection_for(kb.serving.generation)
+        kb.serving = None
+        try:
+            await self.reg.kbs.update(key, kb, last)
+        except Conflict:
+            return  # the KB changed meanwhile; the next indexed document checks again
+        await self.store.drop_collection(previous)
+        log.info(
+            "kb switched kb_id=%s collection=%s dropped=%s", kb_id, kb.collection_name, previous
+        )
+
+    async def _index_serialized(self, ev: KbIndex) -> IndexEntry | None:
         async with self._serial(ev.kb_id, ev.document_id):
             done = await self._index_once(ev)
             embedded = bool(done and done[1])
@@ -88,7 +123,7 @@ class EmbedService:
                         ev.kb_id,
                         ev.document_id,
                     )
-                    await self._drop(ev.kb_id, ev.document_id, gone=kb is None)
+                    await self._drop(ev.kb_id, ev.document_id, kb)
                     return None
                 if (
                     record.revision <= entry.revision
@@ -220,7 +255,7 @@ class EmbedService:
             if kb is not None and record is not None and kb.matches(record.tags):
                 log.info("drop stale kb.remove kb_id=%s document_id=%s", ev.kb_id, ev.document_id)
                 return
-            await self._drop(ev.kb_id, ev.document_id, gone=False)
+            await self._drop(ev.kb_id, ev.document_id, kb)
         await self.publish(
             Subject.DOC_INDEXED,
             DocIndexed(
@@ -234,16 +269,16 @@ class EmbedService:
             ),
         )
 
-    async def _drop(self, kb_id: str, document_id: str, *, gone: bool) -> None:
-        """Delete the document's points and index entry in the KB; all of the KB's points
-        when the KB itself is gone (an index that raced its deletion may have re-created
-        the collection)."""
-        collection = f"kb_{kb_id}"
+    async def _drop(self, kb_id: str, document_id: str, kb: KnowledgeBase | None) -> None:
+        """Delete the document's points (in every collection the KB reads or writes) and its
+        index entry; all of the KB's points when the KB itself is gone (an index that raced
+        its deletion may have re-created the collection)."""
         with _tracer.start_as_current_span("kbmesh.embed.delete"):
-            if gone:
-                await self.store.drop_collection(collection)
+            if kb is None:
+                await self.store.drop_collection(collection_for(kb_id, 1))
             else:
-                await self.store.delete_document(collection, document_id)
+                for collection in {kb.collection_name, kb.serving_collection}:
+                    await self.store.delete_document(collection, document_id)
         await self.reg.index.delete(f"{kb_id}.{document_id}")
 
     @contextlib.asynccontextmanager
@@ -264,7 +299,8 @@ class EmbedService:
     async def kb_changed(self, ev: KbChanged) -> None:
         if ev.change != "deleted":
             return
-        await self.store.drop_collection(f"kb_{ev.kb_id}")
+        for collection in ev.collections or [collection_for(ev.kb_id, 1)]:
+            await self.store.drop_collection(collection)
         for entry in await self.reg.index.list(f"{ev.kb_id}."):
             await self.reg.index.delete(f"{entry.kb_id}.{entry.document_id}")
 

@@ -37,6 +37,7 @@ from services.common.models import (
     IndexEntry,
     KBStatus,
     KnowledgeBase,
+    ServingIndex,
     check_id,
     join_tags,
     new_id,
@@ -175,6 +176,7 @@ class GatewayService:
             if any(k.name == changes["name"] for k in others):
                 raise Conflict(f"a knowledge base named {changes['name']!r} exists", field="name")
         update = {k: v for k, v in changes.items() if v is not None or k == "api_base"}
+        indexed = bool(await self.reg.index.list(f"{kb.kb_id}."))
 
         def apply(current: KnowledgeBase) -> KnowledgeBase:
             updated = current.model_copy(update=update)
@@ -182,6 +184,19 @@ class GatewayService:
             if any(getattr(updated, f) != getattr(current, f) for f in REINDEX_FIELDS):
                 updated.settings_version = current.settings_version + 1
                 updated.status = KBStatus.pending_reindex
+            if (updated.embedding_model, updated.api_base) != (
+                current.embedding_model,
+                current.api_base,
+            ):
+                # Other vectors need another collection. The current one keeps answering
+                # searches, with its own model, until embed has built the new one.
+                updated.index_generation = current.index_generation + 1
+                if indexed:
+                    updated.serving = current.serving or ServingIndex(
+                        generation=current.index_generation,
+                        embedding_model=current.embedding_model,
+                        api_base=current.api_base,
+                    )
             updated.updated_at = utcnow()
             return updated
 
@@ -222,8 +237,10 @@ class GatewayService:
     async def delete_kb(self, p: Principal, ref: str) -> Ack:
         kb = await self.resolve_kb(p, ref, write=True)
         await self.reg.kbs.delete(f"{p.org_id}.{kb.kb_id}")
+        collections = [kb.collection_for(g) for g in range(1, kb.index_generation + 1)]
         await self.bus.publish(
-            Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="deleted")
+            Subject.KB_CHANGED,
+            KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="deleted", collections=collections),
         )
         return Ack(status="deleted", kb_id=kb.kb_id)
 

@@ -77,9 +77,9 @@ class SearchService:
             # shared by every KB that uses it.
             groups: dict[tuple[str, str | None], list[KnowledgeBase]] = defaultdict(list)
             for kb in kbs:
-                groups[
-                    (kb.embedding_model, None if is_local(kb.embedding_model) else kb.api_base)
-                ].append(kb)
+                # The model of the collection searched: during a model change, the old one.
+                model, api_base = kb.serving_model
+                groups[(model, None if is_local(model) else api_base)].append(kb)
 
             async def run_group(
                 model: str, api_base: str | None, members: list[KnowledgeBase]
@@ -141,7 +141,7 @@ class SearchService:
         dense: list[float] | None,
         sparse: SparseVector | None,
     ) -> list[SearchHit]:
-        name = kb.collection_name
+        name = kb.serving_collection
         query = Query(
             mode=req.mode,
             limit=req.top_k,
@@ -204,7 +204,7 @@ class SearchService:
         windows: dict[str, int],
         kbs: list[KnowledgeBase],
     ) -> list[SearchHit]:
-        collections = {kb.kb_id: kb.collection_name for kb in kbs}
+        collections = {kb.kb_id: kb.serving_collection for kb in kbs}
         wanted = neighbour_windows(matched, windows)
         if not wanted:
             return coalesce(matched, [])
@@ -236,7 +236,7 @@ class SearchService:
             req.org_id, [req.kb_id] if req.kb_id else None, req.scope_kb_ids
         )
         for kb in kbs:
-            found = await self.store.retrieve(kb.collection_name, [req.chunk_id])
+            found = await self.store.retrieve(kb.serving_collection, [req.chunk_id])
             found = [h for h in found if h.payload.get("org_id") == req.org_id]
             if not found:
                 continue
@@ -251,7 +251,7 @@ class SearchService:
                     )
                     if i != chunk.chunk_index
                 ]
-                got = await self.store.retrieve(kb.collection_name, ids)
+                got = await self.store.retrieve(kb.serving_collection, ids)
                 neighbours = sorted(
                     (
                         to_hit(h, None, None).model_copy(update={"is_matched": False})
