@@ -9,7 +9,13 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.common.bus import Bus
+    from services.common.settings import Settings
 
 # Nothing downloads at run time: the model ships in a package, litellm's cost map too.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,6 +86,19 @@ def main(argv: list[str] | None = None) -> None:
             "--dir", type=Path, default=Path("contracts"), help="default ./contracts"
         )
 
+    dlq = sub.add_parser("dlq", help="dead letters: list them, replay them")
+    dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
+    dlq_list = dlq_sub.add_parser("list", help="one JSON line per dead letter, oldest first")
+    dlq_list.add_argument("--limit", type=int, default=100)
+    dlq_replay = dlq_sub.add_parser(
+        "replay", help="republish to the original subject and remove the dead letter"
+    )
+    dlq_replay.add_argument("sequences", nargs="*", type=int, metavar="SEQUENCE")
+    dlq_replay.add_argument("--all", action="store_true", help="every dead letter (of --subject)")
+    for p in (dlq_list, dlq_replay):
+        p.add_argument("--subject", help="only dead letters of this original subject")
+        p.add_argument("--data-dir", type=Path)
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("KBMESH_LOG_LEVEL", "INFO"),
@@ -103,6 +122,10 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(serve_mock(args.host, args.port, toolsets))
         except ValueError as err:  # an unknown toolset
             sys.exit(f"kbmesh mock: {err}")
+    elif args.command == "dlq":
+        if args.dlq_command == "replay" and not (args.all or args.sequences):
+            parser.error("dlq replay needs sequence numbers or --all")
+        sys.exit(asyncio.run(_dlq(args)))
     elif args.command == "contracts":
         sys.exit(_contracts(args.contracts_command, args.dir))
 
@@ -223,21 +246,18 @@ async def _mcp(args: argparse.Namespace) -> None:
         await serve_stdio(settings, embedded=args.embedded, api_key=args.api_key)
 
 
-async def _create_key(args: argparse.Namespace) -> None:
+@contextlib.asynccontextmanager
+async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
+    """A bus for one-off commands: KBMESH_NATS_URL, else the URL a running `kbmesh up`
+    recorded in its data directory, else the data directory's store opened directly."""
     from services.common.bus import Bus
-    from services.common.models import check_id
     from services.common.natsproc import NatsServer
-    from services.common.registry import Registries
     from services.common.telemetry import configure_telemetry
-    from services.gateway.auth import KeyResolver
 
-    settings = _settings(args)
-    check_id(args.org, "--org")
     nats_server = None
     url = settings.nats_url
     recorded = settings.data_dir / "nats.url"
     if not url:
-        # A running `kbmesh up` records its URL; otherwise open its store directly.
         url = recorded.read_text().strip() if recorded.exists() else None
         if url and not _reachable(url):
             url = None
@@ -247,15 +267,52 @@ async def _create_key(args: argparse.Namespace) -> None:
     bus = Bus(settings, url, configure_telemetry("kbmesh-cli"))
     try:
         await bus.connect()
-        registries = await Registries.open(bus.js)
-        token = await KeyResolver(registries.keys, settings.default_org).create(
-            args.org, args.name, args.kbs, args.read_only
-        )
-        print(token)
+        yield bus
     finally:
         await bus.close()
         if nats_server:
             nats_server.stop()
+
+
+async def _create_key(args: argparse.Namespace) -> None:
+    from services.common.models import check_id
+    from services.common.registry import Registries
+    from services.gateway.auth import KeyResolver
+
+    settings = _settings(args)
+    check_id(args.org, "--org")
+    async with _cli_bus(settings) as bus:
+        registries = await Registries.open(bus.js)
+        token = await KeyResolver(registries.keys, settings.default_org).create(
+            args.org, args.name, args.kbs, args.read_only
+        )
+        await registries.close()
+        print(token)
+
+
+async def _dlq(args: argparse.Namespace) -> int:
+    import json
+
+    from services.common.deadletters import get_dead_letter, list_dead_letters, replay
+
+    async with _cli_bus(_settings(args)) as bus:
+        if args.dlq_command == "list":
+            for letter in await list_dead_letters(bus.js, args.subject, args.limit):
+                print(json.dumps(letter.summary()))
+            return 0
+        if args.all:
+            letters = await list_dead_letters(bus.js, args.subject, limit=1_000_000)
+        else:
+            found = [await get_dead_letter(bus.js, seq) for seq in args.sequences]
+            missing = [seq for seq, letter in zip(args.sequences, found, strict=True) if not letter]
+            if missing:
+                print(f"no dead letter with sequence {missing}", file=sys.stderr)
+                return 1
+            letters = [letter for letter in found if letter is not None]
+        for letter in letters:
+            await replay(bus.js, letter)
+            print(json.dumps({"replayed": letter.sequence, "subject": letter.subject}))
+        return 0
 
 
 def _contracts(command: str, root: Path) -> int:
