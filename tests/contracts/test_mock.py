@@ -4,22 +4,18 @@ errors; and it runs without NATS, a store or a model."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-import uvicorn
 
-from services.common.natsproc import free_port
 from services.contracts import TOOLS_PATH, Contracts, build
 from services.gateway.tools import TOOLS
 from services.mock import create_mock_app
 from tests.contracts.support import errors, rest_errors, send_example
+from tests.support.asgi import serve_app
 from tests.support.mcp_client import http_session
 
 FILES = build().files()
@@ -108,30 +104,14 @@ async def test_mock_rejects_requests_that_break_the_schemas(
     assert (await mock.get("/healthz")).status_code == 200
 
 
-@contextlib.asynccontextmanager
-async def serve(app) -> AsyncIterator[str]:
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    try:
-        async with asyncio.timeout(30):
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
-
-
 async def test_mock_over_mcp_lists_the_tools_and_answers_from_examples(contracts: Contracts):
     """With the official MCP client over streamable HTTP: the mock offers every tool under its
     own name with the gateway's input schema, answers a call with the example's structured
     result, and flags a call that breaks the schema as a tool error."""
-    async with serve(create_mock_app(contracts=contracts)) as base, http_session(base) as session:
+    async with (
+        serve_app(create_mock_app(contracts=contracts)) as base,
+        http_session(base) as session,
+    ):
         listed = {t.name: t for t in (await session.list_tools()).tools}
         assert set(listed) == set(TOOLS)
         for name, tool in listed.items():

@@ -7,23 +7,25 @@ import asyncio
 import base64
 import io
 import json
-import uuid
 
 import pytest
 
 from services.common.events import DocUploaded, OcrDone, Subject, TagsChanged
-from services.common.models import DEFAULT_MODEL
 from tests.conftest import running_stack
 from tests.support.domain import (
     LONG_DOCS,
     LONG_QUERIES,
     blank_pdf,
+    create_kb,
     dead_letters,
+    embed_count,
     expected_chunks,
     registry_counts,
     settled,
     stored_chunks,
     text_pdf,
+    uid,
+    upload,
     vector_count,
 )
 
@@ -37,29 +39,6 @@ async def stack(tmp_path_factory, embedders):
         tmp_path_factory.mktemp("documents"), embedders=embedders, max_content_bytes=MAX_BYTES
     ) as s:
         yield s
-
-
-def uid() -> str:
-    return uuid.uuid4().hex[:8]
-
-
-def embed_count(rt) -> int:
-    return rt.embedders.get(DEFAULT_MODEL).embed_count
-
-
-async def create_kb(client, **body) -> dict:
-    body.setdefault("name", f"kb-{uid()}")
-    r = await client.post("/v1/kbs", json=body)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-async def upload(client, name: str, content: str, **body) -> dict:
-    r = await client.post(
-        "/v1/documents?wait=true", json={"name": name, "content": content, **body}
-    )
-    assert r.status_code in (200, 202), r.text
-    return r.json()
 
 
 async def search(client, query: str, **body) -> list[dict]:

@@ -6,20 +6,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-import uuid
 
 import pytest
 
 from services.common.events import OcrDone, Subject
-from services.common.models import DEFAULT_MODEL
 from tests.conftest import running_stack
 from tests.support.domain import (
     LONG_DOCS,
     LONG_QUERIES,
+    create_kb,
+    embed_count,
     expected_chunks,
     registry_counts,
     settled,
     stored_chunks,
+    uid,
+    upload,
     vector_count,
     wait_until,
 )
@@ -31,27 +33,6 @@ ORG = "local"
 async def stack(tmp_path_factory, embedders):
     async with running_stack(tmp_path_factory.mktemp("kbs"), embedders=embedders) as s:
         yield s
-
-
-def uid() -> str:
-    return uuid.uuid4().hex[:8]
-
-
-def embed_count(rt) -> int:
-    return rt.embedders.get(DEFAULT_MODEL).embed_count
-
-
-async def create_kb(client, **body) -> dict:
-    body.setdefault("name", f"kb-{uid()}")
-    r = await client.post("/v1/kbs", json=body)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-async def upload(client, name: str, text: str, **body) -> dict:
-    r = await client.post("/v1/documents?wait=true", json={"name": name, "content": text, **body})
-    assert r.status_code in (200, 202), r.text
-    return r.json()
 
 
 def names_field(r, field: str) -> None:

@@ -4,7 +4,6 @@ tools as `POST /api/v1/tools/<name>`."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import uuid
@@ -14,16 +13,15 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.common.natsproc import free_port
 from services.gateway.mcp import create_mcp
 from services.gateway.tools import TOOLS
 from tests.conftest import running_stack
+from tests.support.asgi import serve_app
 from tests.support.corpus import DOCS, PARAPHRASES
 from tests.support.mcp_client import failed, http_session, ok, serve_http
 
@@ -626,18 +624,8 @@ async def loopback_site() -> AsyncIterator[str]:
             Route("/moved", _moved),
         ]
     )
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_app(app, lifespan="off") as base:
+        yield base
 
 
 @contextlib.contextmanager

@@ -9,12 +9,13 @@ import uuid
 import pytest
 
 from services.common.events import DocUploaded, KbIndex, KbRemove, Subject, TagsChanged
-from services.common.models import DEFAULT_MODEL
 from services.common.store import Filter, Match
 from tests.conftest import running_stack
 from tests.support.domain import (
     LONG_DOCS,
     LONG_QUERIES,
+    create_kb,
+    embed_count,
     expected_chunks,
     settled,
     stored_chunks,
@@ -33,17 +34,6 @@ async def stack(tmp_path_factory, embedders):
 
 def tag() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
-
-
-def embed_count(rt) -> int:
-    return rt.embedders.get(DEFAULT_MODEL).embed_count
-
-
-async def create_kb(client, **body) -> dict:
-    body.setdefault("name", f"kb-{uuid.uuid4().hex[:8]}")
-    r = await client.post("/v1/kbs", json=body)
-    assert r.status_code == 201, r.text
-    return r.json()
 
 
 async def search_ids(client, query: str, kb_id: str, **extra) -> list[str]:

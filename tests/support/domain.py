@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import io
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from services.common.events import STREAM
 from services.common.models import KnowledgeBase
+from services.common.settings import DEFAULT_MODEL
 from services.common.store import Filter, Match
 from services.embed.chunking import chunk_text
 from services.embed.service import TITLE_TOKEN_BUDGET
@@ -70,6 +72,32 @@ LONG_QUERIES = {
     "espresso.md": "espresso grind size crema shot",
     "raft.md": "raft leader election replicated log",
 }
+
+
+def uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def embed_count(rt: Any) -> int:
+    """Texts the default model embedded so far (no re-embedding is proved by it not moving)."""
+    return int(rt.embedders.get(DEFAULT_MODEL).embed_count)
+
+
+async def create_kb(client: Any, **body: Any) -> dict[str, Any]:
+    body.setdefault("name", f"kb-{uid()}")
+    r = await client.post("/v1/kbs", json=body)
+    assert r.status_code == 201, r.text
+    result: dict[str, Any] = r.json()
+    return result
+
+
+async def upload(client: Any, name: str, content: str, **body: Any) -> dict[str, Any]:
+    r = await client.post(
+        "/v1/documents?wait=true", json={"name": name, "content": content, **body}
+    )
+    assert r.status_code in (200, 202), r.text
+    result: dict[str, Any] = r.json()
+    return result
 
 
 async def wait_until(

@@ -4,7 +4,6 @@ streamable HTTP and stdio."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import sys
@@ -13,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
-import uvicorn
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 
-from services.common.natsproc import free_port
+from tests.support.asgi import serve_app
 
 REPO = Path(__file__).resolve().parents[2]
 OFFLINE_ENV = {
@@ -36,21 +34,8 @@ async def serve_http(rt: Any) -> AsyncIterator[tuple[str, Any]]:
     from services.gateway.app import create_app
 
     app = create_app(rt)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    try:
-        async with asyncio.timeout(30):
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_app(app) as base:
+        yield base, app
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,33 @@
+"""Serving an ASGI app over real HTTP in the test's event loop (clients that need a socket:
+the MCP client, URL ingest)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+from services.common.natsproc import free_port
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: Any, *, lifespan: str = "on") -> AsyncIterator[str]:
+    """`app` behind uvicorn on 127.0.0.1:<free port>; yields the base URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan)
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
