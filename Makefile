@@ -3,6 +3,7 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+TS_CLIENT := tests/mcp_ts
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
@@ -23,8 +24,17 @@ $(STAMP): $(BIN)/python pyproject.toml
 up: $(STAMP)
 	$(BIN)/kbmesh up
 
-test: $(STAMP)
-	$(BIN)/python -m pytest
+# Line coverage of services/ is printed, and the run fails under the floor.
+test: $(STAMP) $(TS_CLIENT)/node_modules/.installed
+	$(BIN)/python -m pytest --cov=services --cov-report=term:skip-covered --cov-fail-under=85
+
+# The official TypeScript MCP SDK, for the strict-client tests; without node and npm (or the
+# npm registry) those tests are skipped and say why.
+$(TS_CLIENT)/node_modules/.installed: $(TS_CLIENT)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		npm ci --prefix $(TS_CLIENT) --no-audit --no-fund && touch $@ \
+		|| echo "npm ci failed: the TypeScript MCP client tests will be skipped"; \
+	else echo "npm not found: the TypeScript MCP client tests will be skipped"; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check services tests benchmarks

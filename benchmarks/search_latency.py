@@ -29,7 +29,8 @@ import numpy as np
 from benchmarks.common import ROOT, kbmesh_up_at, stdlib_documents
 from services.common import bm25
 from services.common.embedders import EmbedderPool
-from services.common.models import KnowledgeBase, point_id
+from services.common.ids import point_id
+from services.common.models import KnowledgeBase
 from services.common.store import ChunkPoint, SparseVector
 from services.common.store.edge import EdgeStore
 from services.embed.chunking import chunk_text

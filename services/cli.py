@@ -324,7 +324,7 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
 
 
 async def _create_key(args: argparse.Namespace) -> None:
-    from services.common.models import check_id
+    from services.common.ids import check_id
     from services.common.registry import Registries
     from services.gateway.auth import KeyResolver
 

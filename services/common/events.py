@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.common.models import DEFAULT_SOURCE, new_id, utcnow
+from services.common.ids import new_id
+from services.common.models import DEFAULT_SOURCE, utcnow
 
 
 class Subject(StrEnum):

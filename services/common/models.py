@@ -2,44 +2,24 @@
 
 from __future__ import annotations
 
-import re
-import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from services.common.errors import InvalidInput
 from services.common.settings import DEFAULT_MODEL
 
-# NATS KV keys allow [-/_=.a-zA-Z0-9]; ids become key segments, so they stay inside that set.
-_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# KB settings the chunker and search accept (the request models publish the same bounds).
+CHUNK_SIZE_RANGE = (50, 2000)
+MAX_NEIGHBORS = 5
 KB_TAG_PREFIX = "kb:"
 COLLECTION_PREFIX = "collection:"
 DEFAULT_SOURCE = "user-provided"
-# Namespace for deterministic point ids: the same (kb, document, chunk) always maps to one point.
-POINT_NAMESPACE = uuid.UUID("6f1d2c1e-7a43-4c8e-9a59-4f3b2e0d9a11")
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-def new_id() -> str:
-    return uuid.uuid4().hex
-
-
-def check_id(value: str, field: str) -> str:
-    if not _ID_RE.match(value):
-        raise InvalidInput(
-            f"{field} must be 1-64 characters of letters, digits, '-' or '_'", field=field
-        )
-    return value
-
-
-def point_id(kb_id: str, document_id: str, chunk_index: int) -> str:
-    return str(uuid.uuid5(POINT_NAMESPACE, f"{kb_id}/{document_id}/{chunk_index}"))
 
 
 def kb_tag(kb_id: str) -> str:
@@ -112,6 +92,47 @@ class KnowledgeBase(BaseModel):
     # in it, search keeps reading `serving` (the previous collection, with its model).
     index_generation: int = 1
     serving: ServingIndex | None = None
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _chunk_size(cls, size: int) -> int:
+        low, high = CHUNK_SIZE_RANGE
+        if not low <= size <= high:
+            raise ValueError(f"chunk_size must be between {low} and {high} tokens")
+        return size
+
+    @field_validator("chunk_overlap")
+    @classmethod
+    def _chunk_overlap(cls, overlap: int, info: ValidationInfo) -> int:
+        size = info.data.get("chunk_size")
+        if size is not None and not 0 <= overlap < size:
+            raise ValueError(f"chunk_overlap must be >= 0 and smaller than chunk_size ({size})")
+        return overlap
+
+    @field_validator("coalesce_neighbors")
+    @classmethod
+    def _neighbors(cls, neighbors: int) -> int:
+        if not 0 <= neighbors <= MAX_NEIGHBORS:
+            raise ValueError(f"coalesce_neighbors must be between 0 and {MAX_NEIGHBORS}")
+        return neighbors
+
+    @field_validator("embedding_model")
+    @classmethod
+    def _local_model(cls, model: str) -> str:
+        if model.startswith("local/") and model != DEFAULT_MODEL:
+            raise ValueError(
+                f"embedding_model {model!r}: the only bundled local model is {DEFAULT_MODEL}; "
+                "use a LiteLLM model id for others"
+            )
+        return model
+
+    @field_validator("tag_ids")
+    @classmethod
+    def _tags(cls, tags: list[str]) -> list[str]:
+        for tag in tags:
+            if not tag or tag.startswith(COLLECTION_PREFIX):
+                raise ValueError(f"tag_ids: invalid tag {tag!r}")
+        return tags
 
     def matches(self, tags: list[str]) -> bool:
         return kb_tag(self.kb_id) in tags or bool(set(self.tag_ids) & set(tags))

@@ -117,10 +117,14 @@ class SearchFilters(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    document_ids: list[str] | None = Field(None, min_length=1)
-    source_ids: list[str] | None = Field(None, min_length=1)
+    document_ids: list[str] | None = Field(
+        None, min_length=1, description="only these documents (ids)"
+    )
+    source_ids: list[str] | None = Field(
+        None, min_length=1, description="only documents of these sources (any of)"
+    )
     tags: list[str] | None = Field(None, min_length=1, description="documents with any of these")
-    collection: str | None = None
+    collection: str | None = Field(None, description="only documents in this collection")
     document_name: str | None = Field(
         None,
         min_length=1,

@@ -1,21 +1,31 @@
 """Registries on JetStream KV (`kbs`, `documents`, `index`, `keys`) and the `texts` object
-store. Values are pydantic records stored as JSON; writes that race use compare-and-set."""
+store. Values are pydantic records stored as JSON; writes that race use compare-and-set
+(`Registry.change`), and a caller that needs a value to reach a state waits on a watch of
+its key (`Registry.wait_for`), never by polling.
+
+Keys are built in one place per registry (`kbs.key(org, kb)`, `documents.key(org, doc)`,
+`index.key(kb, doc)`), next to the lookups the domain needs (`kbs.resolve(org, ref)`)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
 
-from services.common.errors import Conflict
+from services.common.errors import Conflict, Transient
+from services.common.ids import is_id, uuid_forms
 from services.common.models import DocumentRecord, IndexEntry, KnowledgeBase
 
 M = TypeVar("M", bound=BaseModel)
+CAS_ATTEMPTS = 20
 
 
 class Registry(Generic[M]):
@@ -89,6 +99,52 @@ class Registry(Generic[M]):
             raise Conflict(f"{key} changed concurrently") from err
         self._remember(key, value)
         return revision
+
+    async def change(
+        self, key: str, apply: Callable[[M], M], *, attempts: int = CAS_ATTEMPTS
+    ) -> tuple[M, M] | None:
+        """Compare-and-set: `apply(current) -> updated` is written only if nobody wrote the
+        key meanwhile, else it runs again on the newer value, so concurrent changes each
+        count. Returns (old, new), or None when the key does not exist."""
+        for _ in range(attempts):
+            found = await self.get_versioned(key)
+            if found is None:
+                return None
+            current, last = found
+            updated = apply(current.model_copy(deep=True))
+            try:
+                await self.update(key, updated, last)
+            except Conflict:
+                continue
+            return current, updated
+        raise Transient(f"{key} is being changed concurrently; try again")
+
+    async def wait_for(
+        self, key: str, predicate: Callable[[M | None], bool], timeout: float
+    ) -> tuple[bool, M | None]:
+        """Wait until the value at `key` (None: absent) satisfies `predicate`, on a watch of
+        the key. Returns (True, value) then, or (False, last value seen) after `timeout`."""
+        deadline = time.monotonic() + timeout
+        watcher = await self.kv.watch(key, inactive_threshold=max(timeout, 5.0))
+        current: M | None = None
+        try:
+            while (remaining := deadline - time.monotonic()) > 0:
+                try:
+                    entry = await watcher.updates(timeout=remaining)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    break
+                if entry is None:
+                    # "No values yet" may come before a value already on the wire: ask.
+                    current = await self.get(key)
+                elif entry.operation is None and entry.value:
+                    current = self.model.model_validate_json(entry.value)
+                else:
+                    current = None
+                if predicate(current):
+                    return True, current
+            return False, current
+        finally:
+            await watcher.stop()
 
     async def delete(self, key: str) -> None:
         try:
@@ -178,12 +234,62 @@ class ApiKey(BaseModel):
     read_only: bool = False
 
 
+class KbRegistry(Registry[KnowledgeBase]):
+    """KB definitions, per org (`<org>.<kb>`)."""
+
+    @staticmethod
+    def key(org_id: str, kb_id: str) -> str:
+        return f"{org_id}.{kb_id}"
+
+    async def of_org(self, org_id: str) -> list[KnowledgeBase]:
+        return await self.list(f"{org_id}.")
+
+    async def find(self, org_id: str, kb_id: str) -> KnowledgeBase | None:
+        return await self.get(self.key(org_id, kb_id)) if is_id(kb_id) else None
+
+    async def resolve(self, org_id: str, ref: str) -> KnowledgeBase | None:
+        """A KB of the org by id — a UUID id in either spelling, dashed or 32 hex digits —
+        else by name."""
+        for kb_id in uuid_forms(ref) or (ref,):
+            if (kb := await self.find(org_id, kb_id)) is not None:
+                return kb
+        return next((kb for kb in await self.of_org(org_id) if kb.name == ref), None)
+
+
+class DocumentRegistry(Registry[DocumentRecord]):
+    """Document records, per org (`<org>.<document>`)."""
+
+    @staticmethod
+    def key(org_id: str, document_id: str) -> str:
+        return f"{org_id}.{document_id}"
+
+    async def of_org(self, org_id: str) -> list[DocumentRecord]:
+        return await self.list(f"{org_id}.")
+
+    async def find(self, org_id: str, document_id: str) -> DocumentRecord | None:
+        return await self.get(self.key(org_id, document_id)) if is_id(document_id) else None
+
+
+class IndexRegistry(Registry[IndexEntry]):
+    """Index entries, per KB (`<kb>.<document>`): what embed indexed, at which revision."""
+
+    @staticmethod
+    def key(kb_id: str, document_id: str) -> str:
+        return f"{kb_id}.{document_id}"
+
+    async def of_kb(self, kb_id: str) -> list[IndexEntry]:
+        return await self.list(f"{kb_id}.")
+
+    async def find(self, kb_id: str, document_id: str) -> IndexEntry | None:
+        return await self.get(self.key(kb_id, document_id))
+
+
 class Registries:
     def __init__(
         self,
-        kbs: Registry[KnowledgeBase],
-        documents: Registry[DocumentRecord],
-        index: Registry[IndexEntry],
+        kbs: KbRegistry,
+        documents: DocumentRegistry,
+        index: IndexRegistry,
         keys: Registry[ApiKey],
         texts: TextStore,
     ) -> None:
@@ -203,9 +309,9 @@ class Registries:
         )
         texts = await js.object_store("texts")
         registries = cls(
-            Registry(kbs, KnowledgeBase),
-            Registry(documents, DocumentRecord),
-            Registry(index, IndexEntry),
+            KbRegistry(kbs, KnowledgeBase),
+            DocumentRegistry(documents, DocumentRecord),
+            IndexRegistry(index, IndexEntry),
             Registry(keys, ApiKey),
             TextStore(texts),
         )

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.ids import check_id
+
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
 
 
@@ -82,8 +84,6 @@ class Settings(BaseSettings):
     @field_validator("default_org")
     @classmethod
     def _org_is_key_safe(cls, value: str) -> str:
-        from services.common.models import check_id
-
         return check_id(value, "KBMESH_DEFAULT_ORG")
 
     @property

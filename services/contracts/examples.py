@@ -27,7 +27,8 @@ from services.common.events import (
     Subject,
     TagsChanged,
 )
-from services.common.models import Chunker, KBStatus, point_id
+from services.common.ids import point_id
+from services.common.models import Chunker, KBStatus
 from services.common.queries import (
     ChunkResponse,
     SearchFilters,

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from jsonschema import Draft202012Validator
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from services.common.events import EVENT_MODELS, Event
@@ -38,7 +38,11 @@ from services.contracts.examples import (
     RestExample,
     ToolExample,
 )
+from services.gateway.schemas import Problem, ProblemFieldError
 from services.gateway.tools import TOOLS, TOOLSETS, ToolErrorResult, ToolSpec
+from services.gateway.tools.registry import schema_errors
+
+__all__ = ["Problem", "ProblemFieldError", "schema_errors"]
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 TOOLS_PATH = "/api/v1/tools"
@@ -50,29 +54,6 @@ REST_TOOL_EXAMPLE = "kb_search"
 API_PREFIXES = ("/v1/", TOOLS_PATH)
 
 OpKey = tuple[str, str]  # (METHOD, path template)
-
-
-class ProblemFieldError(BaseModel):
-    field: str = Field(description="the request part at fault: a body field path, or a parameter")
-    message: str
-
-
-class Problem(BaseModel):
-    """Every failed REST call (outside /api/v1/tools): RFC 9457 problem details, served as
-    `application/problem+json` by the gateway's error handlers (services/gateway/app.py)."""
-
-    type: str = Field(description="urn:kbmesh:error:<error_type>")
-    title: str
-    status: int
-    detail: str = Field(description="what went wrong, for a person or an LLM to act on")
-    error_type: str = Field(
-        description="ValidationError, ContentTooLarge, NotFound, Forbidden, Unauthorized, "
-        "Conflict, Unavailable, InternalError"
-    )
-    field: str | None = Field(None, description="the input field at fault, when known")
-    errors: list[ProblemFieldError] | None = Field(
-        None, description="every invalid field (ValidationError only)"
-    )
 
 
 @dataclass(frozen=True)
@@ -107,11 +88,10 @@ class Contracts:
     # ---- JSON forms (what the files hold and what the mock answers) -------------------------
 
     def tool_example_json(self, name: str, example: ToolExample) -> dict[str, Any]:
-        spec = self.tools[name]
         return {
             "input": request_json(example.input),
             # Dumped exactly as `run_tool` dumps a real result.
-            "output": example.output.model_dump(mode="json", exclude_none=spec.exclude_none),
+            "output": example.output.model_dump(mode="json"),
         }
 
     def rest_example_json(self, example: RestExample) -> dict[str, Any]:
@@ -191,18 +171,6 @@ def response_json(body: BaseModel | dict[str, Any]) -> Any:
 
 def validator(schema: dict[str, Any]) -> Draft202012Validator:
     return Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
-
-
-def schema_errors(check: Draft202012Validator, instance: Any) -> list[ProblemFieldError]:
-    """Every violation, in a stable order, named by the field path it concerns."""
-    found = []
-    for err in check.iter_errors(instance):
-        path = [str(p) for p in err.absolute_path]
-        if err.validator == "required" and isinstance(err.instance, dict):
-            missing = [k for k in err.validator_value if k not in err.instance]
-            path += missing[:1]
-        found.append(ProblemFieldError(field=".".join(path), message=err.message))
-    return sorted(found, key=lambda e: (e.field, e.message))
 
 
 # ---- building -------------------------------------------------------------------------------
@@ -299,9 +267,7 @@ def build() -> Contracts:
         rest[CALL_TOOL] = RestExample(
             *CALL_TOOL,
             200,
-            tool_example[0].output.model_dump(
-                mode="json", exclude_none=TOOLS[REST_TOOL_EXAMPLE].exclude_none
-            ),
+            tool_example[0].output.model_dump(mode="json"),
             path_params={"name": REST_TOOL_EXAMPLE},
             body=tool_example[0].input,
         )

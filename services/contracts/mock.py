@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 from jsonschema import Draft202012Validator
 from mcp.server.mcpserver import Context
-from mcp_types import CallToolResult, TextContent
+from mcp_types import CallToolResult
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,11 +32,9 @@ from services.common.settings import Settings
 from services.contracts.examples import RestExample, ToolExample
 from services.contracts.export import (
     LIST_TOOLS,
-    PROBLEM_MEDIA_TYPE,
     TOOLS_PATH,
     Contracts,
     Operation,
-    Problem,
     ProblemFieldError,
     build,
     request_json,
@@ -44,8 +42,9 @@ from services.contracts.export import (
     schema_errors,
     validator,
 )
+from services.gateway.app import problem
 from services.gateway.auth import Principal
-from services.gateway.mcp import KbmeshMCP, MountRoot
+from services.gateway.mcp import KbmeshMCP, MountRoot, call_result
 from services.gateway.tools import (
     TOOLSETS,
     ToolOutcome,
@@ -111,11 +110,7 @@ class MockMCP(KbmeshMCP):
         refused = self.mock_tools.refusal(name, arguments)
         if refused is None:
             return await super().call_tool(name, arguments, context)
-        return CallToolResult(
-            content=[TextContent(type="text", text=refused.text)],
-            structured_content=refused.structured,
-            is_error=True,
-        )
+        return call_result(refused)
 
 
 def create_mock_app(
@@ -164,7 +159,7 @@ def create_mock_app(
             outcome = error_outcome(err)
         else:
             outcome = await tools.call(request.path_params["name"], arguments)
-        return JSONResponse(outcome.structured, status_code=outcome.status_code)
+        return JSONResponse(outcome.body, status_code=outcome.status_code)
 
     app.router.routes.append(Route(TOOLS_PATH, list_tools, methods=["GET"]))
     app.router.routes.append(Route(TOOLS_PATH + "/{name}", call_tool, methods=["POST"]))
@@ -238,22 +233,6 @@ def _invalid(errors: list[ProblemFieldError]) -> InvalidInput:
 
 
 # ---- REST -----------------------------------------------------------------------------------
-
-
-def problem(status: int, error_type: str, detail: str, **extra: Any) -> JSONResponse:
-    body = Problem(
-        type=f"urn:kbmesh:error:{error_type}",
-        title=error_type,
-        status=status,
-        detail=detail,
-        error_type=error_type,
-        **extra,
-    )
-    return JSONResponse(
-        body.model_dump(mode="json", exclude_none=True),
-        status_code=status,
-        media_type=PROBLEM_MEDIA_TYPE,
-    )
 
 
 def _rest_endpoint(

@@ -13,13 +13,13 @@ from services.common import bm25
 from services.common.embedders import EmbedderPool
 from services.common.errors import Conflict, Transient
 from services.common.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish, Subject
+from services.common.ids import point_id
 from services.common.models import (
     DocStatus,
     DocumentRecord,
     IndexEntry,
     KnowledgeBase,
     collection_for,
-    point_id,
     split_tags,
     utcnow,
 )

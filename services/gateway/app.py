@@ -18,6 +18,7 @@ from services.common.errors import KbmeshError
 from services.gateway.api import documents, kbs, search, tools
 from services.gateway.auth import KeyResolver
 from services.gateway.mcp import KbmeshMCP, MountRoot
+from services.gateway.schemas import Problem, ProblemFieldError
 from services.gateway.service import GatewayService
 
 PROBLEM = "application/problem+json"
@@ -25,15 +26,17 @@ _tracer = trace.get_tracer("kbmesh.gateway")
 
 
 def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONResponse:
-    body = {
-        "type": f"urn:kbmesh:error:{error_type}",
-        "title": error_type,
-        "status": status,
-        "detail": message,
-        "error_type": error_type,
+    body = Problem(
+        type=f"urn:kbmesh:error:{error_type}",
+        title=error_type,
+        status=status,
+        detail=message,
+        error_type=error_type,
         **extra,
-    }
-    return JSONResponse(body, status_code=status, media_type=PROBLEM)
+    )
+    return JSONResponse(
+        body.model_dump(mode="json", exclude_none=True), status_code=status, media_type=PROBLEM
+    )
 
 
 def create_app(
@@ -88,11 +91,14 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         errors = [
-            {"field": ".".join(str(p) for p in e["loc"][1:] or e["loc"]), "message": e["msg"]}
+            ProblemFieldError(
+                field=".".join(str(p) for p in e["loc"][1:] or e["loc"]),
+                message=str(e["msg"]).removeprefix("Value error, "),
+            )
             for e in err.errors()
         ]
-        message = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
-        return problem(422, "ValidationError", message, errors=errors)
+        message = "; ".join(f"{e.field}: {e.message}" for e in errors)
+        return problem(422, "ValidationError", message, field=errors[0].field, errors=errors)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

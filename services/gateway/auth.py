@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from services.common.errors import Forbidden, KbmeshError, NotFound
-from services.common.models import check_id
+from services.common.ids import check_id
 from services.common.registry import ApiKey, Registry
 
 KEY_PREFIX = "kbm_"

@@ -36,6 +36,8 @@ VERSION = "0.1.0"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 # The Host that Starlette's and httpx's in-process test clients send.
 TEST_HOSTS = ("testserver",)
+# Where a tool error's error_type, message and field travel in a CallToolResult's `_meta`.
+ERROR_META = "kbmesh/error"
 INSTRUCTIONS = {
     "core": "kbmesh holds knowledge bases of documents. To answer from them, call kb_search "
     "and cite the document names it returns; kb_get_chunk expands a hit and kb_list shows "
@@ -104,12 +106,7 @@ class KbmeshMCP(MCPServer):
     async def call_tool(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
     ) -> CallToolResult:
-        outcome = await self.dispatch(name, arguments, context)
-        return CallToolResult(
-            content=[TextContent(type="text", text=outcome.text)],
-            structured_content=outcome.structured,
-            is_error=outcome.is_error,
-        )
+        return call_result(await self.dispatch(name, arguments, context))
 
     async def dispatch(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None
@@ -149,6 +146,19 @@ class KbmeshMCP(MCPServer):
         if self.keys is not None:
             app.add_middleware(ApiKeyGuard, keys=self.keys)
         return app
+
+
+def call_result(outcome: ToolOutcome) -> CallToolResult:
+    """The MCP form of a tool outcome. An error is text content flagged `isError`, with no
+    structured content (strict clients check it against the output schema even then); its
+    error_type and field travel in `_meta` for programs that want them."""
+    meta = {ERROR_META: outcome.error.model_dump(exclude_none=True)} if outcome.error else None
+    return CallToolResult(
+        content=[TextContent(type="text", text=outcome.text)],
+        structured_content=outcome.structured,
+        is_error=outcome.is_error,
+        _meta=meta,
+    )
 
 
 def create_mcp(

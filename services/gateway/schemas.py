@@ -5,40 +5,123 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.common.models import DEFAULT_SOURCE, Chunker, KBStatus
+from services.common.content import SUPPORTED
+from services.common.ids import ID_PATTERN
+from services.common.models import (
+    CHUNK_SIZE_RANGE,
+    DEFAULT_SOURCE,
+    MAX_NEIGHBORS,
+    Chunker,
+    KBStatus,
+)
 from services.common.settings import DEFAULT_MODEL
 
 T = TypeVar("T")
 
 
-class UploadBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+MIME_TYPES = ", ".join(SUPPORTED)
 
-    name: str = Field(min_length=1, max_length=512, description="document title or file name")
-    content: str = Field(description="the document: text, or base64 when content_encoding=base64")
-    content_encoding: Literal["text", "base64"] = "text"
-    mime_type: str = Field(
-        "text/plain",
-        description="text/plain, text/markdown, text/html, "
-        "application/pdf, DOCX, image/* (images wait for OCR)",
+
+class UploadFields(BaseModel):
+    """A document to add: its content, or a url or server path to read it from, and its
+    labels (shared by REST uploads and the kb_upload tool)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": ["content", "name"],
+                    "properties": {"content": {"type": "string"}, "name": {"type": "string"}},
+                },
+                {"required": ["url"], "properties": {"url": {"type": "string"}}},
+                {"required": ["path"], "properties": {"path": {"type": "string"}}},
+            ]
+        },
     )
-    tags: list[str] = Field(default_factory=list)
-    collection: str | None = Field(None, description="at most one per document")
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    source_id: str = Field(DEFAULT_SOURCE, min_length=1, max_length=256)
-    uri: str | None = None
-    kb_id: str | None = Field(None, description="KB id or name: direct membership")
+
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        description="document title or file name; required with content, taken from the "
+        "url or path otherwise",
+    )
+    content: str | None = Field(
+        None, description="the document: text, or base64 when content_encoding is base64"
+    )
+    content_encoding: Literal["text", "base64"] = Field(
+        "text", description="how content is encoded"
+    )
+    url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="an http(s) URL for the server to fetch instead of sending content "
+        "(public addresses only, unless allow-listed)",
+    )
+    path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="a file on the kbmesh server, relative to its upload root "
+        "(KBMESH_UPLOAD_ROOT), instead of sending content",
+    )
+    mime_type: str | None = Field(
+        None,
+        description=f"one of {MIME_TYPES} (images wait for OCR); omitted: what the file "
+        "name suggests (text/plain for text content it does not explain), or with url or "
+        "path the type the server reports",
+    )
+    tags: list[str] = Field(
+        default_factory=list,
+        description="labels; the document joins every KB whose tag_ids include one of them",
+    )
+    collection: str | None = Field(None, description="an exclusive label: at most one per document")
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="custom fields, filterable in search"
+    )
+    source_id: str = Field(
+        DEFAULT_SOURCE,
+        min_length=1,
+        max_length=256,
+        description="provenance group, e.g. a repository; deleting a source deletes its documents",
+    )
+    uri: str | None = Field(None, description="where the document lives, shown with search results")
     document_id: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9_-]{1,64}$", description="replace this document (new revision)"
+        None, pattern=ID_PATTERN, description="replace this document (new revision)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UploadFields:
+        given = [n for n in ("content", "url", "path") if getattr(self, n) is not None]
+        if len(given) != 1:
+            got = f" (got {', '.join(given)})" if given else ""
+            raise ValueError(f"give exactly one of content, url or path{got}")
+        if self.content is not None and not self.name:
+            raise ValueError("name is required with content")
+        return self
+
+
+class UploadBody(UploadFields):
+    kb_id: str | None = Field(None, description="KB id or name: direct membership")
+    replace_same_uri: bool = Field(
+        False,
+        description="replace the document with the same uri (in the KB uploaded into, else "
+        "among all you can see) with a new revision instead of adding another",
     )
 
 
 class UploadResult(BaseModel):
     document_id: str
     name: str
-    status: Literal["processing", "complete", "awaiting_ocr", "failed", "stored"]
+    status: Literal["processing", "complete", "awaiting_ocr", "failed", "stored"] = Field(
+        description="processing: accepted, not yet searchable; complete: searchable; "
+        "awaiting_ocr: scanned, waits for OCR; failed: see error; stored: in no KB"
+    )
+    mime_type: str | None = Field(None, description="the type the document was stored as")
     revision: int | None = None
     kb_ids: list[str] = Field(default_factory=list)
     chunk_count: int | None = None
@@ -48,24 +131,67 @@ class UploadResult(BaseModel):
 class KbSettingsFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    description: str | None = Field(None, max_length=2000)
-    tag_ids: list[str] | None = None
-    chunker: Chunker | None = None
-    chunk_size: int | None = Field(None, ge=50, le=2000, description="tokens per chunk")
-    chunk_overlap: int | None = Field(None, ge=0, description="tokens shared by neighbours")
-    embedding_model: str | None = Field(
-        None, min_length=1, description=f"{DEFAULT_MODEL} or any LiteLLM model id"
+    description: str | None = Field(
+        None, max_length=2000, description="what the knowledge base holds, for people and agents"
     )
-    api_base: str | None = None
-    coalesce_neighbors: int | None = Field(None, ge=0, le=5)
+    tag_ids: list[str] | None = Field(
+        None,
+        description="documents carrying any of these tags are members automatically "
+        "(besides those uploaded into it)",
+    )
+    chunker: Chunker | None = Field(
+        None,
+        description="how text is cut: recursive (default: paragraphs, then sentences, then "
+        "words), sentence, or token (fixed token windows)",
+    )
+    chunk_size: int | None = Field(
+        None,
+        ge=CHUNK_SIZE_RANGE[0],
+        le=CHUNK_SIZE_RANGE[1],
+        description="tokens per chunk (default 200; at most the embedding model's input limit)",
+    )
+    chunk_overlap: int | None = Field(
+        None, ge=0, description="tokens shared by neighbouring chunks (default 0)"
+    )
+    embedding_model: str | None = Field(
+        None,
+        min_length=1,
+        description=f"{DEFAULT_MODEL} (default, bundled) or any LiteLLM model id, e.g. "
+        "openai/text-embedding-3-small; changing it re-indexes every document",
+    )
+    api_base: str | None = Field(
+        None,
+        description="base URL of the embedding provider (self-hosted or OpenAI-compatible "
+        "servers); null: the provider's default",
+    )
+    coalesce_neighbors: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_NEIGHBORS,
+        description="neighbour chunks added on each side of a search match by default (0-5)",
+    )
+
+
+KB_NAME = r"^[^\s/][^/]*$"
 
 
 class KbCreate(KbSettingsFields):
-    name: str = Field(min_length=1, max_length=100, pattern=r"^[^\s/][^/]*$")
+    name: str = Field(
+        min_length=1,
+        max_length=100,
+        pattern=KB_NAME,
+        description="a name unique in your org (no '/'); tools and routes take it or the id",
+    )
 
 
 class KbUpdate(KbSettingsFields):
-    name: str | None = Field(None, min_length=1, max_length=100, pattern=r"^[^\s/][^/]*$")
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        pattern=KB_NAME,
+        description="a new name, unique in your org (no '/')",
+    )
 
 
 class KbView(BaseModel):
@@ -159,3 +285,30 @@ class Ack(BaseModel):
     status: str
     kb_id: str | None = None
     documents: int | None = None
+
+
+class ProblemFieldError(BaseModel):
+    field: str = Field(description="the request part at fault: a body field path, or a parameter")
+    message: str
+
+
+class Problem(BaseModel):
+    """Every failed REST call (outside /api/v1/tools): RFC 9457 problem details, served as
+    `application/problem+json` by the gateway's error handlers (services/gateway/app.py)."""
+
+    type: str = Field(description="urn:kbmesh:error:<error_type>")
+    title: str
+    status: int
+    detail: str = Field(description="what went wrong, for a person or an LLM to act on")
+    error_type: str = Field(
+        description="ValidationError, ContentTooLarge, NotFound, Forbidden, Unauthorized, "
+        "Conflict, Unavailable, InternalError"
+    )
+    field: str | None = Field(
+        None,
+        description="the input field at fault, when known (for a ValidationError: the first "
+        "of `errors`)",
+    )
+    errors: list[ProblemFieldError] | None = Field(
+        None, description="every invalid field (ValidationError only)"
+    )

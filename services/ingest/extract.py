@@ -20,7 +20,15 @@ class NeedsOcr(Exception):
 
 
 def extract_text(data: bytes, mime: str) -> str:
-    """Return the document's text, or raise NeedsOcr / InvalidInput."""
+    """Return the document's text, or raise NeedsOcr / InvalidInput (also when there is no
+    text at all: an empty document would be stored and reported complete with no chunks)."""
+    text = _extract(data, mime)
+    if not text.strip():
+        raise InvalidInput("the document has no text (empty or only whitespace)", field="content")
+    return text
+
+
+def _extract(data: bytes, mime: str) -> str:
     if mime in TEXT_TYPES:
         return _decode(data)
     if mime in HTML_TYPES:

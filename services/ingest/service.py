@@ -31,14 +31,13 @@ from services.common.events import (
     Subject,
     TagsChanged,
 )
+from services.common.ids import check_id, new_id
 from services.common.models import (
     DocStatus,
     DocumentRecord,
     KnowledgeBase,
-    check_id,
     join_tags,
     kb_tag,
-    new_id,
     split_tags,
     utcnow,
 )

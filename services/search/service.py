@@ -10,7 +10,8 @@ from collections import defaultdict
 from services.common import bm25
 from services.common.embedders import EmbedderPool, is_local
 from services.common.errors import Forbidden, InvalidInput, NotFound
-from services.common.models import KnowledgeBase, point_id
+from services.common.ids import point_id
+from services.common.models import KnowledgeBase
 from services.common.queries import (
     ChunkRequest,
     ChunkResponse,

@@ -15,7 +15,7 @@ from services.common.registry import ApiKey
 from services.common.settings import Settings
 from services.gateway.auth import KeyResolver, Unauthorized, hash_key
 from services.gateway.schemas import KbCreate
-from services.gateway.service import KnowledgeBases, validate_kb
+from services.gateway.service import KnowledgeBases, checked_kb
 
 
 def kb(**fields) -> KnowledgeBase:
@@ -61,16 +61,26 @@ def test_stored_tags_hold_at_most_one_collection_and_never_show_it():
     ],
 )
 def test_each_kb_settings_rule_names_its_field(fields, field):
-    """validate_kb rejects each invalid setting with InvalidInput naming the field."""
+    """Each invalid setting — a rule of the KB model itself, or the embedding model's input
+    limit — is refused with InvalidInput naming the field."""
     with pytest.raises(InvalidInput) as err:
-        validate_kb(kb(**fields))
+        checked_kb({"org_id": "o", "kb_id": "k1", "name": "n", **fields})
     assert err.value.field == field
     assert field in err.value.message
 
 
 def test_valid_kb_settings_pass():
-    validate_kb(kb(chunk_size=254, chunk_overlap=253, coalesce_neighbors=5))
-    validate_kb(kb(chunk_size=50))
+    checked_kb(kb(chunk_size=254, chunk_overlap=253, coalesce_neighbors=5).model_dump())
+    checked_kb(kb(chunk_size=50).model_dump())
+
+
+def test_the_kb_model_holds_its_rules_wherever_it_is_built():
+    """The rules are the model's validators: a KB with overlapping chunks or an unknown
+    local model cannot even be constructed (ingest and embed read the same model)."""
+    with pytest.raises(ValidationError, match="chunk_overlap"):
+        kb(chunk_size=100, chunk_overlap=100)
+    with pytest.raises(ValidationError, match="embedding_model"):
+        kb(embedding_model="local/unknown")
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,7 @@ def create_router(mcp_server: KbmeshMCP) -> APIRouter:
                 outcome = error_outcome(err)
             else:
                 outcome = await run_tool(spec, mcp_server.service, principal, arguments)
-        return JSONResponse(outcome.structured, status_code=outcome.status_code)
+        return JSONResponse(outcome.body, status_code=outcome.status_code)
 
     return router
 

@@ -10,11 +10,11 @@ from services.common.bus import Bus
 from services.common.registry import Registries
 from services.common.settings import Settings
 from services.gateway.service.documents import Documents
-from services.gateway.service.kbs import KnowledgeBases, validate_kb
+from services.gateway.service.kbs import KnowledgeBases, checked_kb
 from services.gateway.service.search import Search
 from services.gateway.service.waiting import Waiting
 
-__all__ = ["Documents", "GatewayService", "KnowledgeBases", "Search", "validate_kb"]
+__all__ = ["Documents", "GatewayService", "KnowledgeBases", "Search", "checked_kb"]
 
 
 class GatewayService:

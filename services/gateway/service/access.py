@@ -6,8 +6,8 @@ scope is reported as not found, so a scoped key never learns that it exists."""
 
 from __future__ import annotations
 
-from services.common.errors import Forbidden, InvalidInput, NotFound
-from services.common.models import DocumentRecord, KnowledgeBase, check_id
+from services.common.errors import Forbidden, NotFound
+from services.common.models import DocumentRecord, KnowledgeBase
 from services.gateway.auth import Principal
 
 
@@ -37,12 +37,3 @@ def check_tag_scope(p: Principal, kbs: list[KnowledgeBase], tags: list[str]) -> 
                 "this API key's scope",
                 field="tags",
             )
-
-
-def key_safe(value: str) -> bool:
-    """Whether `value` can be a registry key segment (else it names nothing stored)."""
-    try:
-        check_id(value, "id")
-    except InvalidInput:
-        return False
-    return True

@@ -4,25 +4,38 @@ only through events to ingest; with `wait`, a call returns once the index reflec
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 from services.common.bus import Bus
-from services.common.content import STAGING_PREFIX, decode_content, is_supported, normalise_mime
+from services.common.content import (
+    HTML_TYPES,
+    STAGING_PREFIX,
+    TEXT_TYPES,
+    decode_content,
+    is_supported,
+    normalise_mime,
+)
 from services.common.errors import Conflict, InvalidInput, NotFound
 from services.common.events import DocDeleted, DocFailed, DocUploaded, Subject, TagsChanged
+from services.common.ids import new_id
 from services.common.models import (
     COLLECTION_PREFIX,
     DocStatus,
     DocumentRecord,
     KnowledgeBase,
     join_tags,
-    new_id,
     split_tags,
 )
 from services.common.registry import Registries
 from services.common.settings import Settings
 from services.gateway.auth import Principal
+from services.gateway.fetch import fetch_url, read_path
 from services.gateway.schemas import (
+    MIME_TYPES,
     DeleteResult,
     DocumentPatch,
     DocumentView,
@@ -33,13 +46,21 @@ from services.gateway.schemas import (
 from services.gateway.service.access import (
     check_document_write,
     check_tag_scope,
-    key_safe,
     visible,
 )
 from services.gateway.service.kbs import KnowledgeBases
 from services.gateway.service.waiting import Events, Waiting
 
 PATCH_ATTEMPTS = 10
+
+
+@dataclass(frozen=True)
+class _Content:
+    name: str
+    text: str
+    encoding: Literal["text", "base64"]
+    mime_type: str
+    uri: str | None
 
 
 class Documents:
@@ -60,41 +81,118 @@ class Documents:
     async def upload(
         self, p: Principal, body: UploadBody, kb_ref: str | None = None, *, wait: bool = False
     ) -> UploadResult:
+        """Add or replace a document. Its content comes in the body, or is fetched from
+        `url` or read from `path`; with `replace_same_uri` a document with the same uri is
+        replaced. With `wait`, returns once the index reflects it; content that cannot be
+        read (e.g. a broken PDF) is then refused like any other invalid input."""
         kb_ref = kb_ref or body.kb_id
+        # Resolved (and write access checked) first: a key that cannot write fetches nothing.
         kb = await self.kbs.resolve(p, kb_ref, write=True) if kb_ref else None
         if kb is None:
             p.check_org_wide_write()
-        mime = normalise_mime(body.mime_type, body.name)
+        content = await self._content(body)
+        mime = content.mime_type
         if not is_supported(mime):
-            raise InvalidInput(f"unsupported mime_type {mime!r}", field="mime_type")
-        data = decode_content(body.content, body.content_encoding, self.settings.max_content_bytes)
+            raise InvalidInput(
+                f"unsupported mime_type {mime!r}; supported: {MIME_TYPES}", field="mime_type"
+            )
+        data = decode_content(content.text, content.encoding, self.settings.max_content_bytes)
+        if mime in TEXT_TYPES and not data.strip():
+            raise InvalidInput(
+                "content has no text (it is empty or only whitespace)", field="content"
+            )
         _check_labels(body.tags, body.collection)
         await self._check_tag_scope(p, body.tags)
-        document_id = body.document_id or new_id()
+        document_id = body.document_id
+        if document_id is None and body.replace_same_uri and content.uri:
+            document_id = await self._same_uri(p, content.uri, kb)
+        document_id = document_id or new_id()
         event = DocUploaded(
             org_id=p.org_id,
             document_id=document_id,
-            name=body.name,
+            name=content.name,
             mime_type=mime,
             source_id=body.source_id,
-            uri=body.uri,
+            uri=content.uri,
             tags=body.tags,
             collection=body.collection,
             metadata=body.metadata,
             kb_id=kb.kb_id if kb else None,
         )
         if len(data) <= self.settings.inline_content_bytes:
-            event.content, event.content_encoding = body.content, body.content_encoding
+            event.content, event.content_encoding = content.text, content.encoding
         else:
             event.object_ref = f"{STAGING_PREFIX}{event.event_id}"
             await self.reg.texts.put(event.object_ref, data)
-        result = UploadResult(document_id=document_id, name=body.name, status="processing")
+        result = UploadResult(
+            document_id=document_id, name=content.name, status="processing", mime_type=mime
+        )
         if not wait:
             await self.bus.publish(Subject.DOC_UPLOADED, event)
             return result
         async with self.waiting.watch([document_id]) as events:
             await self.bus.publish(Subject.DOC_UPLOADED, event)
             return await self._await_upload(event, events, kb, result)
+
+    async def _content(self, body: UploadBody) -> _Content:
+        if body.content is not None:
+            name = body.name or "document"
+            if body.mime_type:
+                mime = normalise_mime(body.mime_type, name)
+            else:
+                mime = normalise_mime(None, name)
+                if body.content_encoding == "text" and mime not in TEXT_TYPES | HTML_TYPES:
+                    mime = "text/plain"  # text content under, e.g., a .pdf name
+            return _Content(name, body.content, body.content_encoding, mime, body.uri)
+        if body.url is not None:
+            fetched = await fetch_url(body.url, self.settings)
+        else:
+            fetched = await read_path(body.path or "", self.settings)
+        return _Content(
+            body.name or fetched.name,
+            base64.b64encode(fetched.data).decode("ascii"),
+            "base64",
+            normalise_mime(body.mime_type or fetched.mime_type, body.name or fetched.name),
+            body.uri or fetched.uri,
+        )
+
+    async def _same_uri(self, p: Principal, uri: str, kb: KnowledgeBase | None) -> str | None:
+        """The document to replace: the one with this uri in `kb` (else among all the
+        caller sees). Several are ambiguous: the caller must say which (document_id)."""
+        found = [
+            r
+            for r in await self.reg.documents.of_org(p.org_id)
+            if r.uri == uri and visible(p, r) and (kb is None or kb.matches(r.tags))
+        ]
+        if len(found) > 1:
+            ids = ", ".join(sorted(r.document_id for r in found))
+            raise Conflict(
+                f"{len(found)} documents have the uri {uri!r} ({ids}); pass the document_id "
+                "of the one to replace",
+                field="uri",
+            )
+        return found[0].document_id if found else None
+
+    async def find(self, p: Principal, ref: str) -> DocumentRecord | None:
+        """A document by id, else by uri (or path), else by name — None when nothing matches.
+        A uri or name that several documents share is ambiguous: Conflict, listing them."""
+        with contextlib.suppress(NotFound):
+            return await self._record(p, ref)
+        records = [r for r in await self.reg.documents.of_org(p.org_id) if visible(p, r)]
+        for what, matches in (
+            ("uri", [r for r in records if r.uri == ref]),
+            ("name", [r for r in records if r.name == ref]),
+        ):
+            if len(matches) > 1:
+                ids = ", ".join(sorted(r.document_id for r in matches))
+                raise Conflict(
+                    f"{len(matches)} documents have the {what} {ref!r} ({ids}); pass the "
+                    "document id of the one you mean",
+                    field="document_id",
+                )
+            if matches:
+                return matches[0]
+        return None
 
     async def _await_upload(
         self,
@@ -105,14 +203,15 @@ class Documents:
     ) -> UploadResult:
         deadline = self.waiting.deadline()
         found = await self.waiting.record(
-            f"{event.org_id}.{event.document_id}",
+            self.reg.documents.key(event.org_id, result.document_id),
             lambda r: r.last_event_id == event.event_id,
             deadline,
             events,
             event.org_id,
         )
         if isinstance(found, DocFailed):
-            return result.model_copy(update={"status": "failed", "error": found.error})
+            # Ingest refused the content (unreadable, no text...): nothing was stored.
+            raise InvalidInput(f"the document could not be read: {found.error}", field="content")
         if found is None:
             return result
         record = found
@@ -121,7 +220,7 @@ class Documents:
         if record.status == DocStatus.awaiting_ocr:
             return result.model_copy(update={"status": "awaiting_ocr"})
         if record.status == DocStatus.failed:
-            return result.model_copy(update={"status": "failed", "error": record.error})
+            raise InvalidInput(f"the document could not be read: {record.error}", field="content")
         if not record.kb_ids:
             return result.model_copy(update={"status": "stored", "chunk_count": 0})
         outcome = await self.waiting.indexed(
@@ -151,7 +250,7 @@ class Documents:
         skip: int = 0,
         limit: int = 50,
     ) -> Page[DocumentView]:
-        records = await self.reg.documents.list(f"{p.org_id}.")
+        records = await self.reg.documents.of_org(p.org_id)
         if kb:
             kb_obj = await self.kbs.resolve(p, kb)
             records = [r for r in records if kb_obj.matches(r.tags)]
@@ -252,7 +351,7 @@ class Documents:
         # Only what the caller can see: a scoped key never learns of documents outside it.
         records = [
             r
-            for r in await self.reg.documents.list(f"{p.org_id}.")
+            for r in await self.reg.documents.of_org(p.org_id)
             if r.source_id == source_id and visible(p, r)
         ]
         for record in records:
@@ -269,12 +368,6 @@ class Documents:
             document_ids=[r.document_id for r in records],
         )
 
-    async def find_by_uri(self, p: Principal, uri: str) -> DocumentRecord | None:
-        for r in await self.reg.documents.list(f"{p.org_id}."):
-            if r.uri == uri and visible(p, r):
-                return r
-        return None
-
     async def _delete(
         self, records: list[DocumentRecord], event: DocDeleted, *, wait: bool
     ) -> None:
@@ -286,25 +379,21 @@ class Documents:
             await self.waiting.removed(events, event.org_id, records, self.waiting.deadline())
 
     async def _record(self, p: Principal, document_id: str) -> DocumentRecord:
-        record = (
-            await self.reg.documents.get(f"{p.org_id}.{document_id}")
-            if key_safe(document_id)
-            else None
-        )
+        record = await self.reg.documents.find(p.org_id, document_id)
         if record is None or not visible(p, record):
             raise NotFound(f"document {document_id!r} not found", field="document_id")
         return record
 
     async def _check_tag_scope(self, p: Principal, tags: list[str]) -> None:
         if p.kb_ids is not None and tags:
-            check_tag_scope(p, await self.reg.kbs.list(f"{p.org_id}."), tags)
+            check_tag_scope(p, await self.reg.kbs.of_org(p.org_id), tags)
 
     async def _view(self, record: DocumentRecord) -> DocumentView:
         tags, collection = split_tags(record.tags)
         status = record.status.value
         if record.status == DocStatus.ready:
             entries = await asyncio.gather(
-                *(self.reg.index.get(f"{k}.{record.document_id}") for k in record.kb_ids)
+                *(self.reg.index.find(k, record.document_id) for k in record.kb_ids)
             )
             done = all(e is not None and e.revision >= record.revision for e in entries)
             status = "complete" if done else "processing"

@@ -6,20 +6,22 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
 
 from services.common.bus import Bus
 from services.common.embedders import model_limits
-from services.common.errors import Conflict, InvalidInput, NotFound, Transient
+from services.common.errors import Conflict, InvalidInput, NotFound
 from services.common.events import KbChanged, Subject
+from services.common.ids import new_kb_id
 from services.common.models import (
-    COLLECTION_PREFIX,
     DocStatus,
     DocumentRecord,
     IndexEntry,
     KBStatus,
     KnowledgeBase,
     ServingIndex,
-    new_id,
     utcnow,
 )
 from services.common.registry import Registries
@@ -35,11 +37,9 @@ from services.gateway.schemas import (
     KbView,
     Page,
 )
-from services.gateway.service.access import key_safe
 
 # Derives other orgs' default KB ids (see `KnowledgeBases.default_id`).
 DEFAULT_KB_NAMESPACE = uuid.UUID("0b3f6c52-2d7e-4f0a-9a43-5c1e8d7b6a29")
-KB_CAS_ATTEMPTS = 20
 REINDEX_FIELDS = ("chunker", "chunk_size", "chunk_overlap", "embedding_model", "api_base")
 
 
@@ -59,7 +59,7 @@ class KnowledgeBases:
         return uuid.uuid5(DEFAULT_KB_NAMESPACE, f"{org_id}/{self.settings.default_kb}").hex
 
     async def ensure_default(self, org_id: str) -> KnowledgeBase:
-        key = f"{org_id}.{self.default_id(org_id)}"
+        key = self.reg.kbs.key(org_id, self.default_id(org_id))
         kb = await self.reg.kbs.get(key)
         if kb is not None:
             return kb
@@ -81,9 +81,7 @@ class KnowledgeBases:
 
     async def resolve(self, p: Principal, ref: str, *, write: bool = False) -> KnowledgeBase:
         """A KB id or name, within the caller's org and scope (else 404)."""
-        kb = await self.reg.kbs.get(f"{p.org_id}.{ref}") if key_safe(ref) else None
-        if kb is None:
-            kb = next((k for k in await self.reg.kbs.list(f"{p.org_id}.") if k.name == ref), None)
+        kb = await self.reg.kbs.resolve(p.org_id, ref)
         if kb is None and ref == self.settings.default_kb:
             kb = await self.ensure_default(p.org_id)
         if kb is None or not p.can_see(kb.kb_id):
@@ -93,7 +91,7 @@ class KnowledgeBases:
 
     async def create(self, p: Principal, body: KbCreate) -> KbView:
         p.check_org_wide_write()
-        existing = await self.reg.kbs.list(f"{p.org_id}.")
+        existing = await self.reg.kbs.of_org(p.org_id)
         if len(existing) >= self.settings.kb_limit:
             raise Conflict(
                 f"this org already has {self.settings.kb_limit} knowledge bases (KBMESH_KB_LIMIT)"
@@ -102,9 +100,11 @@ class KnowledgeBases:
             raise Conflict(f"a knowledge base named {body.name!r} exists", field="name")
         fields = body.model_dump(exclude_none=True)
         fields.setdefault("embedding_model", self.settings.default_model)
-        kb = KnowledgeBase(org_id=p.org_id, kb_id=new_id(), **fields)
-        await asyncio.to_thread(validate_kb, kb)
-        await self.reg.kbs.create(f"{p.org_id}.{kb.kb_id}", kb)
+        # Off the loop: the first remote model lookup imports litellm (seconds).
+        kb = await asyncio.to_thread(
+            checked_kb, {"org_id": p.org_id, "kb_id": new_kb_id(), **fields}
+        )
+        await self.reg.kbs.create(self.reg.kbs.key(p.org_id, kb.kb_id), kb)
         await self.bus.publish(
             Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="created")
         )
@@ -113,7 +113,7 @@ class KnowledgeBases:
     async def page(
         self, p: Principal, skip: int = 0, limit: int = 50, name_search: str | None = None
     ) -> KbList:
-        kbs = [k for k in await self.reg.kbs.list(f"{p.org_id}.") if p.can_see(k.kb_id)]
+        kbs = [k for k in await self.reg.kbs.of_org(p.org_id) if p.can_see(k.kb_id)]
         if name_search:
             kbs = [k for k in kbs if name_search.lower() in k.name.lower()]
         kbs.sort(key=lambda k: k.created_at)
@@ -130,15 +130,14 @@ class KnowledgeBases:
         if "name" in changes and changes["name"] is None:
             raise InvalidInput("name cannot be null", field="name")
         if changes.get("name") and changes["name"] != kb.name:
-            others = await self.reg.kbs.list(f"{p.org_id}.")
+            others = await self.reg.kbs.of_org(p.org_id)
             if any(k.name == changes["name"] for k in others):
                 raise Conflict(f"a knowledge base named {changes['name']!r} exists", field="name")
         update = {k: v for k, v in changes.items() if v is not None or k == "api_base"}
-        indexed = bool(await self.reg.index.list(f"{kb.kb_id}."))
+        indexed = bool(await self.reg.index.of_kb(kb.kb_id))
 
         def apply(current: KnowledgeBase) -> KnowledgeBase:
-            updated = current.model_copy(update=update)
-            validate_kb(updated)
+            updated = checked_kb({**current.model_dump(), **update})
             if any(getattr(updated, f) != getattr(current, f) for f in REINDEX_FIELDS):
                 updated.settings_version = current.settings_version + 1
                 updated.status = KBStatus.pending_reindex
@@ -175,26 +174,16 @@ class KnowledgeBases:
     async def _change(
         self, org_id: str, kb_id: str, apply: Callable[[KnowledgeBase], KnowledgeBase]
     ) -> tuple[KnowledgeBase, KnowledgeBase]:
-        """Compare-and-set a KB definition: `apply(current) -> updated` runs again on the
-        newest version when another request changed the KB meanwhile, so concurrent updates
-        each count (every settings change gets its own settings version)."""
-        key = f"{org_id}.{kb_id}"
-        for _ in range(KB_CAS_ATTEMPTS):
-            found = await self.reg.kbs.get_versioned(key)
-            if found is None:
-                raise NotFound(f"knowledge base {kb_id!r} not found", field="kb_id")
-            current, last = found
-            updated = apply(current.model_copy(deep=True))
-            try:
-                await self.reg.kbs.update(key, updated, last)
-            except Conflict:
-                continue
-            return current, updated
-        raise Transient("the knowledge base is being changed concurrently; try again")
+        """Compare-and-set a KB definition: concurrent updates each count (every settings
+        change gets its own settings version)."""
+        changed = await self.reg.kbs.change(self.reg.kbs.key(org_id, kb_id), apply)
+        if changed is None:
+            raise NotFound(f"knowledge base {kb_id!r} not found", field="kb_id")
+        return changed
 
     async def delete(self, p: Principal, ref: str) -> Ack:
         kb = await self.resolve(p, ref, write=True)
-        await self.reg.kbs.delete(f"{p.org_id}.{kb.kb_id}")
+        await self.reg.kbs.delete(self.reg.kbs.key(p.org_id, kb.kb_id))
         collections = [kb.collection_for(g) for g in range(1, kb.index_generation + 1)]
         await self.bus.publish(
             Subject.KB_CHANGED,
@@ -219,7 +208,7 @@ class KnowledgeBases:
                 org_id=p.org_id, kb_id=kb.kb_id, change="retry_failed" if failed_only else "reindex"
             ),
         )
-        members = [d for d in await self.reg.documents.list(f"{p.org_id}.") if kb.matches(d.tags)]
+        members = [d for d in await self.reg.documents.of_org(p.org_id) if kb.matches(d.tags)]
         return Ack(status="reindexing", kb_id=kb.kb_id, documents=len(members))
 
     async def stats(self, p: Principal, ref: str) -> KbStats:
@@ -291,19 +280,21 @@ class KnowledgeBases:
 
     async def _state(self, kb: KnowledgeBase) -> tuple[list[IndexEntry], list[DocumentRecord]]:
         entries, documents = await asyncio.gather(
-            self.reg.index.list(f"{kb.kb_id}."), self.reg.documents.list(f"{kb.org_id}.")
+            self.reg.index.of_kb(kb.kb_id), self.reg.documents.of_org(kb.org_id)
         )
         return entries, [d for d in documents if kb.matches(d.tags)]
 
 
-def validate_kb(kb: KnowledgeBase) -> None:
-    """Cross-field KB rules (single-field ranges are on the request model)."""
-    if kb.embedding_model.startswith("local/") and kb.embedding_model != ("local/all-MiniLM-L6-v2"):
-        raise InvalidInput(
-            f"embedding_model {kb.embedding_model!r}: the only bundled local model is "
-            "local/all-MiniLM-L6-v2; use a LiteLLM model id for others",
-            field="embedding_model",
-        )
+def checked_kb(fields: dict[str, Any]) -> KnowledgeBase:
+    """A KB definition from `fields`, held to the model's rules (a changed copy skips them)
+    and to its embedding model's input limit; InvalidInput names the field at fault."""
+    try:
+        kb = KnowledgeBase.model_validate(fields)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        field = str(first["loc"][0]) if first["loc"] else None
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise InvalidInput(message, field=field) from err
     limit = model_limits(kb.embedding_model)
     if limit is not None and kb.chunk_size > limit:
         raise InvalidInput(
@@ -311,18 +302,7 @@ def validate_kb(kb: KnowledgeBase) -> None:
             f"({limit} tokens)",
             field="chunk_size",
         )
-    if not 50 <= kb.chunk_size <= 2000:
-        raise InvalidInput("chunk_size must be between 50 and 2000 tokens", field="chunk_size")
-    if not 0 <= kb.chunk_overlap < kb.chunk_size:
-        raise InvalidInput(
-            f"chunk_overlap must be >= 0 and smaller than chunk_size ({kb.chunk_size})",
-            field="chunk_overlap",
-        )
-    if not 0 <= kb.coalesce_neighbors <= 5:
-        raise InvalidInput("coalesce_neighbors must be between 0 and 5", field="coalesce_neighbors")
-    for tag in kb.tag_ids:
-        if not tag or tag.startswith(COLLECTION_PREFIX):
-            raise InvalidInput(f"tag_ids: invalid tag {tag!r}", field="tag_ids")
+    return kb
 
 
 def _kb_doc_status(record: DocumentRecord, entry: IndexEntry | None, kb: KnowledgeBase) -> str:

@@ -20,7 +20,6 @@ from services.common.events import DocFailed, DocIndexed, Subject
 from services.common.models import DocumentRecord
 from services.common.registry import Registries
 
-POLL_SECONDS = 0.05
 Events = asyncio.Queue[DocIndexed | DocFailed]
 
 
@@ -92,20 +91,33 @@ class Waiting:
         org_id: str | None = None,
     ) -> DocumentRecord | DocFailed | None:
         """The document record once it satisfies `predicate` (None: once it is gone; then
-        None is returned), an ingest failure reported meanwhile on `events`, or None on
-        timeout."""
-        while time.monotonic() < deadline:
-            if events is not None and org_id is not None:
-                failed = drain_failure(events, org_id, stage="ingest")
-                if failed is not None:
-                    return failed
-            record = await self.reg.documents.get(key)
-            if predicate is None and record is None:
-                return None
-            if predicate is not None and record is not None and predicate(record):
-                return record
-            await asyncio.sleep(POLL_SECONDS)
-        return None
+        None is returned), watched in the registry; or, with `events`, an ingest failure
+        reported meanwhile; or None on timeout."""
+
+        def reached(record: DocumentRecord | None) -> bool:
+            return record is None if predicate is None else record is not None and predicate(record)
+
+        watch = asyncio.ensure_future(
+            self.reg.documents.wait_for(key, reached, deadline - time.monotonic())
+        )
+        failure = None
+        if events is not None and org_id is not None:
+            failure = asyncio.ensure_future(_ingest_failure(events, org_id))
+        try:
+            await asyncio.wait(
+                [t for t in (watch, failure) if t is not None],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            for task in (watch, failure):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        if failure is not None and failure.done() and not failure.cancelled():
+            return failure.result()
+        ok, record = watch.result()
+        return record if ok else None
 
     async def indexed(
         self,
@@ -161,20 +173,17 @@ class Waiting:
             await self.record(r.key, None, deadline)
 
 
-def drain_failure(events: Events, org_id: str, stage: str) -> DocFailed | None:
-    pending: list[DocIndexed | DocFailed] = []
-    failure = None
-    while not events.empty():
-        ev = events.get_nowait()
-        if (
-            isinstance(ev, DocFailed)
-            and ev.stage == stage
-            and ev.org_id == org_id
-            and failure is None
-        ):
-            failure = ev
-        else:
-            pending.append(ev)
-    for ev in pending:
-        events.put_nowait(ev)
-    return failure
+async def _ingest_failure(events: Events, org_id: str) -> DocFailed:
+    """The next ingest failure of `org_id` on `events`; every other event read meanwhile is
+    put back, in order, before those that arrived after (the index waits read them next)."""
+    passed: list[DocIndexed | DocFailed] = []
+    try:
+        while True:
+            ev = await events.get()
+            if isinstance(ev, DocFailed) and ev.stage == "ingest" and ev.org_id == org_id:
+                return ev
+            passed.append(ev)
+    finally:
+        later = [events.get_nowait() for _ in range(events.qsize())]
+        for ev in (*passed, *later):
+            events.put_nowait(ev)

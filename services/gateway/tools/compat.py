@@ -15,14 +15,22 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 from urllib.parse import unquote, urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from services.common.content import HTML_TYPES, TEXT_TYPES, normalise_mime
-from services.common.errors import Conflict, InvalidInput, NotFound
-from services.common.models import DEFAULT_SOURCE, point_id
-from services.common.queries import SearchFilters, SearchHit, SearchQuery
+from services.common.errors import InvalidInput, NotFound
+from services.common.ids import UUID_PATTERN, point_id
+from services.common.models import DEFAULT_SOURCE
+from services.common.queries import MatchType, SearchFilters, SearchHit, SearchQuery
 from services.gateway.auth import Principal
-from services.gateway.schemas import UploadBody
+from services.gateway.schemas import MIME_TYPES, UploadBody
 from services.gateway.service import GatewayService
 from services.gateway.tools.core import DeleteOutput, _delete_output
 from services.gateway.tools.registry import tool
@@ -36,8 +44,13 @@ async def _project(service: GatewayService, p: Principal, project_id: str) -> st
         raise NotFound(f"project {project_id!r} not found", field="projectId") from err
 
 
+MAX_MATCHES = 50  # the most one search returns
+# Errors about the KB or document name the parameter the caller sent.
+PROJECT_FIELDS = {"kb_id": "projectId", "name": "fileName", "uri": "fileName"}
+
+
 class SearchDocsInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     query: str = Field(min_length=1, max_length=4000, description="what to look for")
     projectId: str = Field(
@@ -47,22 +60,28 @@ class SearchDocsInput(BaseModel):
     )
     topK: int = Field(5, ge=1, le=50, description="how many results to return")
     minScore: float = Field(
-        0.5, description="drop results whose similarity score (0-1) is below this"
+        0.5, ge=0, le=1, description="drop results whose similarity score (0-1) is below this"
     )
 
 
 class DocResult(BaseModel):
-    content: str
-    documentTitle: str
-    chunkIndex: int
-    score: float
+    content: str = Field(description="the matching passage")
+    documentTitle: str = Field(description="the name of the document it is from")
+    chunkIndex: int = Field(description="its position in the document (0-based)")
+    score: float = Field(description="similarity to the query (cosine, 0-1 for relevant text)")
 
 
 class SearchDocsOutput(BaseModel):
-    results: list[DocResult]
+    results: list[DocResult] = Field(description="best match first")
 
 
-@tool("compat", title="Search project documents", render=render_docs, read_only=True)
+@tool(
+    "compat",
+    title="Search project documents",
+    render=render_docs,
+    read_only=True,
+    error_fields=PROJECT_FIELDS,
+)
 async def search_docs(
     service: GatewayService, p: Principal, inp: SearchDocsInput
 ) -> SearchDocsOutput:
@@ -94,24 +113,31 @@ async def search_docs(
 
 
 class UploadDocumentInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     projectId: str = Field(
         min_length=1, max_length=100, description="the project (knowledge base) id or name"
     )
-    fileName: str = Field(min_length=1, max_length=512, description="the document's file name")
+    fileName: str = Field(
+        min_length=1,
+        max_length=512,
+        description="the document's file name; uploading the same fileName into the same "
+        "project again replaces that document",
+    )
     content: str = Field(
         description="the document: plain text, or base64 for binary types "
         "(PDF, DOCX, images); at most 10 MB"
     )
-    mimeType: str = Field("text/plain", description="the document's media type")
+    mimeType: str = Field("text/plain", description=f"the document's media type: {MIME_TYPES}")
 
 
 class UploadDocumentOutput(BaseModel):
-    documentId: str
-    fileName: str
-    status: Literal["processing", "complete"]
-    chunkCount: int
+    documentId: str = Field(description="the document's id (delete_document takes it)")
+    fileName: str = Field(description="the file name it was stored under")
+    status: Literal["processing", "complete"] = Field(
+        description="complete: searchable now; processing: still being indexed"
+    )
+    chunkCount: int = Field(description="chunks indexed (0 while processing)")
 
 
 _BASE64 = re.compile(r"^[A-Za-z0-9+/]+={0,2}$")
@@ -131,13 +157,16 @@ def _compat_encoding(content: str, mime: str) -> Literal["text", "base64"]:
     return "base64"
 
 
-@tool("compat", title="Upload a document to a project")
+@tool(
+    "compat", title="Upload a document to a project", destructive=True, error_fields=PROJECT_FIELDS
+)
 async def upload_document(
     service: GatewayService, p: Principal, inp: UploadDocumentInput
 ) -> UploadDocumentOutput:
     """Upload a document into a project (knowledge base). The content is plain text, or base64
     for binary files. Returns the document id, and status 'complete' with its chunk count once
-    it is searchable. Documents over 10 MB are rejected."""
+    it is searchable. Uploading the same fileName into the same project again replaces that
+    document. Documents over 10 MB, and content that cannot be read, are rejected."""
     kb_id = await _project(service, p, inp.projectId)
     mime = normalise_mime(inp.mimeType, inp.fileName)
     body = UploadBody(
@@ -146,6 +175,7 @@ async def upload_document(
         mime_type=mime,
         content_encoding=_compat_encoding(inp.content, mime),
         uri=inp.fileName,
+        replace_same_uri=True,
     )
     result = await service.documents.upload(p, body, kb_id, wait=True)
     if result.status == "failed":
@@ -159,7 +189,7 @@ async def upload_document(
 
 
 class DeleteDocumentInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     filepath: str = Field(
         min_length=1,
@@ -168,37 +198,25 @@ class DeleteDocumentInput(BaseModel):
     )
 
 
-async def _find_document(service: GatewayService, p: Principal, ref: str) -> str | None:
-    """A document id, else a uri/path, else an unambiguous file name."""
-    try:
-        return (await service.documents.get(p, ref)).document_id
-    except NotFound:
-        pass
-    record = await service.documents.find_by_uri(p, ref)
-    if record is not None:
-        return record.document_id
-    page = await service.documents.page(p, name_search=ref, limit=500)
-    named = [d.document_id for d in page.items if d.name == ref]
-    if len(named) > 1:
-        raise Conflict(
-            f"{len(named)} documents are named {ref!r}; pass the document id", field="filepath"
-        )
-    return named[0] if named else None
-
-
-@tool("compat", title="Delete a document by id or path", destructive=True)
+@tool(
+    "compat",
+    title="Delete a document by id or path",
+    destructive=True,
+    error_fields={"document_id": "filepath"},
+)
 async def delete_document(
     service: GatewayService, p: Principal, inp: DeleteDocumentInput
 ) -> DeleteOutput:
     """Delete a document given its id or the uri/path/file name it was uploaded with. Returns
-    deleted_count 1, or 0 when nothing matches (not an error)."""
+    deleted_count 1, or 0 when nothing matches (not an error). A uri or file name that several
+    documents share is an error listing their ids: pass the id of the one to delete."""
     ref = inp.filepath.strip()
     if not ref:
         raise InvalidInput(
             "filepath must not be empty: give a document id or its uri/path", field="filepath"
         )
-    document_id = await _find_document(service, p, ref)
-    if document_id is None:
+    record = await service.documents.find(p, ref)
+    if record is None:
         return DeleteOutput(
             status="not_found",
             deleted_count=0,
@@ -206,20 +224,35 @@ async def delete_document(
             title=None,
             message=f"no document matches {ref!r}; nothing was deleted",
         )
-    return _delete_output(await service.documents.delete(p, document_id), ref)
+    return _delete_output(await service.documents.delete(p, record.document_id), ref)
 
 
 # ---- compat: manageKnowledge ----------------------------------------------------------------
 
 
+# What each operation needs, also said in the input schema (if/then per operation).
+REQUIRED_FOR = {"ingest": "content", "search": "query", "getChunk": "chunkId"}
+
+
 class ManageKnowledgeInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"operation": {"const": op}}, "required": ["operation"]},
+                    "then": {"required": [name]},
+                }
+                for op, name in [*REQUIRED_FOR.items(), ("deleteBySource", "sourceId")]
+            ]
+        },
+    )
 
     operation: Literal["ingest", "search", "deleteBySource", "getChunk"] = Field(
         description="ingest: store content; search: find chunks by meaning; deleteBySource: "
         "remove every document of sourceId; getChunk: fetch one chunk by chunkId"
     )
-    content: str | None = Field(None, description="document text to store (ingest)")
+    content: str | None = Field(None, min_length=1, description="document text to store (ingest)")
     uri: str | None = Field(
         None,
         max_length=4096,
@@ -230,7 +263,8 @@ class ManageKnowledgeInput(BaseModel):
         DEFAULT_SOURCE,
         min_length=1,
         max_length=256,
-        description="source group of the document (ingest) or the group to delete (deleteBySource)",
+        description="source group of the document (ingest), the group to delete "
+        "(deleteBySource), or the only group to search (search; omitted: every source)",
     )
     metadata: dict[str, Any] | None = Field(
         None, description="metadata stored with the document (ingest)"
@@ -238,13 +272,14 @@ class ManageKnowledgeInput(BaseModel):
     query: str | None = Field(None, max_length=4000, description="natural-language query (search)")
     limit: int = Field(10, ge=1, le=50, description="maximum results (search)")
     chunkId: str | None = Field(
-        None, max_length=100, description="the chunk to fetch (getChunk), as returned by search"
+        None,
+        pattern=UUID_PATTERN,
+        description="the chunk to fetch (getChunk): the id of a search result (a UUID)",
     )
 
     @model_validator(mode="after")
     def _required_per_operation(self) -> ManageKnowledgeInput:
-        needed = {"ingest": "content", "search": "query", "getChunk": "chunkId"}
-        name = needed.get(self.operation)
+        name = REQUIRED_FOR.get(self.operation)
         if name and not getattr(self, name):
             raise ValueError(f"{name} is required for operation {self.operation!r}")
         if self.operation == "deleteBySource" and "sourceId" not in self.model_fields_set:
@@ -253,31 +288,59 @@ class ManageKnowledgeInput(BaseModel):
 
 
 class KnowledgeChunk(BaseModel):
-    id: str
-    content: str
-    score: float | None = None
-    matchType: str | None = None
-    sourceId: str | None = None
-    uri: str | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    chunkIndex: int
-    totalChunks: int
+    id: str = Field(description="the chunk id (getChunk takes it)")
+    content: str = Field(description="the chunk's text")
+    score: float | None = Field(None, description="similarity to the query (search only)")
+    matchType: MatchType | None = Field(
+        None,
+        description="how it matched: semantic (by meaning), keyword (by the query's terms) "
+        "or hybrid (both); null outside search",
+    )
+    sourceId: str | None = Field(description="the document's source group")
+    uri: str | None = Field(description="the document's uri; null when it has none")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="the document's metadata")
+    chunkIndex: int = Field(description="position of the chunk in its document (0-based)")
+    totalChunks: int = Field(description="how many chunks the document has")
+
+
+# The fields each operation answers with (besides success, operation and message); the
+# others are left out of its result.
+OPERATION_FIELDS = {
+    "search": {"chunks", "totalMatches", "query"},
+    "getChunk": {"chunk"},
+    "ingest": {"documentId", "chunksCreated", "chunkIds", "uri", "sourceId"},
+    "deleteBySource": {"sourceId", "deletedCount"},
+}
 
 
 class ManageKnowledgeOutput(BaseModel):
-    success: bool = True
-    operation: str
-    message: str
-    chunks: list[KnowledgeChunk] | None = Field(None, description="search")
-    totalMatches: int | None = Field(None, description="search")
-    query: str | None = Field(None, description="search")
-    chunk: KnowledgeChunk | None = Field(None, description="getChunk")
-    documentId: str | None = Field(None, description="ingest")
-    chunksCreated: int | None = Field(None, description="ingest")
-    chunkIds: list[str] | None = Field(None, description="ingest")
-    uri: str | None = Field(None, description="ingest")
-    sourceId: str | None = Field(None, description="ingest, deleteBySource")
-    deletedCount: int | None = Field(None, description="deleteBySource")
+    success: bool = Field(True, description="true: the operation succeeded")
+    operation: Literal["ingest", "search", "deleteBySource", "getChunk"] = Field(
+        description="the operation this answers"
+    )
+    message: str = Field(description="what happened, in a sentence")
+    chunks: list[KnowledgeChunk] | None = Field(
+        None, description="search: the best `limit` matching chunks, best first"
+    )
+    totalMatches: int | None = Field(
+        None,
+        description="search: how many chunks matched (counted up to 50); chunks holds the "
+        "best `limit` of them",
+    )
+    query: str | None = Field(None, description="search: the query")
+    chunk: KnowledgeChunk | None = Field(None, description="getChunk: the chunk")
+    documentId: str | None = Field(None, description="ingest: the stored document's id")
+    chunksCreated: int | None = Field(None, description="ingest: chunks indexed")
+    chunkIds: list[str] | None = Field(None, description="ingest: the ids of those chunks")
+    uri: str | None = Field(None, description="ingest: the document's uri, null when none")
+    sourceId: str | None = Field(None, description="ingest, deleteBySource: the source group")
+    deletedCount: int | None = Field(None, description="deleteBySource: documents deleted")
+
+    @model_serializer(mode="wrap")
+    def _operation_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        keep = {"success", "operation", "message"} | OPERATION_FIELDS[self.operation]
+        return {k: v for k, v in data.items() if k in keep}
 
 
 def _knowledge_chunk(hit: SearchHit) -> KnowledgeChunk:
@@ -301,26 +364,36 @@ def _name_from_uri(uri: str | None) -> str:
     return (PurePosixPath(unquote(parsed.path)).name or parsed.netloc or uri)[:512]
 
 
-@tool("compat", title="Manage the knowledge base", exclude_none=True)
+@tool("compat", title="Manage the knowledge base", destructive=True)
 async def manageKnowledge(
     service: GatewayService, p: Principal, inp: ManageKnowledgeInput
 ) -> ManageKnowledgeOutput:
     """Manage the knowledge base: "ingest" stores organisational documentation (content, uri,
-    sourceId, metadata); "search" finds relevant chunks by meaning (query, limit) — for complex
-    questions, search several phrasings; "deleteBySource" removes every document of a sourceId;
+    sourceId, metadata; the same uri again replaces that document); "search" finds relevant
+    chunks by meaning (query, limit, optionally one sourceId) — for complex questions, search
+    several phrasings; "deleteBySource" removes every document of a sourceId;
     "getChunk" fetches one chunk by chunkId."""
     op = inp.operation
     if op == "search":
+        only = [inp.sourceId] if "sourceId" in inp.model_fields_set else None
+        # Up to the most a search returns, to count the matches beyond `limit` too.
         resp = await service.search.query(
-            p, SearchQuery(query=inp.query or "", top_k=inp.limit, coalesce_neighbors=0)
+            p,
+            SearchQuery(
+                query=inp.query or "",
+                top_k=MAX_MATCHES,
+                coalesce_neighbors=0,
+                filters=SearchFilters(source_ids=only) if only else None,
+            ),
         )
-        chunks = [_knowledge_chunk(h) for h in resp.hits if h.is_matched]
+        matched = [_knowledge_chunk(h) for h in resp.hits if h.is_matched]
+        chunks = matched[: inp.limit]
         return ManageKnowledgeOutput(
             operation=op,
             chunks=chunks,
-            totalMatches=len(chunks),
+            totalMatches=len(matched),
             query=inp.query,
-            message=f"Found {len(chunks)} matching chunks"
+            message=f"Found {len(matched)} matching chunks"
             if chunks
             else "No matching documents found",
         )
@@ -338,7 +411,6 @@ async def manageKnowledge(
             message=f"deleted {deleted.deleted_count} document(s) of source {inp.sourceId!r}",
         )
     kb = await service.kbs.resolve(p, service.settings.default_kb, write=True)
-    existing = await service.documents.find_by_uri(p, inp.uri) if inp.uri else None
     body = UploadBody(
         name=_name_from_uri(inp.uri),
         content=inp.content or "",
@@ -346,7 +418,7 @@ async def manageKnowledge(
         source_id=inp.sourceId,
         metadata=inp.metadata or {},
         mime_type=normalise_mime(None, _name_from_uri(inp.uri)),
-        document_id=existing.document_id if existing else None,
+        replace_same_uri=True,
     )
     result = await service.documents.upload(p, body, kb.kb_id, wait=True)
     if result.status == "failed":
@@ -370,14 +442,14 @@ async def manageKnowledge(
 
 
 class MetadataFilter(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     document_name: str | None = Field(None, description="only documents whose name contains this")
     tag_ids: list[str] | None = Field(None, description="only documents with any of these tags")
 
 
 class SearchKnowledgeBaseInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     query: str = Field(min_length=1, max_length=4000, description="what to look for")
     top_k: int = Field(5, ge=1, le=50, description="how many matching chunks to return")

@@ -8,17 +8,14 @@ to choose a tool and fill its arguments.
 
 from __future__ import annotations
 
-import base64
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.common.content import normalise_mime
-from services.common.models import DEFAULT_SOURCE
+from services.common.ids import UUID_PATTERN
 from services.common.queries import ChunkResponse, SearchFilters, SearchQuery, SearchResponse
 from services.common.store.base import Mode
 from services.gateway.auth import Principal
-from services.gateway.fetch import fetch_url, read_path
 from services.gateway.schemas import (
     Ack,
     DeleteResult,
@@ -31,13 +28,15 @@ from services.gateway.schemas import (
     KbView,
     Page,
     UploadBody,
+    UploadFields,
     UploadResult,
 )
 from services.gateway.service import GatewayService
 from services.gateway.tools.registry import tool
 from services.gateway.tools.rendering import render_chunk, render_search
 
-ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# Errors about a KB name the `kb` parameter.
+KB_FIELD = {"kb_id": "kb"}
 
 
 KbName = Annotated[
@@ -78,12 +77,21 @@ class KbSearchInput(BaseModel):
     )
     min_score: float | None = Field(
         None,
-        description="drop matches scoring below this (cosine similarity 0-1 in hybrid "
-        "and dense mode, BM25 relative to the best match in keyword mode)",
+        ge=-1,
+        le=1,
+        description="drop matches scoring below this: cosine similarity (-1 to 1, typically "
+        "0.2-0.7 for relevant text) in hybrid and dense mode, BM25 relative to the best "
+        "match (0 to 1) in keyword mode",
     )
 
 
-@tool("core", title="Search knowledge bases", render=render_search, read_only=True)
+@tool(
+    "core",
+    title="Search knowledge bases",
+    render=render_search,
+    read_only=True,
+    error_fields=KB_FIELD,
+)
 async def kb_search(service: GatewayService, p: Principal, inp: KbSearchInput) -> SearchResponse:
     """Search the knowledge bases for passages relevant to a question. Use this first whenever
     an answer may depend on documents stored in kbmesh. Returns a numbered, source-attributed
@@ -105,7 +113,7 @@ async def kb_search(service: GatewayService, p: Principal, inp: KbSearchInput) -
 class KbGetChunkInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    chunk_id: str = Field(min_length=1, max_length=100, description="chunk_id of a search hit")
+    chunk_id: str = Field(pattern=UUID_PATTERN, description="chunk_id of a search hit (a UUID)")
     kb: str | None = Field(
         None,
         min_length=1,
@@ -118,7 +126,13 @@ class KbGetChunkInput(BaseModel):
     )
 
 
-@tool("core", title="Get a chunk and its neighbours", render=render_chunk, read_only=True)
+@tool(
+    "core",
+    title="Get a chunk and its neighbours",
+    render=render_chunk,
+    read_only=True,
+    error_fields=KB_FIELD,
+)
 async def kb_get_chunk(
     service: GatewayService, p: Principal, inp: KbGetChunkInput
 ) -> ChunkResponse:
@@ -130,9 +144,7 @@ async def kb_get_chunk(
 # ---- core: documents ------------------------------------------------------------------------
 
 
-class KbUploadInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class KbUploadInput(UploadFields):
     kb: str | None = Field(
         None,
         min_length=1,
@@ -140,126 +152,33 @@ class KbUploadInput(BaseModel):
         description="knowledge base name or id to add the document to; "
         "omitted: the default knowledge base",
     )
-    name: str | None = Field(
-        None,
-        min_length=1,
-        max_length=512,
-        description="document title or file name; required with content, "
-        "taken from the URL or file name otherwise",
-    )
-    content: str | None = Field(
-        None,
-        description="the document itself: text, or base64 when "
-        "content_encoding is base64 (PDF, DOCX, images)",
-    )
-    content_encoding: Literal["text", "base64"] = Field(
-        "text", description="how content is encoded"
-    )
-    url: str | None = Field(
-        None,
-        min_length=1,
-        max_length=4096,
-        description="an http(s) URL for the server to fetch instead of "
-        "pasting content (public addresses only, unless allow-listed)",
-    )
-    path: str | None = Field(
-        None,
-        min_length=1,
-        max_length=4096,
-        description="a file on the kbmesh server, relative to its upload "
-        "root (KBMESH_UPLOAD_ROOT), instead of pasting content",
-    )
-    mime_type: str | None = Field(
-        None,
-        description="text/plain, text/markdown, text/html, "
-        "application/pdf, DOCX or image/*; omitted: detected",
-    )
-    tags: list[str] = Field(
-        default_factory=list,
-        description="labels; the document also joins "
-        "every knowledge base whose tag_ids include one of them",
-    )
-    collection: str | None = Field(
-        None, description="an exclusive label (at most one per document), e.g. a product or a team"
-    )
-    metadata: dict[str, Any] = Field(
-        default_factory=dict, description="custom fields, filterable in kb_search"
-    )
-    source_id: str = Field(
-        DEFAULT_SOURCE,
-        min_length=1,
-        max_length=256,
-        description="provenance group, e.g. a repository; kb_delete_source removes a whole group",
-    )
-    uri: str | None = Field(
-        None,
-        description="where the document lives, shown with search results; defaults to url or path",
-    )
-    document_id: str | None = Field(
-        None, pattern=ID_PATTERN, description="replace this existing document with a new revision"
-    )
     wait: bool = Field(
         True,
         description="wait until the document is searchable (recommended); "
         "false returns at once with status 'processing'",
     )
 
-    @model_validator(mode="after")
-    def _one_source(self) -> KbUploadInput:
-        given = [n for n in ("content", "url", "path") if getattr(self, n) is not None]
-        if len(given) != 1:
-            got = f" (got {', '.join(given)})" if given else ""
-            raise ValueError(f"give exactly one of content, url or path{got}")
-        if self.content is not None and not self.name:
-            raise ValueError("name is required with content")
-        return self
-
 
 class KbUploadOutput(UploadResult):
     mime_type: str = Field(description="the type the document was stored and extracted as")
 
 
-@tool("core", title="Add a document", open_world=True)
+@tool("core", title="Add a document", open_world=True, destructive=True, error_fields=KB_FIELD)
 async def kb_upload(service: GatewayService, p: Principal, inp: KbUploadInput) -> KbUploadOutput:
     """Add a document to a knowledge base so it becomes searchable: pass its text as content,
     or let the server fetch it from a url, or read it from a server-side path (both avoid
     pasting large documents through the conversation). PDF, DOCX, HTML, markdown and text are
     extracted. Give document_id to replace an existing document. With wait (default) the call
-    returns once the document is indexed, with its chunk_count."""
-    # Resolved (and write access checked) first: a key that cannot write fetches nothing.
-    kb = await service.kbs.resolve(p, inp.kb or service.settings.default_kb, write=True)
-    name, uri = inp.name, inp.uri
-    if inp.content is not None:
-        content, encoding = inp.content, inp.content_encoding
-        mime = inp.mime_type or normalise_mime(None, name or "")
-    else:
-        fetched = (
-            await fetch_url(inp.url, service.settings)
-            if inp.url is not None
-            else await read_path(inp.path or "", service.settings)
-        )
-        content, encoding = base64.b64encode(fetched.data).decode("ascii"), "base64"
-        mime = inp.mime_type or fetched.mime_type
-        name, uri = name or fetched.name, uri or fetched.uri
-    body = UploadBody(
-        name=name or "document",
-        content=content,
-        content_encoding=encoding,
-        mime_type=mime,
-        tags=inp.tags,
-        collection=inp.collection,
-        metadata=inp.metadata,
-        source_id=inp.source_id,
-        uri=uri,
-        document_id=inp.document_id,
-    )
-    result = await service.documents.upload(p, body, kb.kb_id, wait=inp.wait)
-    return KbUploadOutput(**result.model_dump(), mime_type=normalise_mime(mime, body.name))
+    returns once the document is indexed, with its chunk_count; content that cannot be read
+    is an error."""
+    body = UploadBody.model_validate(inp.model_dump(exclude={"kb", "wait"}, exclude_unset=True))
+    kb = inp.kb or service.settings.default_kb
+    result = await service.documents.upload(p, body, kb, wait=inp.wait)
+    return KbUploadOutput.model_validate(result.model_dump())
 
 
 class DocumentRef(BaseModel):
-    # Shared with the compat toolset, whose clients may send fields of their own.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     document_id: str = Field(
         min_length=1,
@@ -349,7 +268,7 @@ class SetCollectionOutput(BaseModel):
     revision: int
 
 
-@tool("core", "compat", title="Set a document's collection", destructive=False)
+@tool("core", "compat", title="Set a document's collection", destructive=True)
 async def kb_set_collection(
     service: GatewayService, p: Principal, inp: SetCollectionInput
 ) -> SetCollectionOutput:
@@ -390,7 +309,7 @@ class UpdateDocumentInput(BaseModel):
         return self
 
 
-@tool("core", title="Update a document's tags or metadata")
+@tool("core", title="Update a document's tags or metadata", destructive=True)
 async def kb_update_document(
     service: GatewayService, p: Principal, inp: UpdateDocumentInput
 ) -> DocumentView:
@@ -419,7 +338,7 @@ class ListDocumentsInput(BaseModel):
     limit: int = Field(50, ge=1, le=500, description="page size")
 
 
-@tool("core", title="List documents", read_only=True)
+@tool("core", title="List documents", read_only=True, error_fields=KB_FIELD)
 async def kb_list_documents(
     service: GatewayService, p: Principal, inp: ListDocumentsInput
 ) -> Page[DocumentView]:
@@ -468,7 +387,7 @@ class KbUpdateInput(KbUpdate):
     kb: KbName
 
 
-@tool("core", title="Update a knowledge base")
+@tool("core", title="Update a knowledge base", destructive=True, error_fields=KB_FIELD)
 async def kb_update(service: GatewayService, p: Principal, inp: KbUpdateInput) -> KbView:
     """Change a knowledge base's name, description, tag_ids or settings. Changing chunking or
     the embedding model re-indexes every document (status pending_reindex); search keeps
@@ -483,7 +402,7 @@ class KbRef(BaseModel):
     kb: KbName
 
 
-@tool("core", title="Knowledge base statistics", read_only=True)
+@tool("core", title="Knowledge base statistics", read_only=True, error_fields=KB_FIELD)
 async def kb_stats(service: GatewayService, p: Principal, inp: KbRef) -> KbStats:
     """Counts for one knowledge base: indexed documents and chunks, documents matching its
     tags, failed and pending documents."""
@@ -494,7 +413,7 @@ class ReindexInput(KbRef):
     failed_only: bool = Field(False, description="only retry documents whose indexing failed")
 
 
-@tool("core", title="Re-index a knowledge base")
+@tool("core", title="Re-index a knowledge base", error_fields=KB_FIELD)
 async def kb_reindex(service: GatewayService, p: Principal, inp: ReindexInput) -> Ack:
     """Re-index every document of a knowledge base (or, with failed_only, retry the failed
     ones). Runs in the background; watch kb_stats."""

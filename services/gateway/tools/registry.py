@@ -16,14 +16,18 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from functools import cached_property
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field, ValidationError
+from pydantic.alias_generators import to_camel
 
 from services.common.errors import InvalidInput, KbmeshError
 from services.gateway.auth import Principal
+from services.gateway.schemas import ProblemFieldError
 from services.gateway.service import GatewayService
 
 log = logging.getLogger("kbmesh.tools")
@@ -49,12 +53,33 @@ class ToolSpec:
     read_only: bool = False
     destructive: bool = False
     open_world: bool = False
-    # manageKnowledge answers several operations with one model: unused fields stay out.
-    exclude_none: bool = False
+    # The service's names for fields the tool calls otherwise (e.g. kb_id → projectId), so
+    # an error names the parameter the caller sent.
+    error_fields: Mapping[str, str] = dataclass_field(default_factory=dict)
 
     @cached_property
     def input_schema(self) -> dict[str, Any]:
         return self.input_model.model_json_schema()
+
+    @cached_property
+    def input_check(self) -> Draft202012Validator:
+        return Draft202012Validator(self.input_schema)
+
+    def caller_field(self, field: str | None) -> str | None:
+        """The parameter (path) the caller sent that a service error's `field` concerns, or
+        None when the error concerns none of them."""
+        if not field:
+            return None
+        head, dot, rest = field.partition(".")
+        params = self.input_model.model_fields
+        if head in params:
+            return field
+        for name in (field, head):
+            if name in self.error_fields:
+                mapped = self.error_fields[name]
+                return mapped + (dot + rest if name == head and rest else "")
+        camel = to_camel(head)
+        return camel + dot + rest if camel in params else None
 
     @cached_property
     def output_schema(self) -> dict[str, Any]:
@@ -71,7 +96,7 @@ def tool(
     read_only: bool = False,
     destructive: bool = False,
     open_world: bool = False,
-    exclude_none: bool = False,
+    error_fields: Mapping[str, str] | None = None,
 ) -> Callable[[ToolFn], ToolFn]:
     """Register `fn(service, principal, input) -> output` under its own name; the input and
     output models are read from its annotations and the description from its docstring."""
@@ -91,7 +116,7 @@ def tool(
             read_only=read_only,
             destructive=destructive,
             open_world=open_world,
-            exclude_none=exclude_none,
+            error_fields=error_fields or {},
         )
         return fn
 
@@ -122,50 +147,115 @@ class ToolErrorResult(BaseModel):
 
 @dataclass(frozen=True)
 class ToolOutcome:
-    structured: dict[str, Any]
+    """A tool call's answer. A result has `structured` content (matching the output schema)
+    and its text; a failure has only text and `error` — MCP clients validate structured
+    content against the output schema even on errors, so an error must not carry any."""
+
     text: str
-    error: KbmeshError | None = None
+    structured: dict[str, Any] | None = None
+    error: ToolErrorResult | None = None
+    status_code: int = 200
 
     @property
     def is_error(self) -> bool:
         return self.error is not None
 
     @property
-    def status_code(self) -> int:
-        return self.error.status_code if self.error is not None else 200
+    def body(self) -> dict[str, Any]:
+        """The JSON answer of `POST /api/v1/tools/<name>`: the result, or the error."""
+        if self.error is not None:
+            return self.error.model_dump(exclude_none=True)
+        return self.structured or {}
 
 
 async def run_tool(
     spec: ToolSpec, service: GatewayService, principal: Principal, arguments: Mapping[str, Any]
 ) -> ToolOutcome:
-    """Validate, run, and map the result or error: the one path both transports take."""
+    """Validate, run, and map the result or error: the one path both transports take.
+
+    Arguments are held to the published input schema first, without type coercion (so a
+    client that satisfies the schema satisfies the server, and `"5"` is not an integer),
+    then to the input model's own checks."""
+    arguments = _json_strings(spec.input_model, arguments)
+    refused = schema_errors(spec.input_check, arguments)
+    if refused:
+        return error_outcome(invalid_arguments(refused))
     try:
-        inp = spec.input_model.model_validate(_json_strings(spec.input_model, arguments))
+        inp = spec.input_model.model_validate(arguments)
         output = await spec.fn(service, principal, inp)
     except ValidationError as err:
         return error_outcome(_invalid(err))
     except KbmeshError as err:
-        return error_outcome(err)
+        return error_outcome(err, spec.caller_field(err.field))
     except Exception:
         # Recorded here with its traceback; the caller sees only that it happened.
         log.exception("tool_failed tool=%s org_id=%s", spec.name, principal.org_id)
         return error_outcome(
             KbmeshError(f"internal error while running {spec.name}; the server log has the details")
         )
-    structured = output.model_dump(mode="json", exclude_none=spec.exclude_none)
+    structured = output.model_dump(mode="json")
     text = (
         spec.render(output) if spec.render else json.dumps(structured, indent=2, ensure_ascii=False)
     )
-    return ToolOutcome(structured=structured, text=text)
+    return ToolOutcome(text=text, structured=structured)
 
 
-def error_outcome(err: KbmeshError) -> ToolOutcome:
-    result = ToolErrorResult(error_type=err.error_type, message=err.message, field=err.field)
+def error_outcome(err: KbmeshError, field: str | None = None) -> ToolOutcome:
+    """`err` as a tool error; `field` (default: the error's own) names the parameter."""
+    field = field if field is not None else err.field
+    result = ToolErrorResult(error_type=err.error_type, message=err.message, field=field)
+    where = f" (field {field})" if field else ""
     return ToolOutcome(
-        structured=result.model_dump(exclude_none=True),
-        text=f"Error ({err.error_type}): {err.message}",
-        error=err,
+        text=f"Error ({err.error_type}){where}: {err.message}",
+        error=result,
+        status_code=err.status_code,
     )
+
+
+def schema_errors(check: Draft202012Validator, instance: Any) -> list[ProblemFieldError]:
+    """Every violation of a JSON Schema, in a stable order, named by the field path it
+    concerns."""
+    found = []
+    for err in check.iter_errors(instance):
+        path = [str(p) for p in err.absolute_path]
+        if err.validator == "oneOf" and not path:
+            # A rule across fields (exactly one of content, url, path): the input model
+            # checks it next and says which, in words.
+            continue
+        message = err.message
+        if err.validator in ("anyOf", "oneOf") and err.context:
+            # "42 is not of type 'string'" rather than "not valid under any given schema".
+            message = err.context[0].message
+        if err.validator == "required" and isinstance(err.instance, dict):
+            missing = [k for k in err.validator_value if k not in err.instance]
+            path += missing[:1]
+        elif err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            allowed = set(err.schema.get("properties", {}))
+            path += sorted(k for k in err.instance if k not in allowed)[:1]
+        if err.validator == "required" and path and "then" in err.absolute_schema_path:
+            message = f"{path[-1]} is required {_condition(check.schema, err)}"
+        found.append(ProblemFieldError(field=".".join(path), message=_message(message)))
+    return sorted(found, key=lambda e: (e.field, e.message))
+
+
+def _condition(schema: dict[str, Any], err: Any) -> str:
+    """The `if` of the if/then rule an error broke, in words: "when operation is 'search'"."""
+    node: Any = schema
+    steps = list(err.absolute_schema_path)
+    for step in steps[: steps.index("then")]:
+        node = node[step]
+    consts = {k: v["const"] for k, v in node.get("if", {}).get("properties", {}).items()}
+    return "when " + " and ".join(f"{k} is {v!r}" for k, v in consts.items())
+
+
+def _message(message: str) -> str:
+    # jsonschema quotes whole sub-schemas in some messages (oneOf, not): keep them readable.
+    return message if len(message) <= 300 else message[:297] + "..."
+
+
+def invalid_arguments(errors: list[ProblemFieldError]) -> InvalidInput:
+    detail = "; ".join(f"{e.field}: {e.message}" if e.field else e.message for e in errors)
+    return InvalidInput(f"invalid arguments: {detail}", field=errors[0].field or None)
 
 
 def _invalid(err: ValidationError) -> InvalidInput:
