@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,8 +16,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The ONNX export of the bundled model is content-addressed (weights, recipe, onnxruntime
+# version) and never changes once written, so every test and every `kbmesh up` subprocess
+# may share one build instead of exporting it again per data directory.
+os.environ.setdefault(
+    "KBMESH_MODEL_CACHE_DIR",
+    str(Path(tempfile.gettempdir()) / f"kbmesh-test-models-{os.getuid()}"),
+)
 
 from services.common.natsproc import NatsServer
+
+MODEL_CACHE_DIR = Path(os.environ["KBMESH_MODEL_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +41,7 @@ def embedders():
     """One model load for the whole session (the pool is stateless apart from caches)."""
     from services.common.embedders import EmbedderPool
 
-    return EmbedderPool(query_cache_size=256)
+    return EmbedderPool(query_cache_size=256, cache_dir=MODEL_CACHE_DIR)
 
 
 @contextlib.asynccontextmanager
