@@ -2,11 +2,13 @@
 
 Small documents give a model two or three chunks each, and a model call costs much more per
 text at batch 2 than at batch 32. The batcher lets the chunks of concurrent documents ride in
-one call: requests queue as slices of at most `max_texts`, one drainer task takes slices
-first-in first-out until a call is full, and hands each request back exactly its own vectors.
+one call: requests queue first-in first-out, one drainer task fills each call with up to
+`max_texts` texts from the head of the queue (cutting a large request across calls), and
+hands each request back exactly its own vectors.
 
-A call that fails with texts of several requests is repeated per request, so one bad input
-(a provider rejecting a text, say) fails only the request it came from.
+A call that fails with texts of several requests, for any reason but a transient one, is
+repeated per request, so one bad input (a provider rejecting a text, say) fails only the
+request it came from.
 """
 
 from __future__ import annotations
@@ -83,8 +85,7 @@ class Batcher:
         if not texts:
             return []
         request = _Request(texts, asyncio.get_running_loop().create_future())
-        for start in range(0, len(texts), self._max):
-            self._pending.append(_Slice(request, start, min(start + self._max, len(texts))))
+        self._pending.append(_Slice(request, 0, len(texts)))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
         return await request.future
@@ -101,17 +102,19 @@ class Batcher:
         return sum(s.end - s.start for s in self._pending)
 
     def _take(self) -> list[_Slice]:
+        """Slices first-in first-out until the call is full; the last one may be cut, its
+        rest staying first in line."""
         group: list[_Slice] = []
-        size = 0
-        while self._pending:
-            head = self._pending[0]
+        room = self._max
+        while self._pending and room:
+            head = self._pending.popleft()
             if head.request.future.done():  # failed or its caller went away
-                self._pending.popleft()
                 continue
-            if group and size + (head.end - head.start) > self._max:
-                break
-            group.append(self._pending.popleft())
-            size += head.end - head.start
+            if head.end - head.start > room:
+                self._pending.appendleft(_Slice(head.request, head.start + room, head.end))
+                head = _Slice(head.request, head.start, head.start + room)
+            group.append(head)
+            room -= head.end - head.start
         return group
 
     async def _run(self, group: list[_Slice]) -> None:
@@ -124,8 +127,11 @@ class Batcher:
                 request.future.cancel()
             raise
         except Exception as err:
-            if len(requests) == 1:
-                next(iter(requests.values())).fail(err)
+            # A transient error (provider down, rate limit) is everybody's: their messages
+            # are redelivered later. Anything else may be one input's fault.
+            if len(requests) == 1 or getattr(err, "retryable", False):
+                for request in requests.values():
+                    request.fail(err)
                 return
             log.warning(
                 "embed_batch_failed requests=%d texts=%d error=%r; retrying each alone",

@@ -107,7 +107,7 @@ class LiteLLMEmbedder:
         self._tokenizer: object | None = None
         self._embed_count = 0
         # Chunks of concurrently indexed documents share requests of up to `batch_size`.
-        self._batcher = Batcher(self._embed_batch, max_texts=batch_size, linger_seconds=0.005)
+        self.documents = Batcher(self._embed_batch, max_texts=batch_size, linger_seconds=0.005)
 
     @property
     def model(self) -> str:
@@ -139,7 +139,7 @@ class LiteLLMEmbedder:
             # Queries go straight out: HTTP calls run concurrently, nothing to wait behind.
             vectors = await self._embed_batch(texts) if texts else []
         else:
-            vectors = await self._batcher.submit(texts)
+            vectors = await self.documents.submit(texts)
         self._embed_count += len(texts)
         return vectors
 
