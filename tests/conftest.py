@@ -29,6 +29,18 @@ from services.common.natsproc import NatsServer
 MODEL_CACHE_DIR = Path(os.environ["KBMESH_MODEL_CACHE_DIR"])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache() -> Path:
+    """Build the ONNX export once before any test needs it, so that no `kbmesh up` under
+    test spends its readiness timeout exporting (a no-op once the cache holds it)."""
+    from services.common.embedders import LocalEmbedder
+    from services.common.embedders.onnx_export import ensure_onnx
+    from services.common.settings import DEFAULT_MODEL
+
+    model = LocalEmbedder(DEFAULT_MODEL, cache_dir=MODEL_CACHE_DIR)
+    return ensure_onnx(model.model_dir, MODEL_CACHE_DIR, name=model.name, quantized=False)
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     server = NatsServer(tmp_path_factory.mktemp("nats")).start()

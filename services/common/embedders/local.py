@@ -228,6 +228,11 @@ class LocalEmbedder:
     def model_dir(self) -> Path:
         return Path(self._spec.path())
 
+    @property
+    def name(self) -> str:
+        """The model id without `local/`."""
+        return self._model.removeprefix(LOCAL_PREFIX)
+
     def load(self) -> None:
         """Build or open the model and warm it (blocking; readiness waits on it). Idempotent."""
         with self._load_lock:
@@ -240,7 +245,7 @@ class LocalEmbedder:
                 path = ensure_onnx(
                     self.model_dir,
                     self._cache_dir,
-                    name=self._model.removeprefix(LOCAL_PREFIX),
+                    name=self.name,
                     quantized=self._spec.quantized,
                 )
                 encoder = OnnxEncoder(path, self.model_dir, self._spec, self._batch_size)
