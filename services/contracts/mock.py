@@ -198,9 +198,41 @@ def _from_examples(
     async def answer(service: Any, principal: Principal, inp: BaseModel) -> BaseModel:
         if not examples:
             raise NoExample(f"the mock has no example for {name}; add one to the contracts")
-        return _closest(examples, inp).output
+        return _echo(_closest(examples, inp), inp)
 
     return answer
+
+
+# What a result says was deleted; an example vouches for deleting only what it names.
+DELETED = {
+    "deleted_count": 0,
+    "deletedCount": 0,
+    "document_ids": [],
+    "status": "not_found",
+    "title": None,
+    "message": "nothing matches; nothing was deleted",
+}
+
+
+def _echo(example: ToolExample, inp: BaseModel) -> BaseModel:
+    """The example's result, saying what this call asked: result fields named like one of
+    the call's arguments (a sourceId, a uri, a query, a collection) take the call's values,
+    and a delete of something the example does not name deleted nothing."""
+    output = example.output
+    shown = output.model_dump()
+    given = example.input.model_dump(exclude_unset=True)
+    # Only what the example itself shows echoed (tags, say, come back with more in them).
+    echoed = {k for k, v in given.items() if k in shown and shown[k] == v}
+    update = {k: v for k, v in inp.model_dump(exclude_unset=True).items() if k in echoed}
+    deleted = shown.get("deleted_count") or shown.get("deletedCount")
+    if deleted and request_json(inp) != request_json(example.input):
+        update.update({k: v for k, v in DELETED.items() if k in shown})
+    if not update:
+        return output
+    try:
+        return type(output).model_validate({**shown, **update})
+    except ValidationError:
+        return output  # an argument the result holds in another shape: the example's own
 
 
 def _closest(examples: list[ToolExample], inp: BaseModel) -> ToolExample:

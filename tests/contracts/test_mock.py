@@ -144,3 +144,26 @@ def test_mock_runs_without_nats_a_store_or_a_model():
     )
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["loaded"] == [], report
+
+
+async def test_mock_answers_say_what_the_request_asked(mock: httpx.AsyncClient):
+    """The mock echoes the request: an ingest into another source answers with that source,
+    a search with its query, and deleting an id no example names deletes nothing. Arguments
+    the real server refuses (a chunk id that is no UUID) the mock refuses the same way, since
+    both hold them to the same schema and model."""
+    ingest = {"operation": "ingest", "content": "Runbook text.", "sourceId": "docs"}
+    body = (await mock.post(f"{TOOLS_PATH}/manageKnowledge", json=ingest)).json()
+    assert body["sourceId"] == "docs", body
+    search = {"operation": "search", "query": "how do I rotate keys?"}
+    body = (await mock.post(f"{TOOLS_PATH}/manageKnowledge", json=search)).json()
+    assert body["query"] == "how do I rotate keys?", body
+    body = (await mock.post(f"{TOOLS_PATH}/kb_delete", json={"document_id": "missing"})).json()
+    assert (body["deleted_count"], body["status"], body["document_id"]) == (
+        0,
+        "not_found",
+        "missing",
+    ), body
+    refused = await mock.post(
+        f"{TOOLS_PATH}/manageKnowledge", json={"operation": "getChunk", "chunkId": "abc-123"}
+    )
+    assert refused.status_code == 422 and refused.json()["field"] == "chunkId", refused.text
