@@ -11,7 +11,7 @@ import pytest
 from services.common.events import EVENT_MODELS
 from services.contracts.export import CALL_TOOL, Contracts, build, drift, schema_errors
 from services.gateway.tools import TOOLS
-from tests.contracts.support import errors
+from tests.support.contracts import errors
 
 CONTRACTS_DIR = Path(__file__).resolve().parents[2] / "contracts"
 FILES = build().files()

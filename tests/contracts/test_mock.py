@@ -14,8 +14,8 @@ import pytest
 from services.contracts.export import TOOLS_PATH, Contracts, build
 from services.contracts.mock import create_mock_app
 from services.gateway.tools import TOOLS
-from tests.contracts.support import errors, rest_errors, send_example
 from tests.support.asgi import serve_app
+from tests.support.contracts import errors, rest_errors, send_example
 from tests.support.mcp_client import failed, http_session
 
 FILES = build().files()
