@@ -14,8 +14,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from services.common.errors import KbmeshError
-from services.gateway.api import documents, kbs, search
+from services.gateway.api import deadletters, documents, kbs, search
 from services.gateway.auth import KeyResolver
+from services.gateway.console import mount_console
 from services.gateway.service import GatewayService
 from services.gateway.waiter import IndexWaiter
 from services.runtime import Runtime
@@ -112,6 +113,7 @@ def create_app(rt: Runtime) -> FastAPI:
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(deadletters.router)
     if mcp_server is not None:
         from services.gateway.api import tools
 
@@ -126,4 +128,5 @@ def create_app(rt: Runtime) -> FastAPI:
             Route("/mcp", MountRoot(mcp_http, "/mcp"), methods=["GET", "POST", "DELETE"])
         )
         app.mount("/mcp", mcp_http)
+    mount_console(app)
     return app
