@@ -212,3 +212,50 @@ async def test_dead_letters_listed_and_replayed(page, stack, screenshots):
     await expect(page.locator("tr", has_text="late-notes.txt")).to_contain_text(
         "Indexed", timeout=60_000
     )
+
+
+async def test_api_key_asked_for_and_kept_for_the_tab(browser, tmp_path, embedders, screenshots):
+    """With API keys configured, the console asks for one (the API answered 401), keeps it
+    in the tab's session storage, and shows only what the REST API shows that key: its own
+    org's knowledge bases. Forgetting the key asks again."""
+    from services.gateway.auth import KeyResolver
+    from tests.browser.conftest import DESKTOP, Watch
+    from tests.conftest import running_stack
+    from tests.support.mcp_client import serve_http
+
+    async with (
+        running_stack(tmp_path, embedders=embedders) as (rt, client),
+        serve_http(rt) as (base, _),
+    ):
+        resolver = KeyResolver(rt.registries.keys, rt.settings.default_org)
+        key = await resolver.create("acme", name="console")
+        own = f"acme-kb-{uuid.uuid4().hex[:6]}"
+        r = await client.post(
+            "/v1/kbs", json={"name": own}, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert r.status_code == 201, r.text
+
+        context = await browser.new_context(viewport=DESKTOP, base_url=base)
+        page = await context.new_page()
+        watch = Watch()
+        watch.attach(page)
+        watch.expect("GET", "/v1/kbs", 401)
+        try:
+            await page.goto("/")
+            await expect(page.get_by_text("This server needs an API key.")).to_be_visible()
+            await shoot(page, screenshots, "11-api-key")
+            await page.get_by_label("API key").fill(key)
+            await page.get_by_role("button", name="Use key").click()
+            await expect(page.get_by_role("link", name=own)).to_be_visible()
+            # Only the key's org: the keyless default org's `default` KB is not listed.
+            await expect(page.get_by_role("link", name="default", exact=True)).to_have_count(0)
+            assert await page.evaluate("sessionStorage.getItem('kbmesh.apiKey')") == key
+            await page.reload()
+            await expect(page.get_by_role("link", name=own)).to_be_visible()
+            await expect(page.get_by_text("This server needs an API key.")).to_be_hidden()
+            await page.get_by_role("button", name="Forget key").click()
+            await expect(page.get_by_text("This server needs an API key.")).to_be_visible()
+            assert await page.evaluate("sessionStorage.getItem('kbmesh.apiKey')") is None
+        finally:
+            await context.close()
+        assert watch.errors == [], "\n".join(watch.errors)

@@ -92,7 +92,8 @@ export function kbForm({ kb = null, documents = null, onSaved, onDeleted }) {
     const now = values();
     const changed = REINDEX.filter((k) => String(now[k]) !== String(kb[k]));
     warning.hidden = changed.length === 0;
-    const what = changed.map((k) => FIELDS.find((f) => f.name === k).label.toLowerCase()).join(", ");
+    const labels = changed.map((k) => FIELDS.find((f) => f.name === k).label.toLowerCase());
+    const what = labels.length > 1 ? `${labels.slice(0, -1).join(", ")} and ${labels.at(-1)}` : labels[0];
     const count = documents === null ? "every document" : `all ${documents} document${documents === 1 ? "" : "s"}`;
     warning.textContent = `Changing the ${what} reindexes ${count} of this knowledge base. Searches keep answering from the current index meanwhile.`;
   }

@@ -93,7 +93,10 @@ function askForKey(message) {
   input.focus();
 }
 
-window.addEventListener("kbmesh:unauthorized", (e) => askForKey(e.detail && e.detail.message));
+window.addEventListener("kbmesh:unauthorized", (e) => {
+  // A key that was sent and refused says why; without one the request is enough.
+  askForKey(apiKey.get() && e.detail ? `The key in use was refused: ${e.detail.message}.` : "");
+});
 window.addEventListener("hashchange", route);
 renderKeySlot();
 route();

@@ -87,6 +87,7 @@ export function emptyState(title, text, action) {
 }
 
 export function errorBox(err) {
+  if (err.status === 401) return h("div.alert.alert-info", "Enter an API key above to see this page.");
   return h("div.alert.alert-error", { role: "alert" }, err.message || String(err));
 }
 
