@@ -21,6 +21,7 @@ ETNA = (
     "and orchards spread across the lower slopes.\n\n"
     "Etna was added to the list of UNESCO World Heritage Sites in 2013."
 )
+GLACIER = "Glaciers are slow rivers of ice that carve valleys as they move downhill."
 LEDGER = "Quarterly ledger: invoices are paid within thirty days of receipt by the accounts team."
 
 
@@ -78,16 +79,35 @@ async def test_knowledge_base_lifecycle(page, stack, screenshots):
             {"name": XSS, "mimeType": "text/plain", "buffer": LEDGER.encode()},
         ]
     )
+    # And one dragged in: a drop of a file onto the drop zone.
+    dropped = await page.evaluate_handle(
+        """(text) => {
+            const data = new DataTransfer();
+            data.items.add(new File([text], "dropped.txt", {type: "text/plain"}));
+            return data;
+        }""",
+        GLACIER,
+    )
+    await page.locator(".dropzone").dispatch_event("drop", {"dataTransfer": dropped})
     uploads = page.get_by_role("list", name="Uploads")
     await expect(uploads.get_by_text(re.compile(r"^Indexed · \d+ chunks?$"))).to_have_count(
-        2, timeout=60_000
+        3, timeout=60_000
     )
     rows = page.locator("table.data tbody tr")
-    await expect(rows).to_have_count(2)
+    await expect(rows).to_have_count(3)
     await expect(rows.filter(has_text="etna.md").get_by_text("Indexed")).to_be_visible()
     # Markup in a name is text: the characters show, no <img> element exists, no alert ran.
     await expect(rows.filter(has_text=XSS)).to_have_count(1)
     assert await page.locator("img[src='x']").count() == 0
+    # Tags and collection, edited in place.
+    await page.get_by_role("button", name="Edit etna.md").click()
+    dialog = page.get_by_role("dialog")
+    await dialog.get_by_label("Tags").fill("sicily, eruptions")
+    await dialog.get_by_label("Collection").fill("europe")
+    await dialog.get_by_role("button", name="Save").click()
+    etna_row = rows.filter(has_text="etna.md")
+    await expect(etna_row).to_contain_text("eruptions")
+    await expect(etna_row).to_contain_text("europe")
     await shoot(page, screenshots, "03-kb-documents")
 
     # ---- search ------------------------------------------------------------------------
@@ -100,11 +120,18 @@ async def test_knowledge_base_lifecycle(page, stack, screenshots):
     await expect(first.locator(".chunk.matched mark").first).to_be_visible()
     await expect(first.locator(".score").first).to_contain_text("score")
     await shoot(page, screenshots, "04-kb-search")
+    # A tag filter leaves only the tagged document.
+    search = page.get_by_role("tabpanel", name="Search")
+    await search.get_by_text("Filters").click()
+    await search.get_by_label("Tags").fill("eruptions")
+    await page.get_by_label("Query").fill("ice and ledgers and volcanoes")
+    await page.get_by_role("button", name="Search", exact=True).click()
+    await expect(page.locator("li.hit .hit-doc")).to_have_text(["etna.md"])
 
     # ---- Active ------------------------------------------------------------------------
     await page.get_by_role("tab", name="Overview").click()
     await expect(page.locator(".title-badge")).to_have_text("Active")
-    await expect(page.locator(".stat").first).to_contain_text("2")
+    await expect(page.locator(".stat").first).to_contain_text("3")
     await shoot(page, screenshots, "05-kb-overview")
 
     # ---- settings → reindex --------------------------------------------------------------
@@ -115,13 +142,13 @@ async def test_knowledge_base_lifecycle(page, stack, screenshots):
     await expect(warning).to_be_hidden()
     await settings.get_by_label("Chunk size").fill("60")
     await settings.get_by_label("Chunk overlap").fill("5")
-    await expect(warning).to_contain_text("reindexes all 2 documents")
+    await expect(warning).to_contain_text("reindexes all 3 documents")
     await shoot(page, screenshots, "06-kb-settings")
     await page.get_by_role("button", name="Save").click()
     progress = page.locator(".progress-box")
     await expect(progress).to_be_visible()
     await expect(progress).to_contain_text("Reindex complete", timeout=60_000)
-    await expect(progress).to_contain_text("2 of 2 documents")
+    await expect(progress).to_contain_text("3 of 3 documents")
     await expect(page.locator(".title-badge")).to_have_text("Active")
     await shoot(page, screenshots, "07-kb-reindexed")
     kb = (await stack.client.get(f"/v1/kbs/{name}")).json()
@@ -132,7 +159,7 @@ async def test_knowledge_base_lifecycle(page, stack, screenshots):
     await page.get_by_role("button", name=f"Delete {XSS}").click()
     await expect(page.get_by_role("dialog")).to_contain_text("deleted everywhere")
     await page.get_by_role("dialog").get_by_role("button", name="Delete").click()
-    await expect(page.locator("table.data tbody tr")).to_have_count(1)
+    await expect(page.locator("table.data tbody tr")).to_have_count(2)
     await expect(page.locator("table.data")).not_to_contain_text(XSS)
 
     # ---- delete the knowledge base -------------------------------------------------------

@@ -31,7 +31,7 @@ export const apiKey = {
   },
 };
 
-function headers(json) {
+export function headers(json) {
   const out = { Accept: "application/json" };
   if (json) out["Content-Type"] = "application/json";
   const key = apiKey.get();
@@ -113,4 +113,58 @@ export async function all(path, params = {}, pageSize = 200) {
     items.push(...page.items);
     if (items.length >= page.total || page.items.length === 0) return items;
   }
+}
+
+/**
+ * Server-sent events read with fetch (EventSource cannot send the API key). Calls
+ * onEvent(type, data) per event; resolves false when the stream cannot be opened.
+ * Returns {opened: Promise<boolean>, close()}.
+ */
+export function events(path, onEvent) {
+  const abort = new AbortController();
+  const opened = (async () => {
+    let response;
+    try {
+      response = await fetch(path, { headers: { ...headers(false), Accept: "text/event-stream" }, signal: abort.signal });
+    } catch {
+      return false;
+    }
+    if (!response.ok || !response.body) return false;
+    (async () => {
+      const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buffer = "";
+      try {
+        for (;;) {
+          const { value, done } = await reader.read();
+          if (done) break;
+          buffer += value;
+          let end;
+          while ((end = buffer.search(/\r?\n\r?\n/)) >= 0) {
+            const block = buffer.slice(0, end);
+            buffer = buffer.slice(end).replace(/^\r?\n\r?\n/, "");
+            let type = "message";
+            const data = [];
+            for (const line of block.split(/\r?\n/)) {
+              if (line.startsWith("event:")) type = line.slice(6).trim();
+              else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+            }
+            if (data.length) {
+              let parsed = data.join("\n");
+              try {
+                parsed = JSON.parse(parsed);
+              } catch {
+                // plain text data
+              }
+              onEvent(type, parsed);
+            }
+          }
+        }
+      } catch {
+        // aborted, or the connection dropped: the page falls back to polling
+      }
+      onEvent("closed", null);
+    })();
+    return true;
+  })();
+  return { opened, close: () => abort.abort() };
 }

@@ -1,5 +1,5 @@
 // One knowledge base: tabs Overview, Documents, Search, Settings (ARIA tabs, arrow keys).
-import { all, api, ApiError } from "./api.js";
+import { all, api, ApiError, events } from "./api.js";
 import { clear, h } from "./dom.js";
 import { renderDocuments } from "./documents.js";
 import { deleteKb, kbForm } from "./kbform.js";
@@ -150,30 +150,38 @@ export async function renderKb(main, kbId, tab = "overview") {
     paintProgress();
   }
 
-  /** Reindex progress: the stats' `progress.reindex` where the server reports it, else the
-   * documents still pending at the current settings version. */
+  /** What to show in the progress box: the stats' `progress` where the server reports it
+   * (a reindex, or documents still pending), else the documents pending at the current
+   * settings version. */
   function progressOf() {
     const s = state.stats;
     if (!s) return null;
-    if (s.progress && s.progress.reindex) return { done: s.progress.reindex.done, total: s.progress.reindex.total };
-    if (s.progress && "reindex" in s.progress && !state.reindex) return null;
+    if (s.progress) {
+      const r = s.progress.reindex;
+      const ours = state.reindex && r && r.settings_version >= state.reindex;
+      if (r && (r.done < r.total || ours)) return { reindex: true, done: r.done, total: r.total };
+      if (s.progress.pending > 0) {
+        return { reindex: false, done: s.progress.indexed, total: s.progress.total - s.progress.failed };
+      }
+      return null;
+    }
     const total = Math.max(0, s.total_documents_with_tags - s.failed_count);
-    return { done: Math.max(0, total - s.pending_count), total };
+    return { reindex: Boolean(state.reindex), done: Math.max(0, total - s.pending_count), total };
   }
 
   function paintProgress() {
     const box = overview.progress;
     const busy = state.kb.status === "pending_reindex" || state.kb.status === "indexing";
     const p = progressOf();
-    if (!p || (!busy && !state.reindex)) {
+    if (!p || (!busy && !p.reindex && !state.stats.progress)) {
       box.hidden = true;
       return;
     }
     const finished = !busy && p.done >= p.total;
-    const verb = state.reindex ? "Reindexing" : "Indexing";
+    const verb = p.reindex ? "Reindexing" : "Indexing";
     clear(box).append(
       h("div.progress-head",
-        h("strong", finished ? (state.reindex ? "Reindex complete" : "Indexing complete") : `${verb}…`),
+        h("strong", finished ? (p.reindex ? "Reindex complete" : "Indexing complete") : `${verb}…`),
         h("span.progress-count", `${num(p.done)} of ${num(p.total)} documents`)),
       h("progress", { max: String(Math.max(p.total, 1)), value: String(finished && !p.total ? 1 : p.done), "aria-label": `${verb} progress` }),
     );
@@ -190,7 +198,7 @@ export async function renderKb(main, kbId, tab = "overview") {
       () => api("POST", `/v1/kbs/${encodeURIComponent(state.kb.kb_id)}/reindex`),
     );
     if (!ok) return;
-    state.reindex = true;
+    state.reindex = state.kb.settings_version + 1;
     toast("Reindex started");
     refresh();
   }
@@ -231,12 +239,34 @@ export async function renderKb(main, kbId, tab = "overview") {
     clear(badgeSlot).append(kbBadge(state.kb.status));
     desc.textContent = state.kb.description || "";
     if (rendered.overview) paintOverview();
+    if (state.stats && state.stats.progress && !stream) listen();
     const busy = ["pending_reindex", "indexing"].includes(state.kb.status) || (state.stats && state.stats.pending_count > 0);
-    timer = setTimeout(refresh, busy ? 1000 : 5000);
+    // With the event stream, events trigger refreshes and polling is only a safety net.
+    timer = setTimeout(refresh, live ? 10000 : busy ? 1000 : 5000);
+  }
+
+  // A server that reports `progress` in stats also streams it: refresh on each event.
+  let stream = null;
+  let live = false;
+  let soon = null;
+  function listen() {
+    stream = events(`/v1/kbs/${encodeURIComponent(kbId)}/events`, (type) => {
+      if (type === "closed") {
+        live = false;
+        return;
+      }
+      live = true;
+      if (type === "deleted") return;
+      clearTimeout(soon);
+      soon = setTimeout(refresh, 150);
+    });
+    stream.opened.then((ok) => { live = ok; });
   }
   cleanups.push(() => {
     stopped = true;
     clearTimeout(timer);
+    clearTimeout(soon);
+    if (stream) stream.close();
   });
 
   // ---- the other tabs ---------------------------------------------------------------------
@@ -259,7 +289,7 @@ export async function renderKb(main, kbId, tab = "overview") {
           state.kb = saved;
           toast(reindexing ? "Saved: reindexing started" : "Saved");
           if (reindexing) {
-            state.reindex = true;
+            state.reindex = saved.settings_version;
             state.stats = null;
             select("overview");
             tabs.overview.focus();
