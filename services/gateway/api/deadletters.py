@@ -4,36 +4,26 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
-from nats.js import JetStreamContext
+from fastapi import APIRouter, Query
 
-from services.gateway import deadletters
-from services.gateway.api.deps import Caller
+from services.gateway.api.deps import Caller, Letters
 from services.gateway.schemas import DeadLetterList, DeadLetterView
 
 router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"])
 
 
-def _js(request: Request) -> JetStreamContext:
-    js: JetStreamContext = request.app.state.runtime.bus.js
-    return js
-
-
-JetStream = Annotated[JetStreamContext, Depends(_js)]
-
-
 @router.get("")
 async def list_dead_letters(
-    js: JetStream,
+    letters: Letters,
     caller: Caller,
     subject: Annotated[str | None, Query(description="only this original subject")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> DeadLetterList:
     """The caller's dead letters, oldest first: the original subject and why it failed."""
-    return await deadletters.list_for(js, caller, subject, limit)
+    return await letters.list(caller, subject, limit)
 
 
 @router.post("/{sequence}/replay", status_code=202)
-async def replay_dead_letter(sequence: int, js: JetStream, caller: Caller) -> DeadLetterView:
+async def replay_dead_letter(sequence: int, letters: Letters, caller: Caller) -> DeadLetterView:
     """Publish the message again on its original subject and remove the dead letter."""
-    return await deadletters.replay_for(js, caller, sequence)
+    return await letters.replay(caller, sequence)

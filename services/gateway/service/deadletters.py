@@ -4,12 +4,32 @@ operators' `kbmesh dlq`."""
 
 from __future__ import annotations
 
-from nats.js import JetStreamContext
-
-from services.common.deadletters import DeadLetter, get_dead_letter, list_dead_letters, replay
+from services.common import deadletters
+from services.common.bus import Bus
+from services.common.deadletters import DeadLetter
 from services.common.errors import NotFound
 from services.gateway.auth import Principal
 from services.gateway.schemas import DeadLetterList, DeadLetterView
+
+
+class DeadLetters:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def list(self, p: Principal, subject: str | None, limit: int) -> DeadLetterList:
+        letters = await deadletters.list_dead_letters(
+            self.bus.js, subject, limit, where=lambda d: _visible(p, d)
+        )
+        return DeadLetterList(items=[_view(d) for d in letters], total=len(letters))
+
+    async def replay(self, p: Principal, sequence: int) -> DeadLetterView:
+        """Republish one dead letter onto its original subject and remove it."""
+        p.check_write()
+        letter = await deadletters.get_dead_letter(self.bus.js, sequence)
+        if letter is None or not _visible(p, letter):
+            raise NotFound(f"dead letter {sequence} not found", field="sequence")
+        await deadletters.replay(self.bus.js, letter)
+        return _view(letter)
 
 
 def _visible(p: Principal, letter: DeadLetter) -> bool:
@@ -37,20 +57,3 @@ def _view(letter: DeadLetter) -> DeadLetterView:
         kb_id=text("kb_id"),
         name=text("name"),
     )
-
-
-async def list_for(
-    js: JetStreamContext, p: Principal, subject: str | None, limit: int
-) -> DeadLetterList:
-    letters = await list_dead_letters(js, subject, limit, where=lambda d: _visible(p, d))
-    return DeadLetterList(items=[_view(d) for d in letters], total=len(letters))
-
-
-async def replay_for(js: JetStreamContext, p: Principal, sequence: int) -> DeadLetterView:
-    """Republish one dead letter onto its original subject and remove it."""
-    p.check_write()
-    letter = await get_dead_letter(js, sequence)
-    if letter is None or not _visible(p, letter):
-        raise NotFound(f"dead letter {sequence} not found", field="sequence")
-    await replay(js, letter)
-    return _view(letter)
