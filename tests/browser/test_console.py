@@ -151,6 +151,17 @@ async def test_knowledge_base_lifecycle(page, stack, screenshots):
     await expect(progress).to_contain_text("3 of 3 documents")
     await expect(page.locator(".title-badge")).to_have_text("Active")
     await shoot(page, screenshots, "07-kb-reindexed")
+
+    # Smaller chunks now: a match comes with its neighbour, set apart from it.
+    await page.get_by_role("tab", name="Search").click()
+    await search.get_by_label("Tags").fill("")
+    await page.get_by_label("Query").fill("UNESCO World Heritage list")
+    await page.get_by_label("Top k").fill("1")
+    await page.get_by_role("button", name="Search", exact=True).click()
+    etna = page.locator("li.hit", has_text="etna.md")
+    await expect(etna.locator(".chunk.matched mark").first).to_be_visible()
+    await expect(etna.locator(".chunk.neighbour").first).to_contain_text("neighbour")
+    await shoot(page, screenshots, "07b-kb-search-neighbours")
     kb = (await stack.client.get(f"/v1/kbs/{name}")).json()
     assert kb["chunk_size"] == 60 and kb["status"] == "active"
 
