@@ -16,8 +16,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.errors import KbmeshError
-from services.gateway.api import documents, kbs, search, tools
+from services.gateway.api import deadletters, documents, kbs, search, tools
 from services.gateway.auth import KeyResolver
+from services.gateway.console import mount_console
 from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
 
@@ -135,6 +136,7 @@ def create_app(
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(deadletters.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))
         mcp_http = mcp.streamable_http_app(streamable_http_path="/")
@@ -143,4 +145,5 @@ def create_app(
             Route("/mcp", MountRoot(mcp_http, "/mcp"), methods=["GET", "POST", "DELETE"])
         )
         app.mount("/mcp", mcp_http)
+    mount_console(app)
     return app
