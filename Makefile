@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: up test lint bench contracts clean
+.PHONY: up test lint bench contracts clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,7 +25,7 @@ up: $(STAMP)
 	$(BIN)/kbmesh up
 
 # Line coverage of services/ is printed, and the run fails under the floor.
-test: $(STAMP) $(TS_CLIENT)/node_modules/.installed
+test: $(STAMP) browser $(TS_CLIENT)/node_modules/.installed
 	$(BIN)/python -m pytest --cov=services --cov-report=term:skip-covered --cov-fail-under=85
 
 # The official TypeScript MCP SDK, for the strict-client tests; without node and npm (or the
@@ -35,6 +35,21 @@ $(TS_CLIENT)/node_modules/.installed: $(TS_CLIENT)/package-lock.json
 		npm ci --prefix $(TS_CLIENT) --no-audit --no-fund && touch $@ \
 		|| echo "npm ci failed: the TypeScript MCP client tests will be skipped"; \
 	else echo "npm not found: the TypeScript MCP client tests will be skipped"; fi
+
+# The console's browser tests drive Debian's chromium (Playwright cannot download its own
+# here). As root it is installed when missing; otherwise those tests skip and say why.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium for the browser tests"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q chromium >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || \
+	      echo "chromium could not be installed: the browser tests will say so"; \
+	  else \
+	    echo "chromium is missing (not root: run 'apt-get install -y chromium'); browser tests skip"; \
+	  fi; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check services tests benchmarks

@@ -61,6 +61,16 @@ class Registry(Generic[M]):
         found = await self.get_versioned(key)
         return found[0] if found else None
 
+    async def lookup(self, key: str) -> M | None:
+        """`get` answered from the mirror when the key is in it (no round trip; a change made
+        elsewhere shows once the watch delivers it, within milliseconds), else from the bucket.
+        For reads on a request's hot path; decisions that write use `get_versioned`."""
+        if self._mirror is not None:
+            found = self._mirror.get(key)
+            if found is not None:
+                return found
+        return await self.get(key)
+
     async def get_versioned(self, key: str) -> tuple[M, int] | None:
         try:
             entry = await self.kv.get(key)
@@ -244,14 +254,18 @@ class KbRegistry(Registry[KnowledgeBase]):
     async def of_org(self, org_id: str) -> list[KnowledgeBase]:
         return await self.list(f"{org_id}.")
 
-    async def find(self, org_id: str, kb_id: str) -> KnowledgeBase | None:
-        return await self.get(self.key(org_id, kb_id)) if is_id(kb_id) else None
+    async def find(self, org_id: str, kb_id: str, *, fresh: bool = True) -> KnowledgeBase | None:
+        """The KB with this id; `fresh=False` may answer from the live mirror."""
+        if not is_id(kb_id):
+            return None
+        key = self.key(org_id, kb_id)
+        return await (self.get(key) if fresh else self.lookup(key))
 
-    async def resolve(self, org_id: str, ref: str) -> KnowledgeBase | None:
+    async def resolve(self, org_id: str, ref: str, *, fresh: bool = False) -> KnowledgeBase | None:
         """A KB of the org by id — a UUID id in either spelling, dashed or 32 hex digits —
-        else by name."""
+        else by name. Answered from the live mirror unless `fresh` (before a write)."""
         for kb_id in uuid_forms(ref) or (ref,):
-            if (kb := await self.find(org_id, kb_id)) is not None:
+            if (kb := await self.find(org_id, kb_id, fresh=fresh)) is not None:
                 return kb
         return next((kb for kb in await self.of_org(org_id) if kb.name == ref), None)
 

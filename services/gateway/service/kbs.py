@@ -81,7 +81,8 @@ class KnowledgeBases:
 
     async def resolve(self, p: Principal, ref: str, *, write: bool = False) -> KnowledgeBase:
         """A KB id or name, within the caller's org and scope (else 404)."""
-        kb = await self.reg.kbs.resolve(p.org_id, ref)
+        # Reads resolve from the live mirror (as names already do); writes from the bucket.
+        kb = await self.reg.kbs.resolve(p.org_id, ref, fresh=write)
         if kb is None and ref == self.settings.default_kb:
             kb = await self.ensure_default(p.org_id)
         if kb is None or not p.can_see(kb.kb_id):
