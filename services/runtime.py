@@ -119,13 +119,21 @@ async def _wire(rt: Runtime) -> None:
             embed_router(rt.bus, embed, concurrency=rt.settings.embed_concurrency)
         )
     if "search" in rt.services:
+        from services.search.ask import AskService
         from services.search.handlers import create_router as search_router
         from services.search.service import SearchService
 
         search = SearchService(rt.registries, require_store(rt), rt.embedders, rt.settings.search)
+        ask = AskService(rt.registries, search, rt.settings.ask)
         rt.objects["search"] = search
+        rt.objects["ask"] = ask
         rt.bus.broker.include_router(
-            search_router(search, concurrency=rt.settings.search.concurrency)
+            search_router(
+                search,
+                ask,
+                concurrency=rt.settings.search.concurrency,
+                ask_concurrency=rt.settings.ask.concurrency,
+            )
         )
 
 
