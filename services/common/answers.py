@@ -4,6 +4,7 @@ gateway (REST, MCP, stored prompts) and the search service, which runs the loop.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from jsonschema import SchemaError
@@ -11,6 +12,7 @@ from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.common.models import utcnow
 from services.common.queries import SearchFilters, SearchHit, Since, Until
 
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -87,8 +89,10 @@ class AskOptions(BaseModel):
         return check_response_schema(schema)
 
 
-class AskQuery(AskOptions):
-    """What a client asks (`POST /v1/ask`, `kb_ask`)."""
+class AskTask(BaseModel):
+    """What to work on: a question, a document, or both (a stored prompt's run)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     question: str | None = Field(
         None,
@@ -97,15 +101,15 @@ class AskQuery(AskOptions):
         description="the question or task; may be omitted when document_id is given and "
         "the instructions say what to do with the document",
     )
-    top_k: int = Field(5, ge=1, le=MAX_TOP_K, description="chunks per search the model makes")
-    filters: SearchFilters | None = Field(
-        None, description="filters every search of the model is restricted to (as in search)"
-    )
     document_id: str | None = Field(
         None,
         pattern=ID_PATTERN,
         description="a document whose text is given to the model as the thing to work on "
         "(extract from it, classify it, check it), with the KBs as context",
+    )
+    top_k: int = Field(5, ge=1, le=MAX_TOP_K, description="chunks per search the model makes")
+    filters: SearchFilters | None = Field(
+        None, description="filters every search of the model is restricted to (as in search)"
     )
 
     @field_validator("question")
@@ -116,10 +120,36 @@ class AskQuery(AskOptions):
         return question
 
     @model_validator(mode="after")
-    def _has_task(self) -> AskQuery:
+    def _has_task(self) -> AskTask:
         if self.question is None and self.document_id is None:
             raise ValueError("give a question, a document_id, or both")
         return self
+
+
+class AskQuery(AskTask, AskOptions):
+    """What a client asks (`POST /v1/ask`, `kb_ask`)."""
+
+
+class Prompt(AskOptions):
+    """A stored prompt, run over and over (e.g. the same extraction over every new document).
+    Kept in the `prompts` KV bucket under `<org>.<prompt_id>`."""
+
+    # Tolerant reader: a record written by a newer version must still load.
+    model_config = ConfigDict(extra="ignore")
+
+    org_id: str
+    prompt_id: str
+    name: str
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def key(self) -> str:
+        return f"{self.org_id}.{self.prompt_id}"
+
+    def options(self) -> dict[str, Any]:
+        """The fields a run takes from the prompt."""
+        return {name: getattr(self, name) for name in AskOptions.model_fields}
 
 
 class AskRequest(AskQuery):
@@ -247,7 +277,9 @@ __all__ = [
     "AskQuery",
     "AskRequest",
     "AskResponse",
+    "AskTask",
     "Citation",
+    "Prompt",
     "SearchMade",
     "ToolMetadataFilter",
     "ToolResult",

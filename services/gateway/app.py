@@ -15,7 +15,7 @@ from opentelemetry.trace import SpanKind
 from starlette.routing import Route
 
 from services.common.errors import KbmeshError
-from services.gateway.api import documents, kbs, search, tools
+from services.gateway.api import answers, documents, kbs, search, tools
 from services.gateway.auth import KeyResolver
 from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
@@ -113,6 +113,7 @@ def create_app(
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(answers.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))
         mcp_http = mcp.streamable_http_app(streamable_http_path="/")

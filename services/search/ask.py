@@ -36,7 +36,7 @@ from services.common.answers import (
 )
 from services.common.errors import BadModelOutput, Conflict, InvalidInput, NotFound, Transient
 from services.common.llm import ChatModel, ChatReply, LiteLLMChat, ToolCall
-from services.common.models import DocStatus, DocumentRecord, KnowledgeBase, kb_tag
+from services.common.models import DocStatus, DocumentRecord, KnowledgeBase
 from services.common.queries import MetadataCondition, SearchFilters, SearchHit, SearchRequest
 from services.common.registry import Registries
 from services.common.settings import AskSettings
@@ -266,7 +266,7 @@ class AskService:
         """The document to work on, if the caller may see it (the documents API's rule: one
         of its KBs is in the key's scope)."""
         record = await self.reg.documents.get(f"{req.org_id}.{document_id}")
-        if record is None or not _in_scope(record, req.scope_kb_ids):
+        if record is None or not record.in_scope(req.scope_kb_ids):
             raise NotFound(f"document {document_id!r} not found", field="document_id")
         if record.status != DocStatus.ready:
             raise Conflict(
@@ -363,14 +363,6 @@ def _filters(base: SearchFilters | None, args: ToolSearchArgs) -> SearchFilters 
         current = data.get("upload_date_to")
         data["upload_date_to"] = min(filter(None, (current, args.upload_date_to)))
     return SearchFilters.model_validate(data)
-
-
-def _in_scope(record: DocumentRecord, scope: list[str] | None) -> bool:
-    return (
-        scope is None
-        or bool(set(scope) & set(record.kb_ids))
-        or any(kb_tag(k) in record.tags for k in scope)
-    )
 
 
 # ---- answers ------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from fastapi import Depends, Header, Request
 
 from services.gateway.auth import KeyResolver, Principal
 from services.gateway.schemas import UploadResult
-from services.gateway.service import Documents, GatewayService, KnowledgeBases, Search
+from services.gateway.service import Answers, Documents, GatewayService, KnowledgeBases, Search
 
 
 def get_service(request: Request) -> GatewayService:
@@ -28,6 +28,10 @@ def get_search(request: Request) -> Search:
     return get_service(request).search
 
 
+def get_answers(request: Request) -> Answers:
+    return get_service(request).answers
+
+
 async def get_principal(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
@@ -39,6 +43,7 @@ async def get_principal(
 Kbs = Annotated[KnowledgeBases, Depends(get_kbs)]
 Docs = Annotated[Documents, Depends(get_documents)]
 Searcher = Annotated[Search, Depends(get_search)]
+Answerer = Annotated[Answers, Depends(get_answers)]
 Caller = Annotated[Principal, Depends(get_principal)]
 
 # With wait=true an upload that finished answers 200 instead of 202.
