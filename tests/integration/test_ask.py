@@ -1,7 +1,10 @@
-"""The answer loop on `search.ask`, through the real bus, search service, store and model,
-with LiteLLM's own client talking to a scripted OpenAI-compatible chat server: searches,
-schema-following answers and their repair, citations, the iteration limit, documents to
-work on, key scope, provider errors and traces."""
+"""Answers through the real bus, search service, store and model, with LiteLLM's own client
+talking to a scripted OpenAI-compatible chat server.
+
+The loop on `search.ask` (searches, schema-following answers and their repair, citations, the
+iteration limit, documents to work on, key scope, provider errors, traces), then the same
+flows through the gateway: `POST /v1/ask`, stored prompts (`/v1/prompts`), the MCP tool
+`kb_ask` over streamable HTTP and `POST /api/v1/tools/kb_ask`, with API keys."""
 
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.common.answers import AskRequest
 from services.common.events import Subject
+from services.gateway.auth import KeyResolver
 from tests.conftest import running_stack
 from tests.support.asgi import serve_app
 from tests.support.domain import LONG_DOCS, create_kb, upload
+from tests.support.mcp_client import failed, http_session, ok, serve_http
 from tests.support.openai_chat import (
     Call,
     Calls,
@@ -58,20 +63,25 @@ async def chat():
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory, embedders):
-    async with running_stack(
-        tmp_path_factory.mktemp("ask"),
-        embedders=embedders,
-        span_processors=[SimpleSpanProcessor(EXPORTER)],
-        ask={"tries": 2, "backoff_seconds": 0.01},
-    ) as s:
-        yield s
+    async with (
+        running_stack(
+            tmp_path_factory.mktemp("ask"),
+            embedders=embedders,
+            span_processors=[SimpleSpanProcessor(EXPORTER)],
+            ask={"tries": 2, "backoff_seconds": 0.01},
+        ) as (rt, client),
+        serve_http(rt) as (base, _app),
+    ):
+        rt.mcp_base = base  # type: ignore[attr-defined]
+        yield rt, client
 
 
 @pytest.fixture(scope="module")
 async def world(stack) -> dict[str, Any]:
     """KB `science` holds the three long documents and a contract; KB `private` holds a
-    secret that shares words with the espresso document."""
-    _, client = stack
+    secret that shares words with the espresso document. Keys: `admin` (the whole org),
+    `scoped` (only `science`) and `reader` (read-only)."""
+    rt, client = stack
     science = await create_kb(client, name="science", description="glaciers, coffee, Raft")
     private = await create_kb(client, name="private")
     docs = {}
@@ -83,7 +93,21 @@ async def world(stack) -> dict[str, Any]:
     docs["vault.txt"] = (await upload(client, "vault.txt", SECRET, kb_id=private["kb_id"]))[
         "document_id"
     ]
-    return {"science": science["kb_id"], "private": private["kb_id"], "docs": docs}
+    # From here on every gateway call needs a key.
+    resolver = KeyResolver(rt.registries.keys, rt.settings.default_org)
+    org = rt.settings.default_org
+    keys = {
+        "admin": await resolver.create(org, name="admin"),
+        "scoped": await resolver.create(org, name="science only", kb_ids=[science["kb_id"]]),
+        "reader": await resolver.create(org, name="reader", read_only=True),
+    }
+    return {
+        "science": science["kb_id"],
+        "private": private["kb_id"],
+        "docs": docs,
+        "keys": {name: {"Authorization": f"Bearer {key}"} for name, key in keys.items()},
+        "tokens": keys,
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -362,3 +386,229 @@ async def test_each_model_call_and_search_is_a_span_in_the_callers_trace(stack, 
     assert names.count("kbmesh.search") == 2
     calls = [s for s in in_trace if s.name == "kbmesh.ask.model_call"]
     assert all(s.attributes["gen_ai.usage.input_tokens"] > 0 for s in calls)
+
+
+# ---- through the gateway: REST, stored prompts, MCP, /api/v1/tools --------------------------
+
+
+def model(chat: ScriptedChat) -> dict[str, Any]:
+    return {"model": MODEL, "api_base": chat.base_url}  # type: ignore[attr-defined]
+
+
+async def test_rest_ask_answers_in_the_schema_with_citations(stack, world, chat):
+    """POST /v1/ask: KBs by name, one search, a schema-following answer citing the espresso
+    chunk, iterations 2."""
+    _, client = stack
+    chat.script(search("espresso grind size"), cite_source("espresso.md", "grind finer"))
+    r = await client.post(
+        "/v1/ask",
+        headers=world["keys"]["admin"],
+        json={
+            "question": "How does grind size change a shot?",
+            "kb_ids": ["science"],
+            "response_schema": ANSWER_SCHEMA,
+            **model(chat),
+        },
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert (out["iterations"], out["stopped"]) == (2, "answered")
+    assert out["answer"]["answer"] == "grind finer"
+    [citation] = out["citations"]
+    assert citation["document_id"] == world["docs"]["espresso.md"]
+    assert out["usage"]["prompt_tokens"] > 0
+
+
+async def test_rest_ask_invalid_twice_is_a_502_problem_with_the_reason(stack, world, chat):
+    _, client = stack
+    chat.script(Text("no JSON here"), Text("still no JSON"))
+    r = await client.post(
+        "/v1/ask",
+        headers=world["keys"]["admin"],
+        json={"question": "q", "response_schema": ANSWER_SCHEMA, **model(chat)},
+    )
+    assert r.status_code == 502, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    problem = r.json()
+    assert problem["error_type"] == "BadModelOutput"
+    assert "not JSON" in problem["detail"] and "still no JSON" in problem["detail"]
+
+
+async def test_rest_ask_rejects_bad_requests_before_any_model_call(stack, world, chat):
+    _, client = stack
+    h = world["keys"]["admin"]
+    for body, field in [
+        ({"question": "q", "response_schema": {"type": "nope"}}, "response_schema"),
+        ({"question": "q", "max_iterations": 11}, "max_iterations"),
+        ({"question": "q", "top_k": 0}, "top_k"),
+        ({}, ""),
+        ({"question": "q", "kb_ids": ["no-such-kb"]}, "kb_id"),
+        ({"document_id": "no-such-document"}, "document_id"),
+    ]:
+        r = await client.post("/v1/ask", headers=h, json={**body, **model(chat)})
+        assert r.status_code in (404, 422), (body, r.text)
+        assert field in r.text, (body, r.text)
+    assert not chat.requests
+
+
+async def test_rest_ask_with_a_kb_scoped_key_stays_inside_its_kbs(stack, world, chat):
+    """The scoped key's model searches `science` only; `private` and its document do not
+    exist for it; the whole-org key reaches them."""
+    _, client = stack
+    h = world["keys"]["scoped"]
+    chat.reset(
+        default=lambda body: search("vault combination") if not tool_results(body) else Text("x")
+    )
+    r = await client.post("/v1/ask", headers=h, json={"question": "vault?", **model(chat)})
+    assert r.status_code == 200, r.text
+    assert {hit["kb_id"] for hit in r.json()["retrieved"]} == {world["science"]}
+    assert SECRET not in json.dumps(chat.requests)
+    for body in (
+        {"question": "q", "kb_ids": ["private"]},
+        {"document_id": world["docs"]["vault.txt"]},
+    ):
+        r = await client.post("/v1/ask", headers=h, json={**body, **model(chat)})
+        assert r.status_code == 404, r.text
+    r = await client.post(
+        "/v1/ask",
+        headers=world["keys"]["admin"],
+        json={"question": "vault?", "kb_ids": ["private"], **model(chat)},
+    )
+    assert {hit["kb_id"] for hit in r.json()["retrieved"]} == {world["private"]}
+
+
+async def test_stored_prompt_crud_and_run(stack, world, chat):
+    """Create (KBs by name, stored as ids), list, get by id and by name, update, run on a
+    document, delete; names are unique; read-only keys cannot write; a KB-scoped key does
+    not see a prompt over a KB outside its scope."""
+    _, client = stack
+    admin, reader, scoped = (world["keys"][k] for k in ("admin", "reader", "scoped"))
+    schema = {
+        "type": "object",
+        "properties": {"parties": {"type": "array", "items": {"type": "string"}}},
+        "required": ["parties"],
+    }
+    body = {
+        "name": "contract-parties",
+        "instructions": "List the parties of the agreement.",
+        "kb_ids": ["science"],
+        "response_schema": schema,
+        "max_iterations": 2,
+        **model(chat),
+    }
+    r = await client.post("/v1/prompts", headers=admin, json=body)
+    assert r.status_code == 201, r.text
+    created = r.json()
+    prompt_id = created["prompt_id"]
+    assert created["kb_ids"] == [world["science"]]
+    assert (await client.post("/v1/prompts", headers=admin, json=body)).status_code == 409
+    assert (
+        await client.post("/v1/prompts", headers=reader, json={**body, "name": "x"})
+    ).status_code == 403
+    secret = {**body, "name": "vault-reader", "kb_ids": ["private"]}
+    assert (await client.post("/v1/prompts", headers=scoped, json=secret)).status_code == 404
+    r = await client.post("/v1/prompts", headers=admin, json=secret)
+    assert r.status_code == 201, r.text
+    secret_id = r.json()["prompt_id"]
+
+    listed = (await client.get("/v1/prompts", headers=admin)).json()
+    assert {p["name"] for p in listed["items"]} >= {"contract-parties", "vault-reader"}
+    scoped_names = {
+        p["name"] for p in (await client.get("/v1/prompts", headers=scoped)).json()["items"]
+    }
+    assert "contract-parties" in scoped_names and "vault-reader" not in scoped_names
+    assert (await client.get(f"/v1/prompts/{secret_id}", headers=scoped)).status_code == 404
+    by_name = (await client.get("/v1/prompts/contract-parties", headers=reader)).json()
+    assert by_name == (await client.get(f"/v1/prompts/{prompt_id}", headers=admin)).json()
+
+    r = await client.patch(
+        f"/v1/prompts/{prompt_id}", headers=admin, json={"max_iterations": 3, "instructions": None}
+    )
+    assert r.status_code == 200, r.text
+    assert (r.json()["max_iterations"], r.json()["instructions"]) == (3, None)
+    clash = await client.patch(
+        f"/v1/prompts/{prompt_id}", headers=admin, json={"name": "vault-reader"}
+    )
+    assert clash.status_code == 409
+    restored = await client.patch(
+        f"/v1/prompts/{prompt_id}", headers=admin, json={"instructions": body["instructions"]}
+    )
+    assert restored.json()["instructions"] == body["instructions"]
+
+    chat.script(
+        search("glacier meltwater"),
+        Text(json.dumps({"parties": ["Acme Glaciology Ltd", "city water board"]})),
+    )
+    r = await client.post(
+        "/v1/prompts/contract-parties/run",
+        headers=reader,
+        json={"document_id": world["docs"]["contract.txt"]},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["answer"] == {"parties": ["Acme Glaciology Ltd", "city water board"]}
+    first = chat.requests[0]
+    assert CONTRACT in message_text(first, "user")
+    assert body["instructions"] in message_text(first, "system")
+    assert (
+        await client.post(f"/v1/prompts/{prompt_id}/run", headers=admin, json={})
+    ).status_code == 422
+
+    assert (await client.delete(f"/v1/prompts/{prompt_id}", headers=reader)).status_code == 403
+    r = await client.delete(f"/v1/prompts/{prompt_id}", headers=admin)
+    assert r.json() == {"status": "deleted", "prompt_id": prompt_id}
+    assert (await client.get(f"/v1/prompts/{prompt_id}", headers=admin)).status_code == 404
+    assert (await client.delete(f"/v1/prompts/{secret_id}", headers=admin)).status_code == 200
+
+
+async def test_kb_ask_over_mcp_and_the_tools_endpoint(stack, world, chat):
+    """The official MCP client over streamable HTTP and POST /api/v1/tools/kb_ask: a cited
+    schema answer, a stored prompt's run, the scoped key's limits and the 502 case."""
+    rt, client = stack
+    args = {
+        "question": "How is a Raft leader elected?",
+        "kb_ids": ["science"],
+        "response_schema": ANSWER_SCHEMA,
+        **model(chat),
+    }
+    prompt = {"name": "raft-explainer", "instructions": "Explain briefly.", **model(chat)}
+    r = await client.post("/v1/prompts", headers=world["keys"]["admin"], json=prompt)
+    assert r.status_code == 201, r.text
+
+    async with http_session(rt.mcp_base, world["tokens"]["scoped"]) as session:
+        chat.script(search("raft leader election"), cite_source("raft.md", "by vote"))
+        out = ok(await session.call_tool("kb_ask", args))
+        assert out["iterations"] == 2 and out["answer"]["answer"] == "by vote"
+        assert [c["document_name"] for c in out["citations"]] == ["raft.md"]
+
+        chat.reset()
+        chat.script(search("raft"), Text("Leaders win a majority vote."))
+        result = await session.call_tool(
+            "kb_ask", {"prompt": "raft-explainer", "question": "How are leaders chosen?"}
+        )
+        assert ok(result)["answer"] == "Leaders win a majority vote."
+        assert "Explain briefly." in message_text(chat.requests[0], "system")
+        assert "Leaders win a majority vote." in result.content[0].text
+
+        failed(await session.call_tool("kb_ask", {**args, "kb_ids": ["private"]}), "NotFound")
+        chat.reset()
+        chat.script(search("raft"), Text("{}"), Text("[]"))
+        bad = failed(await session.call_tool("kb_ask", args), "BadModelOutput")
+        assert "[] is not of type 'object'" in bad["message"]
+
+    h = world["keys"]["scoped"]
+    chat.reset()
+    chat.script(search("raft leader election"), cite_source("raft.md", "by vote"))
+    r = await client.post("/api/v1/tools/kb_ask", headers=h, json=args)
+    assert r.status_code == 200, r.text
+    assert [c["document_name"] for c in r.json()["citations"]] == ["raft.md"]
+    chat.reset()
+    chat.script(Text("nope"), Text("nope again"))
+    r = await client.post("/api/v1/tools/kb_ask", headers=h, json=args)
+    assert r.status_code == 502
+    assert r.json()["error_type"] == "BadModelOutput" and "nope again" in r.json()["message"]
+    r = await client.post(
+        "/api/v1/tools/kb_ask",
+        headers=h,
+        json={"prompt": "raft-explainer", "question": "q", "max_iterations": 0},
+    )
+    assert r.status_code == 422 and r.json()["field"] == "max_iterations"
