@@ -8,7 +8,14 @@ from fastapi import Depends, Header, Request
 
 from services.gateway.auth import KeyResolver, Principal
 from services.gateway.schemas import UploadResult
-from services.gateway.service import Answers, Documents, GatewayService, KnowledgeBases, Search
+from services.gateway.service import (
+    Answers,
+    DeadLetters,
+    Documents,
+    GatewayService,
+    KnowledgeBases,
+    Search,
+)
 
 
 def get_service(request: Request) -> GatewayService:
@@ -32,6 +39,10 @@ def get_answers(request: Request) -> Answers:
     return get_service(request).answers
 
 
+def get_dead_letters(request: Request) -> DeadLetters:
+    return get_service(request).dead_letters
+
+
 async def get_principal(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
@@ -44,6 +55,7 @@ Kbs = Annotated[KnowledgeBases, Depends(get_kbs)]
 Docs = Annotated[Documents, Depends(get_documents)]
 Searcher = Annotated[Search, Depends(get_search)]
 Answerer = Annotated[Answers, Depends(get_answers)]
+Letters = Annotated[DeadLetters, Depends(get_dead_letters)]
 Caller = Annotated[Principal, Depends(get_principal)]
 
 # With wait=true an upload that finished answers 200 instead of 202.
