@@ -1,5 +1,5 @@
 """Chat models through LiteLLM: the one place kbmesh calls a chat model from, with one retry
-policy and one classification of provider errors.
+policy and one classification of provider errors (shared with the LiteLLM embedders).
 
 Provider errors become kbmesh errors: a request the provider rejects (unknown model, bad
 parameters, missing credentials, context too long) is `InvalidInput` on the `model` field; an
@@ -47,6 +47,21 @@ async def import_litellm_off_loop() -> Any:
     if module is not None and getattr(module, "suppress_debug_info", False):
         return module
     return await asyncio.to_thread(import_litellm)
+
+
+class _TruthyZero(int):
+    """0 retries that survives `max_retries or DEFAULT_MAX_RETRIES`.
+
+    litellm's OpenAI embedding path does exactly that (BerriAI/litellm#7003), so a plain 0
+    becomes 2 hidden retries inside the OpenAI SDK, stacked under ours.
+    """
+
+    def __bool__(self) -> bool:
+        return True
+
+
+# What to pass as LiteLLM's `max_retries`: one retry policy, ours.
+NO_SDK_RETRIES = _TruthyZero(0)
 
 
 def is_retryable(err: Exception, litellm: Any) -> bool | None:
@@ -200,8 +215,7 @@ class LiteLLMChat:
                     messages=list(messages),
                     api_base=self.api_base,
                     timeout=self._timeout,
-                    # One retry policy, ours: the provider SDK would otherwise retry underneath.
-                    max_retries=0,
+                    max_retries=NO_SDK_RETRIES,
                     # A parameter this provider lacks (response_format, tool_choice) is left
                     # out rather than failing the call: the prompt carries the same request.
                     drop_params=True,
@@ -270,6 +284,7 @@ def _short(err: Exception, limit: int = 500) -> str:
 
 
 __all__ = [
+    "NO_SDK_RETRIES",
     "ChatModel",
     "ChatReply",
     "LiteLLMChat",
