@@ -612,3 +612,19 @@ async def test_kb_ask_over_mcp_and_the_tools_endpoint(stack, world, chat):
         json={"prompt": "raft-explainer", "question": "q", "max_iterations": 0},
     )
     assert r.status_code == 422 and r.json()["field"] == "max_iterations"
+
+
+async def test_a_rest_answer_is_one_trace_from_the_gateway_to_every_model_call(stack, world, chat):
+    """POST /v1/ask, the search.ask hop, each model call and each search share one trace."""
+    _, client = stack
+    chat.script(search("glacier"), Text("ok"))
+    r = await client.post(
+        "/v1/ask", headers=world["keys"]["admin"], json={"question": "glaciers?", **model(chat)}
+    )
+    assert r.status_code == 200, r.text
+    spans = EXPORTER.get_finished_spans()
+    request = next(s for s in spans if s.name == "POST /v1/ask")
+    names = [s.name for s in spans if s.context.trace_id == request.context.trace_id]
+    assert any("search.ask" in n for n in names), names
+    assert names.count("kbmesh.ask.model_call") == 2
+    assert names.count("kbmesh.ask.search") == 1 and names.count("kbmesh.search") == 1
