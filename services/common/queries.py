@@ -270,7 +270,10 @@ class SearchResponse(BaseModel):
     coalesced: int = Field(
         0, description="neighbour chunks added on each side of matches (the widest window used)"
     )
-    hits: list[SearchHit]
+    hits: list[SearchHit] = Field(
+        description="matched chunks in rank order; with neighbours (coalesced > 0) grouped by "
+        "document, documents in the order of their best match, chunks in document order"
+    )
     budget: Budget | None = Field(None, description="with max_tokens: what was packed")
     warnings: list[str] = Field(
         default_factory=list,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
-from services.common.embedders import _import_litellm
+from services.common.embedders.remote import _import_litellm
 
 
 class RerankFailed(Exception):
@@ -32,19 +32,23 @@ class LiteLLMReranker:
     async def rerank(
         self, model: str, api_base: str | None, query: str, documents: Sequence[str]
     ) -> list[tuple[int, float]]:
-        litellm = await asyncio.to_thread(_import_litellm)
-        try:
-            response = await asyncio.wait_for(
-                litellm.arerank(
-                    model=model,
-                    query=query,
-                    documents=list(documents),
-                    top_n=len(documents),
-                    api_base=api_base,
-                    max_retries=0,
-                ),
-                self.timeout_seconds,
+        async def call() -> Any:
+            # The first `import litellm` takes seconds: it counts against the timeout too,
+            # and finishes in its thread for the next search if it runs out.
+            litellm = await asyncio.to_thread(_import_litellm)
+            return await litellm.arerank(
+                model=model,
+                query=query,
+                documents=list(documents),
+                top_n=len(documents),
+                api_base=api_base,
+                max_retries=0,
             )
+
+        try:
+            response = await asyncio.wait_for(call(), self.timeout_seconds)
+        except TimeoutError as err:
+            raise RerankFailed(f"no answer within {self.timeout_seconds:g} s") from err
         except Exception as err:
             raise RerankFailed(f"{type(err).__name__}: {str(err)[:200]}") from err
         return ranked(response.results or [], len(documents))

@@ -293,6 +293,8 @@ class SearchService:
         kbs: list[KnowledgeBase],
     ) -> list[SearchHit]:
         collections = {kb.kb_id: kb.serving_collection for kb in kbs}
+        if not any(windows.get(h.kb_id) for h in matched):
+            return matched  # no context asked for: plain rank order
         wanted = neighbour_windows(matched, windows)
         if not wanted:
             return coalesce(matched, [])
