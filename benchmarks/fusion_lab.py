@@ -154,7 +154,7 @@ def fuse(
                     doc_of.setdefault(c, d)
     norm = len(kinds) / (lk + 1)
     scores: dict[str, float] = {}
-    for c in set(chunk) | set(lead_chunk):
+    for c in dict.fromkeys([*chunk, *lead_chunk]):  # first-seen order breaks ties
         base = chunk.get(c, 0.0)
         d = doc_of[c]
         if prior == "chunk":  # today: the lead lists are more candidate lists
@@ -197,6 +197,16 @@ def production(per_kb: list[Lists], mode: str, k: int, w: float, floor: float) -
     return docs
 
 
+def before(per_kb: list[Lists], mode: str) -> list[str]:
+    """The former ranking: each KB fused alone (lead lists at weight 0.5, k=10), then the
+    KBs' lists merged by reciprocal rank (k=10), whatever their scores."""
+    scores: dict[str, float] = {}
+    for kb in per_kb:
+        for rank, d in enumerate(fuse([kb], mode, 10, 0.5, "chunk"), 1):
+            scores[d] = scores.get(d, 0.0) + 1 / (10 + rank)
+    return sorted(scores, key=lambda d: -scores[d])
+
+
 def evaluate(rows: list, ranker: Callable[[list[Lists]], list[str]]) -> float:
     return sum(metrics(ranker(per_kb), rel)[0] for _, _, per_kb, rel in rows) / len(rows)
 
@@ -222,7 +232,7 @@ def main() -> None:
     variants: list[tuple[str, Callable[[list[Lists], str], list[str]]]] = [
         ("plain RRF k=60 (baseline)", lambda p, m: fuse(p, m, 60, 0.0, "chunk")),
         ("plain RRF k=10", lambda p, m: fuse(p, m, 10, 0.0, "chunk")),
-        ("lead lists k=10 w=0.5 (before)", lambda p, m: fuse(p, m, 10, 0.5, "chunk")),
+        ("before: lead lists k=10 w=0.5, KBs merged by rank", before),
     ]
     for w, floor in itertools.product((0.5, 1.0, 2.0), (0.0, 0.6, 0.7, 0.8)):
         variants.append(
