@@ -52,8 +52,6 @@ from services.search.rerank import LiteLLMReranker, Reranker, RerankFailed
 
 log = logging.getLogger(__name__)
 _tracer = tracer("kbmesh.search")
-# Fused candidates whose cosine is looked up for min_similarity (and handed to a reranker).
-RERANK_DEPTH = 50
 
 
 class SearchService:
@@ -125,7 +123,7 @@ class SearchService:
             collections = {kb.kb_id: kb.serving_collection for kb in kbs}
             if req.min_similarity is not None:
                 # Only the candidates that can still make the cut need their cosine.
-                head = fused[: max(req.top_k * 4, RERANK_DEPTH)]
+                head = fused[: max(req.top_k * 4, self.settings.rerank_depth)]
                 await self._complete(head, known, collections, dense, None, flt)
                 fused = [
                     f for f in fused if (known.cosine.get(f.chunk) or -1.0) >= req.min_similarity
