@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -80,6 +81,9 @@ class KnowledgeBase(BaseModel):
     embedding_model: str = DEFAULT_MODEL
     api_base: str | None = None
     coalesce_neighbors: int = 0
+    # Optional: search reranks its best candidates with this LiteLLM rerank model.
+    rerank_model: str | None = None
+    rerank_api_base: str | None = None
     # Bumped by every chunking or embedding change; index entries remember the version
     # they were built with, so unchanged (text, version) pairs are never re-embedded.
     settings_version: int = 1
@@ -203,6 +207,15 @@ class DocumentRecord(BaseModel):
     @property
     def text_object(self) -> str:
         return f"{self.org_id}/{self.document_id}/text"
+
+    def in_scope(self, kb_ids: Collection[str] | None) -> bool:
+        """Whether a caller limited to `kb_ids` (None: every KB) may see this document: it
+        is in one of them, or tagged into one."""
+        return (
+            kb_ids is None
+            or bool(set(kb_ids) & set(self.kb_ids))
+            or any(kb_tag(k) in self.tags for k in kb_ids)
+        )
 
 
 class IndexEntry(BaseModel):

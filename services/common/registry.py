@@ -1,7 +1,7 @@
-"""Registries on JetStream KV (`kbs`, `documents`, `index`, `keys`) and the `texts` object
-store. Values are pydantic records stored as JSON; writes that race use compare-and-set
-(`Registry.change`), and a caller that needs a value to reach a state waits on a watch of
-its key (`Registry.wait_for`), never by polling.
+"""Registries on JetStream KV (`kbs`, `documents`, `index`, `keys`, `prompts`) and the
+`texts` object store. Values are pydantic records stored as JSON; writes that race use
+compare-and-set (`Registry.change`), and a caller that needs a value to reach a state
+waits on a watch of its key (`Registry.wait_for`), never by polling.
 
 Keys are built in one place per registry (`kbs.key(org, kb)`, `documents.key(org, doc)`,
 `index.key(kb, doc)`), next to the lookups the domain needs (`kbs.resolve(org, ref)`)."""
@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
 
+from services.common.answers import Prompt
 from services.common.errors import Conflict, Transient
 from services.common.ids import is_id, uuid_forms
 from services.common.models import DocumentRecord, IndexEntry, KnowledgeBase
@@ -306,20 +307,23 @@ class Registries:
         index: IndexRegistry,
         keys: Registry[ApiKey],
         texts: TextStore,
+        prompts: Registry[Prompt],
     ) -> None:
         self.kbs = kbs
         self.documents = documents
         self.index = index
         self.keys = keys
         self.texts = texts
+        self.prompts = prompts
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> Registries:
-        kbs, documents, index, keys = await asyncio.gather(
+        kbs, documents, index, keys, prompts = await asyncio.gather(
             js.key_value("kbs"),
             js.key_value("documents"),
             js.key_value("index"),
             js.key_value("keys"),
+            js.key_value("prompts"),
         )
         texts = await js.object_store("texts")
         registries = cls(
@@ -328,10 +332,11 @@ class Registries:
             IndexRegistry(index, IndexEntry),
             Registry(keys, ApiKey),
             TextStore(texts),
+            Registry(prompts, Prompt),
         )
         await registries.kbs.mirror()
         return registries
 
     async def close(self) -> None:
-        for registry in (self.kbs, self.documents, self.index, self.keys):
+        for registry in (self.kbs, self.documents, self.index, self.keys, self.prompts):
             await registry.close()

@@ -7,6 +7,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.common.answers import AskOptions
 from services.common.content import SUPPORTED
 from services.common.ids import ID_PATTERN
 from services.common.models import (
@@ -171,6 +172,17 @@ class KbSettingsFields(BaseModel):
         description="neighbour chunks added on each side of a search match by default (0-5)",
     )
 
+    rerank_model: str | None = Field(
+        None,
+        min_length=1,
+        description="a LiteLLM rerank model (cohere/rerank-v3.5, jina_ai/..., voyage/..., or "
+        "one served by TEI via rerank_api_base) that reorders the best search candidates; "
+        "null turns reranking off (the default)",
+    )
+    rerank_api_base: str | None = Field(
+        None, description="the rerank model's server, if not its provider's"
+    )
+
 
 KB_NAME = r"^[^\s/][^/]*$"
 
@@ -205,6 +217,8 @@ class KbView(BaseModel):
     embedding_model: str
     api_base: str | None
     coalesce_neighbors: int
+    rerank_model: str | None = None
+    rerank_api_base: str | None = None
     settings_version: int
     status: KBStatus
     document_count: int
@@ -312,6 +326,40 @@ class Problem(BaseModel):
     errors: list[ProblemFieldError] | None = Field(
         None, description="every invalid field (ValidationError only)"
     )
+
+
+# ---- stored prompts -------------------------------------------------------------------------
+
+PROMPT_NAME = r"^[^\s/][^/]*$"
+
+
+class PromptCreate(AskOptions):
+    name: str = Field(
+        min_length=1, max_length=100, pattern=PROMPT_NAME, description="unique in the org"
+    )
+
+
+class PromptUpdate(AskOptions):
+    """Only the fields given change; null clears an optional field."""
+
+    name: str | None = Field(None, min_length=1, max_length=100, pattern=PROMPT_NAME)
+
+
+class PromptView(AskOptions):
+    prompt_id: str
+    name: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class PromptList(BaseModel):
+    items: list[PromptView]
+    total: int
+
+
+class PromptDeleted(BaseModel):
+    status: Literal["deleted"] = "deleted"
+    prompt_id: str
 
 
 class DeadLetterView(BaseModel):

@@ -296,7 +296,9 @@ async def test_tool_schemas_are_tight_and_described(mcp):
     assert not manage.is_valid({"operation": "getChunk", "chunkId": "abc-123"})
 
     min_score = listed["kb_search"].input_schema["properties"]["min_score"]["anyOf"][0]
-    assert (min_score["minimum"], min_score["maximum"]) == (-1, 1)
+    assert (min_score["minimum"], min_score["maximum"]) == (0, 1)
+    similarity = listed["kb_search"].input_schema["properties"]["min_similarity"]["anyOf"][0]
+    assert (similarity["minimum"], similarity["maximum"]) == (-1, 1)
     min_score = listed["search_docs"].input_schema["properties"]["minScore"]
     assert (min_score["minimum"], min_score["maximum"]) == (0, 1)
     chunk = listed["manageKnowledge"].output_schema["$defs"]["KnowledgeChunk"]
