@@ -77,6 +77,7 @@ async def build_runtime(
     url = settings.nats_url
     if embedded_nats or not url:
         nats_server = NatsServer(settings.data_dir / "nats").start()
+        nats_server.supervise()
         url = nats_server.url
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         (settings.data_dir / "nats.url").write_text(url)
