@@ -29,7 +29,7 @@ from faststream.nats.annotations import NatsMessage
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
 
@@ -50,6 +50,20 @@ E = TypeVar("E", bound=Event)
 Handler = Callable[[Any], Awaitable[None]]
 FailureHook = Callable[[Any, Exception], Awaitable[None]]
 
+# What a call raises while NATS (or JetStream's quorum in a cluster) is away: transient, the
+# caller answers 503 or retries.
+BUS_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    TimeoutError,  # nats-py's own TimeoutError derives from it
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoServersError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    nats.errors.FlushTimeoutError,
+    ServiceUnavailableError,
+)
+TOPOLOGY_RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)
 KV_BUCKETS = ("kbs", "documents", "index", "keys")
 OBJECT_STORE = "texts"
 # Declared by `Bus.start()`; subscribers only reference it.
@@ -87,7 +101,18 @@ class Bus:
         """Connect and declare streams, buckets and the object store (idempotent)."""
         self.nc = await nats.connect(self.servers, name="kbmesh", max_reconnect_attempts=-1)
         self._js = self.nc.jetstream()
-        await declare_topology(self._js, self.settings.bus)
+        attempt = 0
+        while True:
+            try:
+                await declare_topology(self._js, self.settings.bus)
+                break
+            except BUS_UNAVAILABLE as err:
+                # A cluster that is still electing its JetStream leader, or a server that
+                # is restarting: wait for it like for the connection itself.
+                delay = TOPOLOGY_RETRY_SECONDS[min(attempt, len(TOPOLOGY_RETRY_SECONDS) - 1)]
+                attempt += 1
+                log.warning("jetstream_unavailable error=%r retry_in=%.1f", err, delay)
+                await asyncio.sleep(delay)
         await self.broker.connect()
 
     async def start(self) -> None:
@@ -153,8 +178,25 @@ async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
         except BadRequestError:
             await js.update_stream(config)
     for bucket in KV_BUCKETS:
+        await _set_replicas(js, f"KV_{bucket}", bus.replicas)
         await js.create_key_value(bucket=bucket, history=1, replicas=bus.replicas)
+    await _set_replicas(js, f"OBJ_{OBJECT_STORE}", bus.replicas)
     await js.create_object_store(OBJECT_STORE, replicas=bus.replicas)
+
+
+async def _set_replicas(js: JetStreamContext, stream: str, replicas: int) -> None:
+    """A bucket created with other replicas is changed in place (JetStream moves the data),
+    so raising `KBMESH_BUS__REPLICAS` on a running cluster sticks; creating it again with a
+    different configuration would be refused."""
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        return
+    if info.config.num_replicas != replicas:
+        log.warning(
+            "stream_replicas stream=%s from=%s to=%d", stream, info.config.num_replicas, replicas
+        )
+        await js.update_stream(info.config.evolve(num_replicas=replicas))
 
 
 async def dead_letter(bus: Bus, msg: Any, reason: str, error_type: str) -> None:
@@ -283,6 +325,7 @@ def _validation_reason(err: ValidationError) -> str:
 
 
 __all__ = [
+    "BUS_UNAVAILABLE",
     "JSTREAM",
     "KV_BUCKETS",
     "OBJECT_STORE",
