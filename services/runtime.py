@@ -181,7 +181,9 @@ def gateway_app(rt: Runtime) -> FastAPI:
         raise RuntimeError("this runtime does not run the gateway")
     keys = api_keys(rt)
     mcp = create_mcp(rt.gateway, keys=keys) if rt.settings.toolsets else None
-    return create_app(rt.gateway, keys, mcp=mcp, ready=rt.ready, services=rt.services)
+    return create_app(
+        rt.gateway, keys, mcp=mcp, ready=rt.ready, services=rt.services, nats_server=rt.nats
+    )
 
 
 def stdio_mcp(rt: Runtime, principal: Principal) -> KbmeshMCP:

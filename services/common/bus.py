@@ -33,7 +33,7 @@ from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableErr
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
 
-from services.common.errors import InvalidInput, KbmeshError
+from services.common.errors import InvalidInput, KbmeshError, Transient
 from services.common.events import (
     DLQ_STREAM,
     EVENT_MODELS,
@@ -52,7 +52,7 @@ FailureHook = Callable[[Any, Exception], Awaitable[None]]
 
 # What a call raises while NATS (or JetStream's quorum in a cluster) is away: transient, the
 # caller answers 503 or retries.
-BUS_UNAVAILABLE: tuple[type[BaseException], ...] = (
+BUS_UNAVAILABLE: tuple[type[Exception], ...] = (
     TimeoutError,  # nats-py's own TimeoutError derives from it
     nats.errors.NoRespondersError,
     nats.errors.ConnectionClosedError,
@@ -64,6 +64,15 @@ BUS_UNAVAILABLE: tuple[type[BaseException], ...] = (
     ServiceUnavailableError,
 )
 TOPOLOGY_RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)
+
+
+def unavailable(err: BaseException) -> Transient:
+    """What a caller is told when NATS (or JetStream's quorum) did not answer in time."""
+    return Transient(
+        f"the message bus is unavailable ({type(err).__name__}); retry in a few seconds"
+    )
+
+
 KV_BUCKETS = ("kbs", "documents", "index", "keys")
 OBJECT_STORE = "texts"
 # Declared by `Bus.start()`; subscribers only reference it.
@@ -333,4 +342,5 @@ __all__ = [
     "InvalidInput",
     "consume",
     "dead_letter",
+    "unavailable",
 ]

@@ -1,9 +1,14 @@
 """`kbmesh up` heals itself: work accepted before a crash resumes within seconds of the
-restart, not after a long ack timeout."""
+restart, not after a long ack timeout; a dead nats-server is reported, answered with 503s,
+and restarted."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import time
+from urllib.parse import urlparse
 
 import httpx
 
@@ -52,3 +57,68 @@ def test_work_accepted_before_a_crash_resumes_within_seconds(tmp_path):
         finally:
             second.stop()
     print(f"indexed {6 - before} remaining documents {elapsed:.1f}s after the restart")
+
+
+def test_a_dead_nats_server_is_reported_answered_with_503_and_restarted(tmp_path):
+    """kill -9 of `kbmesh up`'s nats-server while something else holds its port, so it
+    cannot come back at once: /healthz says 503 with the child's state, API calls answer
+    503 problem bodies with Retry-After (never a 500); once the port is free the server is
+    restarted on it and uploads and searches work again."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = ["up", "--data-dir", str(tmp_path / "data"), "--port", str(port)]
+    up = Proc(args, tmp_path / "up.log", kbmesh_env())
+    squatter = socket.socket()
+    try:
+        wait_ready(base, up)
+        with httpx.Client(base_url=base, timeout=60) as client:
+            health = client.get("/healthz").json()
+            assert health["nats_server"]["running"] and health["nats_server"]["restarts"] == 0
+            nats_port = int(urlparse((tmp_path / "data" / "nats.url").read_text()).port or 0)
+
+            os.kill(health["nats_server"]["pid"], signal.SIGKILL)
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            wait_until(lambda: _bind(squatter, nats_port), 5, "the freed NATS port", 0.001)
+            squatter.listen()
+
+            r = client.get("/healthz")
+            assert r.status_code == 503 and not r.json()["nats_server"]["running"], r.text
+            for method, path, body in (
+                ("POST", "/v1/kbs/default/documents", {"name": "a.txt", "content": "hello"}),
+                ("GET", "/v1/kbs", None),
+                ("POST", "/v1/search", {"query": "hello"}),
+            ):
+                r = client.request(method, path, json=body)
+                assert r.status_code == 503, (path, r.status_code, r.text)
+                assert r.headers["content-type"] == "application/problem+json"
+                assert r.headers["retry-after"] == "2"
+                assert r.json()["error_type"] == "Unavailable"
+            squatter.close()
+
+            def healthy() -> dict:
+                r = client.get("/healthz")
+                return r.json()["nats_server"] if r.status_code == 200 else {}
+
+            status = wait_until(healthy, 60, "the restarted nats-server")
+            assert status["restarts"] >= 1 and status["last_exit_code"] is not None
+            wait_ready(base, up)
+            r = client.post(
+                "/v1/kbs/default/documents",
+                params={"wait": "true"},
+                json={"name": "after.txt", "content": "written after NATS came back"},
+            )
+            assert r.status_code == 200 and r.json()["status"] == "complete", r.text
+            hits = client.post("/v1/search", json={"query": "after NATS came back"}).json()
+            assert hits["hits"][0]["document_id"] == r.json()["document_id"]
+    finally:
+        squatter.close()
+        up.stop()
+    assert "nats-server exited" in up.output()
+
+
+def _bind(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
