@@ -12,13 +12,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from services.common.bus import BUS_UNAVAILABLE, unavailable
 from services.common.errors import KbmeshError
 from services.common.natsproc import NatsServer
 from services.gateway.api import documents, kbs, search, tools
-from services.gateway.api.problems import openapi_document, problem
+from services.gateway.api.problems import http_error_type, openapi_document, problem
 from services.gateway.auth import KeyResolver
 from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
@@ -85,6 +86,14 @@ def create_app(
 
     for error_class in BUS_UNAVAILABLE:
         app.add_exception_handler(error_class, on_bus_unavailable)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # The framework's own refusals (a body that is not JSON, an unknown path or method)
+        # in the same problem format as every other error.
+        response = problem(err.status_code, http_error_type(err.status_code), str(err.detail))
+        response.headers.update(err.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, err: RequestValidationError) -> JSONResponse:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
@@ -18,7 +19,7 @@ from schemathesis.checks import (
 
 from tests.support.procs import Proc, free_port, kbmesh_env, wait_ready
 
-EXAMPLES = 4
+EXAMPLES = 6
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -53,7 +54,10 @@ def test_every_answer_is_documented_and_none_is_a_server_error(base_url: str) ->
         operation = result.ok()
         operations += 1
 
-        @given(case=operation.as_strategy())
+        # Valid requests and invalid ones (wrong types, missing fields, bad parameters).
+        cases = operation.as_strategy() | operation.as_strategy(GenerationMode.NEGATIVE)
+
+        @given(case=cases)
         @settings(
             max_examples=EXAMPLES,
             deadline=None,

@@ -47,6 +47,23 @@ class Problem(BaseModel):
     )
 
 
+_ERROR_TYPES = {
+    400: "ValidationError",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    409: "Conflict",
+    413: "ContentTooLarge",
+    422: "ValidationError",
+    503: "Unavailable",
+}
+
+
+def http_error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "HTTPError")
+
+
 def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONResponse:
     body = {
         "type": f"urn:kbmesh:error:{error_type}",
@@ -63,6 +80,7 @@ def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONRes
 # ---- the OpenAPI document ----------------------------------------------------------------------
 
 _DESCRIPTIONS = {
+    400: "The body is not valid JSON",
     401: "No API key, or an unknown one",
     403: "The API key may not do this (read-only, or limited to other knowledge bases)",
     404: "No such resource in the caller's org and scope",
@@ -86,7 +104,7 @@ def error_statuses(method: str) -> list[int]:
     if method in _WRITES:
         statuses.append(409)
     if method in _BODIES:
-        statuses.append(413)
+        statuses += [400, 413]
     return sorted(statuses)
 
 
