@@ -73,7 +73,7 @@ def unavailable(err: BaseException) -> Transient:
     )
 
 
-KV_BUCKETS = ("kbs", "documents", "index", "keys")
+KV_BUCKETS = ("kbs", "documents", "index", "keys", "prompts")
 OBJECT_STORE = "texts"
 # Declared by `Bus.start()`; subscribers only reference it.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.common.bus import BUS_UNAVAILABLE, unavailable
 from services.common.errors import KbmeshError
 from services.common.natsproc import NatsServer
-from services.gateway.api import deadletters, documents, kbs, search, tools
+from services.gateway.api import answers, deadletters, documents, kbs, search, tools
 from services.gateway.api.problems import http_error_type, openapi_document, problem
 from services.gateway.auth import KeyResolver
 from services.gateway.console import mount_console
@@ -162,6 +162,7 @@ def create_app(
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(answers.router)
     app.include_router(deadletters.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))

@@ -20,6 +20,7 @@ import httpx
 import nats
 import pytest
 
+from services.common.bus import KV_BUCKETS, OBJECT_STORE
 from services.common.store import Match
 from services.common.store.base import Filter
 from services.common.store.edge import EdgeStore
@@ -66,9 +67,7 @@ async def replicas(url: str) -> dict[str, int]:
     nc = await nats.connect(url.split(","))
     try:
         js = nc.jetstream()
-        names = ["KBMESH", "KBMESH_DLQ", "OBJ_texts"] + [
-            f"KV_{b}" for b in ("kbs", "documents", "index", "keys")
-        ]
+        names = ["KBMESH", "KBMESH_DLQ", f"OBJ_{OBJECT_STORE}"] + [f"KV_{b}" for b in KV_BUCKETS]
         return {n: (await js.stream_info(n)).config.num_replicas for n in names}
     finally:
         await nc.close()

@@ -7,14 +7,12 @@ import asyncio
 
 import nats
 
-from services.common.bus import declare_topology
+from services.common.bus import KV_BUCKETS, OBJECT_STORE, declare_topology
 from services.common.settings import BusSettings
 from tests.support.cluster import NatsCluster, jetstream_ready
 from tests.support.domain import wait_until
 
-STREAMS = ["KBMESH", "KBMESH_DLQ", "OBJ_texts"] + [
-    f"KV_{b}" for b in ("kbs", "documents", "index", "keys")
-]
+STREAMS = ["KBMESH", "KBMESH_DLQ", f"OBJ_{OBJECT_STORE}"] + [f"KV_{b}" for b in KV_BUCKETS]
 
 
 async def test_replicas_are_raised_on_an_existing_deployment(tmp_path):
