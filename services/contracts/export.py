@@ -28,7 +28,6 @@ import httpx
 from fastapi import FastAPI
 from jsonschema import Draft202012Validator
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
 
 from services.common.events import EVENT_MODELS, Event
 from services.contracts.examples import (
@@ -38,20 +37,19 @@ from services.contracts.examples import (
     RestExample,
     ToolExample,
 )
-from services.gateway.schemas import Problem, ProblemFieldError
+from services.gateway.api.problems import (
+    TOOLS_PATH,
+    ProblemFieldError,
+)
 from services.gateway.tools import TOOLS, TOOLSETS, ToolErrorResult, ToolSpec
 from services.gateway.tools.registry import schema_errors
 
-__all__ = ["Problem", "ProblemFieldError", "schema_errors"]
+__all__ = ["ProblemFieldError", "schema_errors"]
 
-PROBLEM_MEDIA_TYPE = "application/problem+json"
-TOOLS_PATH = "/api/v1/tools"
 CALL_TOOL = ("POST", TOOLS_PATH + "/{name}")
 LIST_TOOLS = ("GET", TOOLS_PATH)
 # The tool whose example also stands for `POST /api/v1/tools/{name}` in contracts/rest.
 REST_TOOL_EXAMPLE = "kb_search"
-# Paths whose failures are described as problem details or tool errors (health checks are not).
-API_PREFIXES = ("/v1/", TOOLS_PATH)
 
 OpKey = tuple[str, str]  # (METHOD, path template)
 
@@ -197,36 +195,9 @@ def schema_only_app() -> FastAPI:
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
-    """The app's OpenAPI document, with its error answers as they are on the wire: FastAPI
-    documents a `{detail: [...]}` 422, but the gateway answers every failure of /v1 with a
-    `Problem` and every failure of /api/v1/tools with a `ToolErrorResult`."""
-    doc = copy.deepcopy(app.openapi())
-    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    _, defs = models_json_schema(
-        [(Problem, "validation"), (ToolErrorResult, "validation")],
-        ref_template="#/components/schemas/{model}",
-    )
-    for name, schema in defs["$defs"].items():
-        if schemas.get(name, schema) != schema:
-            raise RuntimeError(f"OpenAPI component {name!r} exists with another schema")
-        schemas[name] = schema
-    for path, ops in doc.get("paths", {}).items():
-        if not path.startswith(API_PREFIXES):
-            continue
-        tools = path.startswith(TOOLS_PATH)
-        media = "application/json" if tools else PROBLEM_MEDIA_TYPE
-        model = ToolErrorResult if tools else Problem
-        what = "a tool error" if tools else "problem details (RFC 9457)"
-        for op in ops.values():
-            op["responses"].pop("422", None)
-            op["responses"]["default"] = {
-                "description": f"Failure (4xx/5xx): {what}",
-                "content": {media: {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
-            }
-    for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422, referrer first
-        if f'"#/components/schemas/{unused}"' not in json.dumps(doc):
-            schemas.pop(unused, None)
-    return doc
+    """The app's OpenAPI document (its error answers as they are on the wire:
+    services/gateway/api/problems.py)."""
+    return copy.deepcopy(app.openapi())
 
 
 def _operations(doc: dict[str, Any]) -> dict[OpKey, Operation]:

@@ -32,17 +32,15 @@ from services.common.settings import Settings
 from services.contracts.examples import RestExample, ToolExample
 from services.contracts.export import (
     LIST_TOOLS,
-    TOOLS_PATH,
     Contracts,
     Operation,
-    ProblemFieldError,
     build,
     request_json,
     response_json,
     schema_errors,
     validator,
 )
-from services.gateway.app import problem
+from services.gateway.api.problems import TOOLS_PATH, ProblemFieldError, problem
 from services.gateway.auth import Principal
 from services.gateway.mcp import KbmeshMCP, MountRoot, call_result
 from services.gateway.tools import (
@@ -285,7 +283,8 @@ def _rest_endpoint(
             errors += await _body_errors(request, body_check, body_model, body_required)
         if errors:
             detail = "; ".join(f"{e.field}: {e.message}" for e in errors)
-            return problem(422, "ValidationError", detail, errors=errors)
+            fields = [e.model_dump() for e in errors]
+            return problem(422, "ValidationError", detail, field=errors[0].field, errors=fields)
         if example is None:
             return problem(501, "NotImplemented", f"the mock has no example for {op.operation_id}")
         return JSONResponse(response_json(example.response), status_code=example.status)

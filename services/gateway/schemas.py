@@ -302,30 +302,10 @@ class Ack(BaseModel):
 
 
 class ProblemFieldError(BaseModel):
+    """One field at fault in a refused request (REST problems and tool errors alike)."""
+
     field: str = Field(description="the request part at fault: a body field path, or a parameter")
     message: str
-
-
-class Problem(BaseModel):
-    """Every failed REST call (outside /api/v1/tools): RFC 9457 problem details, served as
-    `application/problem+json` by the gateway's error handlers (services/gateway/app.py)."""
-
-    type: str = Field(description="urn:kbmesh:error:<error_type>")
-    title: str
-    status: int
-    detail: str = Field(description="what went wrong, for a person or an LLM to act on")
-    error_type: str = Field(
-        description="ValidationError, ContentTooLarge, NotFound, Forbidden, Unauthorized, "
-        "Conflict, Unavailable, InternalError"
-    )
-    field: str | None = Field(
-        None,
-        description="the input field at fault, when known (for a ValidationError: the first "
-        "of `errors`)",
-    )
-    errors: list[ProblemFieldError] | None = Field(
-        None, description="every invalid field (ValidationError only)"
-    )
 
 
 # ---- stored prompts -------------------------------------------------------------------------

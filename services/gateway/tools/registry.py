@@ -25,6 +25,7 @@ from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from services.common.bus import BUS_UNAVAILABLE, unavailable
 from services.common.errors import InvalidInput, KbmeshError
 from services.gateway.auth import Principal
 from services.gateway.schemas import ProblemFieldError
@@ -187,6 +188,8 @@ async def run_tool(
         return error_outcome(_invalid(err))
     except KbmeshError as err:
         return error_outcome(err, spec.caller_field(err.field))
+    except BUS_UNAVAILABLE as err:
+        return error_outcome(unavailable(err))
     except Exception:
         # Recorded here with its traceback; the caller sees only that it happened.
         log.exception("tool_failed tool=%s org_id=%s", spec.name, principal.org_id)
