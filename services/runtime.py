@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from opentelemetry.sdk.trace import SpanProcessor
 
 from services.common.bus import Bus
+from services.common.egress import egress_policy
 from services.common.embedders import EmbedderPool
 from services.common.natsproc import NatsServer
 from services.common.registry import Registries
@@ -87,6 +88,7 @@ async def build_runtime(
         pool = embedders or EmbedderPool(
             batch_size=settings.embed_batch_size,
             query_cache_size=settings.search.query_cache_size,
+            egress=egress_policy(settings),
         )
         rt = Runtime(settings, chosen, bus, registries, pool, nats=nats_server)
         if "embed" in chosen or "search" in chosen:

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
     from tokenizers import Tokenizer
 
+    from services.common.egress import EgressPolicy
+
 log = logging.getLogger(__name__)
 
 LOCAL_PREFIX = "local/"
@@ -351,6 +353,13 @@ def _is_retryable(err: Exception, litellm: Any) -> bool | None:
     return None
 
 
+def _summary(err: Exception) -> str:
+    """What a provider error may tell a client: its HTTP status and kind, not its body."""
+    status = getattr(err, "status_code", None)
+    kind = type(err).__name__
+    return f"HTTP {status}, {kind}" if isinstance(status, int) else kind
+
+
 class LiteLLMEmbedder:
     """Any LiteLLM embedding model; dimension learnt from the first response."""
 
@@ -364,9 +373,11 @@ class LiteLLMEmbedder:
         tries: int = 3,
         backoff_seconds: float = 0.5,
         timeout_seconds: float = 60.0,
+        egress: EgressPolicy | None = None,
     ) -> None:
         self._model = model
         self.api_base = api_base
+        self._egress = egress
         self._api_key = api_key
         self._batch_size = batch_size
         self._tries = max(1, tries)
@@ -412,6 +423,12 @@ class LiteLLMEmbedder:
 
     async def _embed_batch(self, batch: list[str]) -> list[list[float]]:
         litellm = await _import_litellm_off_loop()
+        if self._egress is not None and self.api_base:
+            # Checked at every call, not only when the KB was saved: a name can be re-pointed
+            # at an internal address later, and KBs saved before the policy existed remain.
+            await self._egress.check_url(
+                self.api_base, field="api_base", what="call the embedding model at"
+            )
         for attempt in range(1, self._tries + 1):
             try:
                 response = await litellm.aembedding(
@@ -427,15 +444,18 @@ class LiteLLMEmbedder:
                 retryable = _is_retryable(err, litellm)
                 if retryable is None:
                     raise
+                # The provider's own words stay in the log: a response body is whatever the
+                # server at `api_base` chose to send, and must not reach API clients.
                 if not retryable:
-                    status = getattr(err, "status_code", None)
+                    log.warning("embed_rejected model=%s error=%r", self._model, str(err)[:500])
                     raise InvalidInput(
-                        f"{self._model} rejected the embedding request ({status}): {err}",
+                        f"{self._model} rejected the embedding request ({_summary(err)})",
                         field=MODEL_FIELD,
                     ) from err
                 if attempt == self._tries:
+                    log.warning("embed_unavailable model=%s error=%r", self._model, str(err)[:500])
                     raise Transient(
-                        f"{self._model} unavailable after {attempt} tries: {err}",
+                        f"{self._model} unavailable after {attempt} tries ({_summary(err)})",
                         field=MODEL_FIELD,
                     ) from err
                 delay = self._backoff * 2 ** (attempt - 1)
@@ -510,9 +530,13 @@ class EmbedderPool:
         batch_size: int = 32,
         api_key: str | None = None,
         query_cache_size: int = 1024,
+        egress: EgressPolicy | None = None,
     ) -> None:
         self._batch_size = batch_size
         self._api_key = api_key
+        # The composition root passes the operator's policy; None checks nothing (tests that
+        # build embedders on their own local servers).
+        self._egress = egress
         self._embedders: dict[tuple[str, str | None], Embedder] = {}
         self._lock = threading.Lock()
         self.queries = CachedQueryEmbedder(self, size=query_cache_size)
@@ -526,7 +550,9 @@ class EmbedderPool:
                 if is_local(model):
                     embedder = LocalEmbedder(model, batch_size=self._batch_size)
                 else:
-                    embedder = LiteLLMEmbedder(model, api_base=api_base, api_key=self._api_key)
+                    embedder = LiteLLMEmbedder(
+                        model, api_base=api_base, api_key=self._api_key, egress=self._egress
+                    )
                 self._embedders[key] = embedder
             return embedder
 

@@ -41,6 +41,20 @@ class SearchSettings(BaseModel):
     concurrency: int = Field(32, ge=1, description="search requests answered at once per replica")
 
 
+class EgressSettings(BaseModel):
+    """Where outbound calls a client can steer (upload by URL, a KB's `api_base`) may go
+    besides public addresses."""
+
+    allowlist: list[str] = Field(
+        default_factory=list,
+        description="hosts (`*.example.com` for subdomains), addresses or CIDRs allowed even "
+        "though they are loopback, link-local or private",
+    )
+    allow_private: bool = Field(
+        False, description="allow every non-public address (self-hosted models nearby)"
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KBMESH_", env_nested_delimiter="__", extra="ignore"
@@ -67,9 +81,6 @@ class Settings(BaseSettings):
 
     mcp_toolsets: str = Field("core", description="comma list of core, compat")
     upload_root: Path | None = Field(None, description="root for kb_upload by path")
-    url_allowlist: list[str] = Field(
-        default_factory=list, description="hosts/CIDRs allowed for ingest by URL"
-    )
     mcp_allowed_hosts: list[str] = Field(
         default_factory=list,
         description="Host headers accepted at /mcp besides loopback (DNS-rebinding protection); "
@@ -78,6 +89,7 @@ class Settings(BaseSettings):
 
     bus: BusSettings = Field(default_factory=BusSettings)
     search: SearchSettings = Field(default_factory=SearchSettings)
+    egress: EgressSettings = Field(default_factory=EgressSettings)
 
     @field_validator("default_org")
     @classmethod

@@ -630,13 +630,13 @@ async def loopback_site() -> AsyncIterator[str]:
 
 @contextlib.contextmanager
 def allowlist(settings, entries: list[str]) -> Iterator[None]:
-    """The gateway reads KBMESH_URL_ALLOWLIST per call; restored so later tests see none."""
-    before = settings.url_allowlist
-    settings.url_allowlist = entries
+    """The gateway reads KBMESH_EGRESS__ALLOWLIST per call; restored so later tests see none."""
+    before = settings.egress.allowlist
+    settings.egress.allowlist = entries
     try:
         yield
     finally:
-        settings.url_allowlist = before
+        settings.egress.allowlist = before
 
 
 async def test_url_ingest_from_allowlisted_loopback_and_refused_without(stack):
@@ -649,7 +649,9 @@ async def test_url_ingest_from_allowlisted_loopback_and_refused_without(stack):
         kb = (await new_kb(session))["name"]
         url = f"{site}/volcanoes.md"
         refused = failed(await session.call_tool("kb_upload", {"kb": kb, "url": url}), "Forbidden")
-        assert "127.0.0.1" in refused["message"] and "KBMESH_URL_ALLOWLIST" in refused["message"]
+        assert (
+            "127.0.0.1" in refused["message"] and "KBMESH_EGRESS__ALLOWLIST" in refused["message"]
+        )
         with allowlist(stack.rt.settings, ["127.0.0.1/32"]):
             got = ok(await session.call_tool("kb_upload", {"kb": kb, "url": url}))
             moved = ok(
