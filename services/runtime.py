@@ -121,13 +121,18 @@ async def _wire(rt: Runtime) -> None:
             embed_router(rt.bus, embed, concurrency=rt.settings.embed_concurrency)
         )
     if "search" in rt.services:
+        from services.search.handlers import DEFAULT_MAX_PAYLOAD
         from services.search.handlers import create_router as search_router
         from services.search.service import SearchService
 
         search = SearchService(rt.registries, require_store(rt), rt.embedders, rt.settings.search)
         rt.objects["search"] = search
         rt.bus.broker.include_router(
-            search_router(search, concurrency=rt.settings.search.concurrency)
+            search_router(
+                search,
+                concurrency=rt.settings.search.concurrency,
+                max_payload=lambda: rt.bus.nc.max_payload if rt.bus.nc else DEFAULT_MAX_PAYLOAD,
+            )
         )
 
 

@@ -4,16 +4,18 @@ fuses across KBs by rank, applies min_score, and coalesces neighbours."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections import defaultdict
 
 from services.common import bm25
 from services.common.embedders import EmbedderPool, is_local
-from services.common.errors import Forbidden, InvalidInput, NotFound
+from services.common.errors import Forbidden, InvalidInput, KbmeshError, NotFound
 from services.common.models import KnowledgeBase, point_id
 from services.common.queries import (
     ChunkRequest,
     ChunkResponse,
+    KbFailure,
     MatchType,
     SearchHit,
     SearchRequest,
@@ -36,6 +38,7 @@ from services.search.filters import build_filter
 from services.search.fusion import coalesce, neighbour_windows, rrf_merge
 
 _tracer = tracer("kbmesh.search")
+log = logging.getLogger("kbmesh.search")
 
 
 class SearchService:
@@ -81,21 +84,38 @@ class SearchService:
                 model, api_base = kb.serving_model
                 groups[(model, None if is_local(model) else api_base)].append(kb)
 
+            failures: dict[str, Exception] = {}
+
             async def run_group(
                 model: str, api_base: str | None, members: list[KnowledgeBase]
             ) -> list[list[SearchHit]]:
                 dense = None
                 if req.mode != Mode.keyword:
-                    dense = await self.embedders.embed_query(model, req.query, api_base)
-                return list(
-                    await asyncio.gather(
-                        *(self._query_kb(kb, req, flt, dense, sparse) for kb in members)
-                    )
+                    try:
+                        dense = await self.embedders.embed_query(model, req.query, api_base)
+                    except Exception as err:
+                        failures.update(dict.fromkeys((kb.kb_id for kb in members), err))
+                        return []
+                results = await asyncio.gather(
+                    *(self._query_kb(kb, req, flt, dense, sparse) for kb in members),
+                    return_exceptions=True,
                 )
+                for kb, result in zip(members, results, strict=True):
+                    if isinstance(result, BaseException):
+                        if not isinstance(result, Exception):
+                            raise result
+                        failures[kb.kb_id] = result
+                return [r for r in results if not isinstance(r, BaseException)]
 
             per_group = await asyncio.gather(
                 *(run_group(m, a, members) for (m, a), members in groups.items())
             )
+            # One broken KB (an unreachable or misconfigured model) must not take every
+            # search down with it: the others answer and the reply names the one left out.
+            # Only when nothing could be searched is the search itself a failure.
+            if failures and len(failures) == len(kbs):
+                raise next(iter(failures.values()))
+            failed_kbs = [_failure(kb, failures[kb.kb_id]) for kb in kbs if kb.kb_id in failures]
             ranked_lists = [hits for group in per_group for hits in group]
             if req.min_score is not None:
                 # Before fusion, so that ranks are ranks among the hits that count.
@@ -131,6 +151,7 @@ class SearchService:
             kb_ids=[kb.kb_id for kb in kbs],
             coalesced=max((windows[h.kb_id] for h in matched), default=0),
             hits=hits,
+            failed_kbs=failed_kbs,
         )
 
     async def _query_kb(
@@ -284,6 +305,20 @@ def to_hit(hit: Hit, score: float | None, match_type: MatchType | None) -> Searc
         tags=p.get("tags") or [],
         collection=p.get("collection"),
         metadata=p.get("metadata") or {},
+    )
+
+
+def _failure(kb: KnowledgeBase, err: Exception) -> KbFailure:
+    if isinstance(err, KbmeshError):
+        return KbFailure(
+            kb_id=kb.kb_id, name=kb.name, error_type=err.error_type, message=err.message
+        )
+    log.warning("search_kb_failed kb_id=%s error=%r", kb.kb_id, err)
+    return KbFailure(
+        kb_id=kb.kb_id,
+        name=kb.name,
+        error_type="InternalError",
+        message=f"searching this knowledge base failed ({type(err).__name__})",
     )
 
 
