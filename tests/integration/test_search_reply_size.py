@@ -42,9 +42,9 @@ async def test_a_reply_larger_than_max_payload_is_truncated_not_lost(
     tmp_path: Path, embedders, small_nats: str
 ) -> None:
     """Twelve documents of 24,000 characters without a separator (each chunked into pieces
-    of at most 3,200 characters): 50 hits weigh ~160 KB, over the server's 64 KiB. Hybrid and dense search
-    answers 200 at once, under the limit, with `truncated: true`, the best-ranked hits kept, each
-    cut content ending in ' …'. A small search is untouched."""
+    of at most 3,200 characters): 50 hits weigh ~160 KB, over the server's 64 KiB. Hybrid
+    and dense search answer 200 at once, under the limit, with `truncated: true`, the
+    best-ranked hits kept, each cut content ending in ' …'. A small search is untouched."""
     async with running_stack(
         tmp_path / "data", nats_url=small_nats, embedders=embedders, inline_content_bytes=16384
     ) as (_, client):
