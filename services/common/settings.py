@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.limits import LimitSettings
+
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
 
 
@@ -90,6 +92,7 @@ class Settings(BaseSettings):
     bus: BusSettings = Field(default_factory=BusSettings)
     search: SearchSettings = Field(default_factory=SearchSettings)
     egress: EgressSettings = Field(default_factory=EgressSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
 
     @field_validator("default_org")
     @classmethod

@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from services.common.bus import Bus
-from services.common.content import STAGING_PREFIX, decode_content, is_supported, normalise_mime
+from services.common.content import decode_content, is_supported, normalise_mime, staging_name
 from services.common.embedders import model_limits
 from services.common.errors import (
     Conflict,
@@ -368,7 +368,7 @@ class GatewayService:
         if len(data) <= self.settings.inline_content_bytes:
             event.content, event.content_encoding = body.content, body.content_encoding
         else:
-            event.object_ref = f"{STAGING_PREFIX}{event.event_id}"
+            event.object_ref = staging_name(p.org_id, event.event_id)
             await self.reg.texts.put(event.object_ref, data)
         result = UploadResult(document_id=document_id, name=body.name, status="processing")
         if not wait:
