@@ -16,6 +16,7 @@ from opentelemetry.trace import SpanKind
 from services.common.errors import KbmeshError
 from services.gateway.api import documents, kbs, search
 from services.gateway.auth import KeyResolver
+from services.gateway.bodyguard import JsonBodyGuard
 from services.gateway.service import GatewayService
 from services.gateway.waiter import IndexWaiter
 from services.runtime import Runtime
@@ -64,6 +65,7 @@ def create_app(rt: Runtime) -> FastAPI:
         description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
         lifespan=lifespan,
     )
+    app.add_middleware(JsonBodyGuard, media_type=PROBLEM)
     app.state.service = service
     app.state.keys = keys
     app.state.runtime = rt
