@@ -173,6 +173,7 @@ class DocFailed(Event):
     error_type: str = Field(
         "ValidationError", description="the error's class: ValidationError, Conflict, ..."
     )
+    cause: str | None = Field(None, description="event_id of the event whose handling failed")
 
 
 EVENT_MODELS: dict[str, type[Event]] = {

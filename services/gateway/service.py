@@ -8,10 +8,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.bus import Bus
-from services.common.content import decode_content, is_supported, normalise_mime, staging_name
+from services.common.content import (
+    TEXT_TYPES,
+    decode_content,
+    is_supported,
+    normalise_mime,
+    staging_name,
+)
+from services.common.egress import egress_policy
 from services.common.embedders import model_limits
 from services.common.errors import (
     Conflict,
@@ -30,6 +38,7 @@ from services.common.events import (
     Subject,
     TagsChanged,
 )
+from services.common.limits import check_document_fields, check_labels, check_metadata
 from services.common.models import (
     COLLECTION_PREFIX,
     DocStatus,
@@ -39,6 +48,7 @@ from services.common.models import (
     KnowledgeBase,
     ServingIndex,
     check_id,
+    id_unavailable,
     join_tags,
     new_id,
     split_tags,
@@ -55,6 +65,13 @@ from services.common.queries import (
 from services.common.registry import Registries
 from services.common.settings import Settings
 from services.gateway.auth import Principal
+from services.gateway.guards import (
+    check_kb_tags_in_scope,
+    kb_rank,
+    visible_kb_ids,
+    visible_tags,
+)
+from services.gateway.modelcheck import check_model
 from services.gateway.schemas import (
     Ack,
     DeleteResult,
@@ -78,6 +95,8 @@ KB_CAS_ATTEMPTS = 20
 PATCH_ATTEMPTS = 10
 REINDEX_FIELDS = ("chunker", "chunk_size", "chunk_overlap", "embedding_model", "api_base")
 POLL_SECONDS = 0.05
+# How long a PATCH without `wait` waits for ingest to apply (or drop) its change.
+VERDICT_SECONDS = 10.0
 
 
 class GatewayService:
@@ -88,6 +107,7 @@ class GatewayService:
         self.reg = registries
         self.settings = settings
         self.waiter = waiter
+        self._kb_locks: dict[str, asyncio.Lock] = {}
 
     # ---- knowledge bases ------------------------------------------------------------------
 
@@ -126,7 +146,9 @@ class GatewayService:
         kb = await self.reg.kbs.get(f"{p.org_id}.{ref}") if _key_safe(ref) else None
         if kb is None:
             kb = next((k for k in await self.reg.kbs.list(f"{p.org_id}.") if k.name == ref), None)
-        if kb is None and ref == self.settings.default_kb:
+        if kb is None and ref == self.settings.default_kb and p.kb_ids is None:
+            if p.read_only:  # a read must not create anything
+                raise NotFound(f"knowledge base {ref!r} not found", field="kb_id")
             kb = await self.ensure_default_kb(p.org_id)
         if kb is None or not p.can_see(kb.kb_id):
             raise NotFound(f"knowledge base {ref!r} not found", field="kb_id")
@@ -135,22 +157,36 @@ class GatewayService:
 
     async def create_kb(self, p: Principal, body: KbCreate) -> KbView:
         p.check_org_wide_write()
-        existing = await self.reg.kbs.list(f"{p.org_id}.")
-        if len(existing) >= self.settings.kb_limit:
-            raise Conflict(
-                f"this org already has {self.settings.kb_limit} knowledge bases (KBMESH_KB_LIMIT)"
-            )
-        if any(k.name == body.name for k in existing):
-            raise Conflict(f"a knowledge base named {body.name!r} exists", field="name")
         fields = body.model_dump(exclude_none=True)
         fields.setdefault("embedding_model", self.settings.default_model)
         kb = KnowledgeBase(org_id=p.org_id, kb_id=new_id(), **fields)
+        self._check_kb_count(await self.reg.kbs.list(f"{p.org_id}."), body.name)
         await asyncio.to_thread(validate_kb, kb)
-        await self.reg.kbs.create(f"{p.org_id}.{kb.kb_id}", kb)
+        await check_model(kb.embedding_model, kb.api_base, egress_policy(self.settings))
+        # Check and create under the org's lock (one gateway), then check the rank among
+        # what exists (gateways racing each other agree on who is over the limit).
+        async with self._kb_locks.setdefault(p.org_id, asyncio.Lock()):
+            existing = await self.reg.kbs.list(f"{p.org_id}.")
+            self._check_kb_count(existing, body.name)
+            await self.reg.kbs.create(f"{p.org_id}.{kb.kb_id}", kb)
+        if kb_rank(await self.reg.kbs.list(f"{p.org_id}."), kb.kb_id) > self.settings.kb_limit:
+            await self.reg.kbs.delete(f"{p.org_id}.{kb.kb_id}")
+            raise self._kb_limit_reached()
         await self.bus.publish(
             Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="created")
         )
         return await self.kb_view(kb)
+
+    def _check_kb_count(self, existing: list[KnowledgeBase], name: str) -> None:
+        if len(existing) >= self.settings.kb_limit:
+            raise self._kb_limit_reached()
+        if any(k.name == name for k in existing):
+            raise Conflict(f"a knowledge base named {name!r} exists", field="name")
+
+    def _kb_limit_reached(self) -> Conflict:
+        return Conflict(
+            f"this org already has {self.settings.kb_limit} knowledge bases (KBMESH_KB_LIMIT)"
+        )
 
     async def list_kbs(
         self, p: Principal, skip: int = 0, limit: int = 50, name_search: str | None = None
@@ -176,6 +212,13 @@ class GatewayService:
             if any(k.name == changes["name"] for k in others):
                 raise Conflict(f"a knowledge base named {changes['name']!r} exists", field="name")
         update = {k: v for k, v in changes.items() if v is not None or k == "api_base"}
+        if set(update.get("tag_ids", kb.tag_ids)) - set(kb.tag_ids):
+            check_kb_tags_in_scope(
+                p,
+                kb.kb_id,
+                sorted(set(update["tag_ids"]) - set(kb.tag_ids)),
+                await self.reg.documents.list(f"{p.org_id}."),
+            )
         indexed = bool(await self.reg.index.list(f"{kb.kb_id}."))
 
         def apply(current: KnowledgeBase) -> KnowledgeBase:
@@ -201,7 +244,11 @@ class GatewayService:
             return updated
 
         # Off the loop: the first remote model lookup imports litellm (seconds).
-        await asyncio.to_thread(apply, kb)
+        checked = await asyncio.to_thread(apply, kb)
+        if (checked.embedding_model, checked.api_base) != (kb.embedding_model, kb.api_base):
+            await check_model(
+                checked.embedding_model, checked.api_base, egress_policy(self.settings)
+            )
         old, updated = await self._change_kb(p.org_id, kb.kb_id, apply)
         if set(updated.tag_ids) != set(old.tag_ids):
             await self.bus.publish(
@@ -350,9 +397,28 @@ class GatewayService:
         if not is_supported(mime):
             raise InvalidInput(f"unsupported mime_type {mime!r}", field="mime_type")
         data = decode_content(body.content, body.content_encoding, self.settings.max_content_bytes)
-        _check_labels(body.tags, body.collection)
+        check_document_fields(
+            name=body.name,
+            source_id=body.source_id,
+            uri=body.uri,
+            tags=body.tags,
+            collection=body.collection,
+            metadata=body.metadata,
+            limits=self.settings.limits,
+        )
+        _check_label_prefixes(body.tags)
+        if mime in TEXT_TYPES and not data.strip():
+            raise InvalidInput(
+                "the document has no text (empty or whitespace only)", field="content"
+            )
         await self._check_tag_scope(p, body.tags)
         document_id = body.document_id or new_id()
+        if body.document_id:
+            # Checked here for a quick answer; ingest checks again when it writes (the event
+            # carries the scope), so a document moved meanwhile is safe too.
+            existing = await self.reg.documents.get(f"{p.org_id}.{document_id}")
+            if existing is not None and not existing.writable_in(p.scope):
+                raise id_unavailable(document_id)
         event = DocUploaded(
             org_id=p.org_id,
             document_id=document_id,
@@ -364,6 +430,7 @@ class GatewayService:
             collection=body.collection,
             metadata=body.metadata,
             kb_id=kb.kb_id if kb else None,
+            scope_kb_ids=p.scope,
         )
         if len(data) <= self.settings.inline_content_bytes:
             event.content, event.content_encoding = body.content, body.content_encoding
@@ -372,11 +439,19 @@ class GatewayService:
             await self.reg.texts.put(event.object_ref, data)
         result = UploadResult(document_id=document_id, name=body.name, status="processing")
         if not wait:
-            await self.bus.publish(Subject.DOC_UPLOADED, event)
+            await self._publish_upload(event)
             return result
         async with self.waiter.watch([document_id]) as events:
-            await self.bus.publish(Subject.DOC_UPLOADED, event)
+            await self._publish_upload(event)
             return await self._await_upload(event, events, kb, result)
+
+    async def _publish_upload(self, event: DocUploaded) -> None:
+        try:
+            await self.bus.publish(Subject.DOC_UPLOADED, event)
+        except BaseException:
+            if event.object_ref:  # staged for an event that was never sent
+                await self.reg.texts.delete(event.object_ref)
+            raise
 
     async def _await_upload(
         self,
@@ -388,29 +463,41 @@ class GatewayService:
         deadline = time.monotonic() + self.settings.wait_timeout_seconds
         key = f"{event.org_id}.{event.document_id}"
         record: DocumentRecord | None = None
+        revision: int | None = None
         while time.monotonic() < deadline:
-            failed = _drain_failure(events, event.org_id, stage="ingest")
+            failed = _drain_failure(events, event)
             if failed is not None:
-                return result.model_copy(update={"status": "failed", "error": failed.error})
+                # Refused by ingest: the upload itself is at fault, and nothing was stored.
+                raise error_class(failed.error_type)(failed.error)
             record = await self.reg.documents.get(key)
-            if record is not None and record.last_event_id == event.event_id:
-                break
+            if record is not None:
+                revision = record.recent_events.get(event.event_id)
+                if revision is None and record.last_event_id == event.event_id:
+                    revision = record.revision
+                if revision is not None:
+                    break
             await asyncio.sleep(POLL_SECONDS)
         else:
             return result
-        if record is None:  # pragma: no cover - the loop breaks only with a record
+        if record is None or revision is None:  # pragma: no cover - the loop breaks with both
             return result
+        if record.revision > revision:
+            # Another write of this document came after ours and before it was indexed: ours
+            # will never be searchable as such. Said plainly, not waited for until timeout.
+            raise _overtaken(event.document_id or "", revision, record.revision)
         result.revision = record.revision
         result.kb_ids = record.kb_ids
         if record.status == DocStatus.awaiting_ocr:
             return result.model_copy(update={"status": "awaiting_ocr"})
         if record.status == DocStatus.failed:
-            return result.model_copy(update={"status": "failed", "error": record.error})
+            raise InvalidInput(record.error or "the upload failed", field="content")
         if not record.kb_ids:
             return result.model_copy(update={"status": "stored", "chunk_count": 0})
         outcome = await self._await_kbs(
-            events, event.org_id, set(record.kb_ids), set(), record.revision, deadline
+            events, event.org_id, set(record.kb_ids), set(), record.revision, deadline, exact=True
         )
+        if isinstance(outcome, Superseded):
+            raise _overtaken(event.document_id or "", revision, outcome.revision)
         if isinstance(outcome, DocFailed):
             return result.model_copy(update={"status": "failed", "error": outcome.error})
         if outcome is None:
@@ -427,11 +514,14 @@ class GatewayService:
         remove_kbs: set[str],
         revision: int,
         deadline: float,
-    ) -> dict[str, int] | DocFailed | None:
+        *,
+        exact: bool = False,
+    ) -> dict[str, int] | DocFailed | Superseded | None:
         """Wait for doc.indexed from every KB in index_kbs (at `revision` or later) and a
         removal from every KB in remove_kbs. Returns chunk counts, the failure, or None on
-        timeout. Document ids are per org: another org's events for the same id are not
-        ours."""
+        timeout; with `exact`, a KB indexing a later revision (ours was overtaken, so it
+        will never be indexed as such) returns `Superseded`. Document ids are per org:
+        another org's events for the same id are not ours."""
         counts: dict[str, int] = {}
         removed: set[str] = set()
         while (index_kbs - counts.keys()) or (remove_kbs - removed):
@@ -453,12 +543,14 @@ class GatewayService:
             if ev.removed:
                 removed.add(ev.kb_id)
             elif ev.kb_id in index_kbs:
+                if exact and ev.revision > revision:
+                    return Superseded(ev.revision)
                 counts[ev.kb_id] = ev.chunk_count
         return counts
 
     async def get_document(self, p: Principal, document_id: str) -> DocumentView:
         record = await self._document(p, document_id)
-        return await self._document_view(record)
+        return await self._document_view(record, p)
 
     async def list_documents(
         self,
@@ -487,7 +579,7 @@ class GatewayService:
             records = [r for r in records if name_search.lower() in r.name.lower()]
         records.sort(key=lambda r: r.created_at)
         views = await asyncio.gather(
-            *(self._document_view(r) for r in records[skip : skip + limit])
+            *(self._document_view(r, p) for r in records[skip : skip + limit])
         )
         return Page[DocumentView](items=list(views), total=len(records), skip=skip, limit=limit)
 
@@ -495,12 +587,17 @@ class GatewayService:
         self, p: Principal, document_id: str, patch: DocumentPatch, *, wait: bool = True
     ) -> DocumentView:
         """Set tags, collection and/or metadata. The change is sent as the next revision of
-        the record read here; if another change took that revision first, ingest drops ours
-        as stale, so with `wait` it is applied again on the newer record (what the caller
-        asked to set is set, whatever happened meanwhile)."""
+        the record read here, and ingest applies changes in revision order: one that another
+        change overtook is dropped as stale. So every call waits for ingest's verdict (not
+        for indexing, unless `wait`): a dropped change is applied again on the newer record
+        (what the caller asked to set is set), and a change overtaken once applied (so
+        never indexed, or shown, as such) answers 409. Nothing is lost silently."""
         record = await self._document(p, document_id)
         self._check_doc_write(p, record)
-        deadline = time.monotonic() + self.settings.wait_timeout_seconds
+        if patch.metadata is not None:
+            check_metadata(patch.metadata, self.settings.limits)
+        timeout = self.settings.wait_timeout_seconds
+        deadline = time.monotonic() + (timeout if wait else min(timeout, VERDICT_SECONDS))
         for _ in range(PATCH_ATTEMPTS):
             visible, collection = split_tags(record.tags)
             if patch.tags is not None:
@@ -510,12 +607,13 @@ class GatewayService:
                 collection = None
             elif patch.collection is not None:
                 collection = patch.collection
-            _check_labels(visible, collection)
+            check_labels(visible, collection, self.settings.limits)
+            _check_label_prefixes(patch.tags or [])
             tags = join_tags(visible, collection)
             await self._check_tag_scope(p, tags)
             metadata = patch.metadata if patch.metadata is not None else record.metadata
             if tags == record.tags and metadata == record.metadata:
-                return await self._document_view(record)
+                return await self._document_view(record, p)
             revision = record.revision + 1
             event = TagsChanged(
                 org_id=p.org_id,
@@ -523,27 +621,40 @@ class GatewayService:
                 tags=tags,
                 metadata=patch.metadata,
                 revision=revision,
+                scope_kb_ids=p.scope,
             )
-            if not wait:
-                await self.bus.publish(Subject.TAGS_CHANGED, event)
-                return await self._document_view(record)
             async with self.waiter.watch([document_id]) as events:
                 await self.bus.publish(Subject.TAGS_CHANGED, event)
                 updated = await self._await_record(
                     record.key, lambda r, rev=revision: r.revision >= rev, deadline
                 )
                 if updated is None:
-                    break  # timed out, or deleted meanwhile
-                if updated.last_event_id != event.event_id and not _patched(patch, updated):
+                    if wait:
+                        break  # timed out, or deleted meanwhile
+                    return await self._document_view(record, p)  # accepted, not applied yet
+                mine = updated.recent_events.get(event.event_id)
+                if mine is None:
+                    if _patched(patch, updated):
+                        break  # another change set the same: nothing of ours is lost
                     record = updated  # ours was dropped as stale: again, on the newer record
                     self._check_doc_write(p, record)
                     continue
-                if updated.status == DocStatus.ready:
+                if updated.revision > mine:
+                    raise _overtaken(document_id, mine, updated.revision)
+                if wait and updated.status == DocStatus.ready:
                     lost = set(record.kb_ids) - set(updated.kb_ids)
-                    await self._await_kbs(
-                        events, p.org_id, set(updated.kb_ids), lost, updated.revision, deadline
+                    outcome = await self._await_kbs(
+                        events,
+                        p.org_id,
+                        set(updated.kb_ids),
+                        lost,
+                        updated.revision,
+                        deadline,
+                        exact=True,
                     )
-                break
+                    if isinstance(outcome, Superseded):
+                        raise _overtaken(document_id, mine, outcome.revision)
+                return await self._document_view(updated, p)
         else:
             raise Conflict(
                 f"document {document_id!r} keeps changing; try again", field="document_id"
@@ -673,7 +784,7 @@ class GatewayService:
         if p.kb_ids is not None and not set(record.kb_ids) <= set(p.kb_ids):
             raise NotFound(f"document {record.document_id!r} not found", field="document_id")
 
-    async def _document_view(self, record: DocumentRecord) -> DocumentView:
+    async def _document_view(self, record: DocumentRecord, p: Principal) -> DocumentView:
         tags, collection = split_tags(record.tags)
         status = record.status.value
         if record.status == DocStatus.ready:
@@ -690,7 +801,7 @@ class GatewayService:
             mime_type=record.mime_type,
             source_id=record.source_id,
             uri=record.uri,
-            tags=tags,
+            tags=visible_tags(p, tags),
             collection=collection,
             metadata=record.metadata,
             revision=record.revision,
@@ -698,7 +809,7 @@ class GatewayService:
             error=record.error
             or "; ".join(f"KB {k}: {why}" for k, why in sorted(record.kb_errors.items()))
             or None,
-            kb_ids=record.kb_ids,
+            kb_ids=visible_kb_ids(p, record.kb_ids),
             size_bytes=record.size_bytes,
             created_at=record.created_at,
             updated_at=record.updated_at,
@@ -713,7 +824,11 @@ class GatewayService:
             query = query.model_copy(update={"kb_ids": [k.kb_id for k in kbs]})
         request = SearchRequest(**query.model_dump(), org_id=p.org_id, scope_kb_ids=p.scope)
         body = await self._request(Subject.SEARCH_QUERY, request)
-        return SearchResponse.model_validate(body)
+        response = SearchResponse.model_validate(body)
+        if p.kb_ids is not None:
+            for hit in response.hits:
+                hit.tags = visible_tags(p, hit.tags)
+        return response
 
     async def get_chunk(
         self, p: Principal, chunk_id: str, kb: str | None = None, neighbors: int = 0
@@ -775,16 +890,27 @@ def validate_kb(kb: KnowledgeBase) -> None:
             raise InvalidInput(f"tag_ids: invalid tag {tag!r}", field="tag_ids")
 
 
-def _check_labels(tags: list[str], collection: str | None) -> None:
+@dataclass(frozen=True)
+class Superseded:
+    """A later revision of the document was indexed instead of the one waited for."""
+
+    revision: int
+
+
+def _overtaken(document_id: str, mine: int, newer: int) -> Conflict:
+    return Conflict(
+        f"document {document_id!r}: this change (revision {mine}) was overtaken by another "
+        f"request's (revision {newer}) before it was indexed; read the document for its state",
+        field="document_id",
+    )
+
+
+def _check_label_prefixes(tags: list[str]) -> None:
     for tag in tags:
-        if not tag.strip() or len(tag) > 200:
-            raise InvalidInput(f"invalid tag {tag!r}: 1-200 characters", field="tags")
         if tag.startswith(COLLECTION_PREFIX):
             raise InvalidInput(
                 "set collections with `collection`, not a 'collection:' tag", field="tags"
             )
-    if collection is not None and (not collection.strip() or len(collection) > 200):
-        raise InvalidInput("collection must be 1-200 characters", field="collection")
 
 
 def _patched(patch: DocumentPatch, record: DocumentRecord) -> bool:
@@ -802,15 +928,17 @@ def _patched(patch: DocumentPatch, record: DocumentRecord) -> bool:
     return patch.metadata is None or record.metadata == patch.metadata
 
 
-def _drain_failure(events: asyncio.Queue[Any], org_id: str, stage: str) -> DocFailed | None:
+def _drain_failure(events: asyncio.Queue[Any], cause: DocUploaded) -> DocFailed | None:
+    """The failure of `cause` among the queued events (the others stay queued)."""
     pending: list[Any] = []
     failure = None
     while not events.empty():
         ev = events.get_nowait()
         if (
             isinstance(ev, DocFailed)
-            and ev.stage == stage
-            and ev.org_id == org_id
+            and ev.stage == "ingest"
+            and ev.org_id == cause.org_id
+            and ev.cause == cause.event_id
             and failure is None
         ):
             failure = ev

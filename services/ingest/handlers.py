@@ -52,6 +52,7 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
                 stage="ingest",
                 error=str(err),
                 error_type=err.error_type if isinstance(err, KbmeshError) else "InternalError",
+                cause=ev.event_id,
             ),
         )
 
