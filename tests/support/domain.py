@@ -137,7 +137,7 @@ async def settled(rt: Any, *, timeout: float = 60.0) -> None:
 
 
 async def vector_count(rt: Any, kb_id: str, document_id: str | None = None) -> int:
-    store = rt.objects["embed"].store
+    store = rt.store
     flt = Filter(must=(Match("document_id", document_id),)) if document_id else None
     return await store.count(f"kb_{kb_id}", flt)
 
@@ -213,7 +213,7 @@ def expected_chunks(
 
 async def stored_chunks(rt: Any, kb_id: str, document_id: str) -> list[str]:
     """The document's chunk contents in `kb_id`, in chunk order."""
-    store = rt.objects["embed"].store
+    store = rt.store
     hits = await store.scroll(
         f"kb_{kb_id}", Filter(must=(Match("document_id", document_id),)), 1000
     )

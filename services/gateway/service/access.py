@@ -1,11 +1,39 @@
-"""Scope rules for what a KB-scoped key may write and see beyond single documents: the tags
-its KBs match, and the ids of other KBs that a document or a hit would otherwise show."""
+"""Who may see and change what: the access rules of API-key scopes over documents and tags.
+
+A KB-scoped key sees only documents in (or tagged into) its KBs, may change only documents
+wholly inside its scope, cannot tag a document into a KB outside it, cannot give its KBs tags
+that pull in documents it cannot read, and sees no ids of KBs outside it. Anything outside
+the scope is reported as not found, so a scoped key never learns that it exists."""
 
 from __future__ import annotations
 
-from services.common.errors import Forbidden
-from services.common.models import KB_TAG_PREFIX, DocumentRecord, KnowledgeBase
+from services.common.errors import Forbidden, InvalidInput, NotFound
+from services.common.models import KB_TAG_PREFIX, DocumentRecord, KnowledgeBase, check_id
 from services.gateway.auth import Principal
+
+
+def visible(p: Principal, record: DocumentRecord) -> bool:
+    return record.visible_in(p.kb_ids)
+
+
+def check_document_write(p: Principal, record: DocumentRecord) -> None:
+    p.check_write()
+    if not record.writable_in(p.kb_ids):
+        raise NotFound(f"document {record.document_id!r} not found", field="document_id")
+
+
+def check_tag_scope(p: Principal, kbs: list[KnowledgeBase], tags: list[str]) -> None:
+    """Tags are membership: a KB-scoped key cannot tag a document into a KB outside its
+    scope (and is not told which one)."""
+    if p.kb_ids is None or not tags:
+        return
+    for kb in kbs:
+        if not p.can_see(kb.kb_id) and kb.matches(tags):
+            raise Forbidden(
+                "these tags would add the document to a knowledge base outside "
+                "this API key's scope",
+                field="tags",
+            )
 
 
 def check_kb_tags_in_scope(
@@ -52,3 +80,12 @@ def kb_rank(kbs: list[KnowledgeBase], kb_id: str) -> int:
     gateway that races to create KBs agrees which ones are over the limit."""
     ordered = sorted(kbs, key=lambda k: (k.created_at, k.kb_id))
     return next(i for i, k in enumerate(ordered, 1) if k.kb_id == kb_id)
+
+
+def key_safe(value: str) -> bool:
+    """Whether `value` can be a registry key segment (else it names nothing stored)."""
+    try:
+        check_id(value, "id")
+    except InvalidInput:
+        return False
+    return True

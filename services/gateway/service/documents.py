@@ -1,0 +1,442 @@
+"""Documents: uploads, reads, tag/collection/metadata changes and deletes. Documents change
+only through events to ingest; with `wait`, a call returns once the index reflects it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from services.common.bus import Bus
+from services.common.content import (
+    TEXT_TYPES,
+    decode_content,
+    is_supported,
+    normalise_mime,
+    staging_name,
+)
+from services.common.errors import Conflict, InvalidInput, NotFound, error_class
+from services.common.events import DocDeleted, DocFailed, DocUploaded, Subject, TagsChanged
+from services.common.limits import check_document_fields, check_labels, check_metadata
+from services.common.models import (
+    COLLECTION_PREFIX,
+    DocStatus,
+    DocumentRecord,
+    KnowledgeBase,
+    id_unavailable,
+    join_tags,
+    new_id,
+    split_tags,
+)
+from services.common.registry import Registries
+from services.common.settings import Settings
+from services.gateway.auth import Principal
+from services.gateway.schemas import (
+    DeleteResult,
+    DocumentPatch,
+    DocumentView,
+    Page,
+    UploadBody,
+    UploadResult,
+)
+from services.gateway.service.access import (
+    check_document_write,
+    check_tag_scope,
+    key_safe,
+    visible,
+    visible_kb_ids,
+    visible_tags,
+)
+from services.gateway.service.kbs import KnowledgeBases
+from services.gateway.service.waiting import Events, Superseded, Waiting
+
+PATCH_ATTEMPTS = 10
+# How long a PATCH without `wait` waits for ingest to apply (or drop) its change.
+VERDICT_SECONDS = 10.0
+
+
+class Documents:
+    def __init__(
+        self,
+        bus: Bus,
+        registries: Registries,
+        settings: Settings,
+        kbs: KnowledgeBases,
+        waiting: Waiting,
+    ) -> None:
+        self.bus = bus
+        self.reg = registries
+        self.settings = settings
+        self.kbs = kbs
+        self.waiting = waiting
+
+    async def upload(
+        self, p: Principal, body: UploadBody, kb_ref: str | None = None, *, wait: bool = False
+    ) -> UploadResult:
+        kb_ref = kb_ref or body.kb_id
+        kb = await self.kbs.resolve(p, kb_ref, write=True) if kb_ref else None
+        if kb is None:
+            p.check_org_wide_write()
+        mime = normalise_mime(body.mime_type, body.name)
+        if not is_supported(mime):
+            raise InvalidInput(f"unsupported mime_type {mime!r}", field="mime_type")
+        data = decode_content(body.content, body.content_encoding, self.settings.max_content_bytes)
+        check_document_fields(
+            name=body.name,
+            source_id=body.source_id,
+            uri=body.uri,
+            tags=body.tags,
+            collection=body.collection,
+            metadata=body.metadata,
+            limits=self.settings.limits,
+        )
+        _check_label_prefixes(body.tags)
+        if mime in TEXT_TYPES and not data.strip():
+            raise InvalidInput(
+                "the document has no text (empty or whitespace only)", field="content"
+            )
+        await self._check_tag_scope(p, body.tags)
+        document_id = body.document_id or new_id()
+        if body.document_id:
+            # Checked here for a quick answer; ingest checks again when it writes (the event
+            # carries the scope), so a document moved meanwhile is safe too.
+            existing = await self.reg.documents.get(f"{p.org_id}.{document_id}")
+            if existing is not None and not existing.writable_in(p.scope):
+                raise id_unavailable(document_id)
+        event = DocUploaded(
+            org_id=p.org_id,
+            document_id=document_id,
+            name=body.name,
+            mime_type=mime,
+            source_id=body.source_id,
+            uri=body.uri,
+            tags=body.tags,
+            collection=body.collection,
+            metadata=body.metadata,
+            kb_id=kb.kb_id if kb else None,
+            scope_kb_ids=p.scope,
+        )
+        if len(data) <= self.settings.inline_content_bytes:
+            event.content, event.content_encoding = body.content, body.content_encoding
+        else:
+            event.object_ref = staging_name(p.org_id, event.event_id)
+            await self.reg.texts.put(event.object_ref, data)
+        result = UploadResult(document_id=document_id, name=body.name, status="processing")
+        if not wait:
+            await self._publish_upload(event)
+            return result
+        async with self.waiting.watch([document_id]) as events:
+            await self._publish_upload(event)
+            return await self._await_upload(event, events, kb, result)
+
+    async def _publish_upload(self, event: DocUploaded) -> None:
+        try:
+            await self.bus.publish(Subject.DOC_UPLOADED, event)
+        except BaseException:
+            if event.object_ref:  # staged for an event that was never sent
+                await self.reg.texts.delete(event.object_ref)
+            raise
+
+    async def _await_upload(
+        self,
+        event: DocUploaded,
+        events: Events,
+        kb: KnowledgeBase | None,
+        result: UploadResult,
+    ) -> UploadResult:
+        deadline = self.waiting.deadline()
+        found = await self.waiting.record(
+            f"{event.org_id}.{event.document_id}",
+            lambda r: _revision_of(r, event.event_id) is not None,
+            deadline,
+            events,
+            event,
+        )
+        if isinstance(found, DocFailed):
+            # Refused by ingest: the upload itself is at fault, and nothing was stored.
+            raise error_class(found.error_type)(found.error)
+        if found is None:
+            return result
+        record = found
+        revision = _revision_of(record, event.event_id) or record.revision
+        if record.revision > revision:
+            # Another write of this document came after ours and before it was indexed: ours
+            # will never be searchable as such. Said plainly, not waited for until timeout.
+            raise _overtaken(record.document_id, revision, record.revision)
+        result.revision = record.revision
+        result.kb_ids = record.kb_ids
+        if record.status == DocStatus.awaiting_ocr:
+            return result.model_copy(update={"status": "awaiting_ocr"})
+        if record.status == DocStatus.failed:
+            raise InvalidInput(record.error or "the upload failed", field="content")
+        if not record.kb_ids:
+            return result.model_copy(update={"status": "stored", "chunk_count": 0})
+        outcome = await self.waiting.indexed(
+            events, event.org_id, set(record.kb_ids), set(), revision, deadline, exact=True
+        )
+        if isinstance(outcome, Superseded):
+            raise _overtaken(record.document_id, revision, outcome.revision)
+        if isinstance(outcome, DocFailed):
+            return result.model_copy(update={"status": "failed", "error": outcome.error})
+        if outcome is None:
+            return result
+        counts = outcome
+        chunk_count = counts.get(kb.kb_id, 0) if kb else sum(counts.values())
+        return result.model_copy(update={"status": "complete", "chunk_count": chunk_count})
+
+    async def get(self, p: Principal, document_id: str) -> DocumentView:
+        record = await self._record(p, document_id)
+        return await self._view(record, p)
+
+    async def page(
+        self,
+        p: Principal,
+        *,
+        kb: str | None = None,
+        tag: str | None = None,
+        collection: str | None = None,
+        source_id: str | None = None,
+        name_search: str | None = None,
+        skip: int = 0,
+        limit: int = 50,
+    ) -> Page[DocumentView]:
+        records = await self.reg.documents.list(f"{p.org_id}.")
+        if kb:
+            kb_obj = await self.kbs.resolve(p, kb)
+            records = [r for r in records if kb_obj.matches(r.tags)]
+        records = [r for r in records if visible(p, r)]
+        if tag:
+            records = [r for r in records if tag in r.tags]
+        if collection:
+            records = [r for r in records if split_tags(r.tags)[1] == collection]
+        if source_id:
+            records = [r for r in records if r.source_id == source_id]
+        if name_search:
+            records = [r for r in records if name_search.lower() in r.name.lower()]
+        records.sort(key=lambda r: r.created_at)
+        views = await asyncio.gather(*(self._view(r, p) for r in records[skip : skip + limit]))
+        return Page[DocumentView](items=list(views), total=len(records), skip=skip, limit=limit)
+
+    async def patch(
+        self, p: Principal, document_id: str, patch: DocumentPatch, *, wait: bool = True
+    ) -> DocumentView:
+        """Set tags, collection and/or metadata. The change is sent as the next revision of
+        the record read here, and ingest applies changes in revision order: one that another
+        change overtook is dropped as stale. So every call waits for ingest's verdict (not
+        for indexing, unless `wait`): a dropped change is applied again on the newer record
+        (what the caller asked to set is set), and one overtaken once applied (so never
+        indexed, or shown, as such) answers 409. Nothing is lost silently."""
+        record = await self._record(p, document_id)
+        check_document_write(p, record)
+        if patch.metadata is not None:
+            check_metadata(patch.metadata, self.settings.limits)
+        deadline = self.waiting.deadline()
+        if not wait:
+            deadline = min(deadline, time.monotonic() + VERDICT_SECONDS)
+        for _ in range(PATCH_ATTEMPTS):
+            labels, collection = split_tags(record.tags)
+            if patch.tags is not None:
+                # Implicit KB tags stay: they are membership, not labels the caller manages.
+                labels = [t for t in labels if t.startswith("kb:")] + patch.tags
+            if patch.clear_collection:
+                collection = None
+            elif patch.collection is not None:
+                collection = patch.collection
+            check_labels(labels, collection, self.settings.limits)
+            _check_label_prefixes(patch.tags or [])
+            tags = join_tags(labels, collection)
+            await self._check_tag_scope(p, tags)
+            metadata = patch.metadata if patch.metadata is not None else record.metadata
+            if tags == record.tags and metadata == record.metadata:
+                return await self._view(record, p)
+            revision = record.revision + 1
+            event = TagsChanged(
+                org_id=p.org_id,
+                document_id=document_id,
+                tags=tags,
+                metadata=patch.metadata,
+                revision=revision,
+                scope_kb_ids=p.scope,
+            )
+            async with self.waiting.watch([document_id]) as events:
+                await self.bus.publish(Subject.TAGS_CHANGED, event)
+                updated = await self.waiting.record(record.key, _at_least(revision), deadline)
+                if not isinstance(updated, DocumentRecord):
+                    if wait:
+                        break  # timed out, or deleted meanwhile
+                    return await self._view(record, p)  # accepted, not applied yet
+                mine = _revision_of(updated, event.event_id)
+                if mine is None:
+                    if _patched(patch, updated):
+                        break  # another change set the same: nothing of ours is lost
+                    record = updated  # ours was dropped as stale: again, on the newer record
+                    check_document_write(p, record)
+                    continue
+                if updated.revision > mine:
+                    raise _overtaken(document_id, mine, updated.revision)
+                if wait and updated.status == DocStatus.ready:
+                    lost = set(record.kb_ids) - set(updated.kb_ids)
+                    outcome = await self.waiting.indexed(
+                        events,
+                        p.org_id,
+                        set(updated.kb_ids),
+                        lost,
+                        mine,
+                        deadline,
+                        exact=True,
+                    )
+                    if isinstance(outcome, Superseded):
+                        raise _overtaken(document_id, mine, outcome.revision)
+                return await self._view(updated, p)
+        else:
+            raise Conflict(
+                f"document {document_id!r} keeps changing; try again", field="document_id"
+            )
+        return await self.get(p, document_id)
+
+    async def delete(self, p: Principal, document_id: str, *, wait: bool = True) -> DeleteResult:
+        if not document_id.strip():
+            raise InvalidInput("document_id must not be empty", field="document_id")
+        try:
+            record = await self._record(p, document_id)
+        except NotFound:
+            return DeleteResult(status="not_found", deleted_count=0, document_id=document_id)
+        check_document_write(p, record)
+        await self._delete(
+            [record], DocDeleted(org_id=p.org_id, document_ids=[document_id]), wait=wait
+        )
+        return DeleteResult(
+            status="deleted",
+            deleted_count=1,
+            document_id=document_id,
+            title=record.name,
+            document_ids=[document_id],
+        )
+
+    async def delete_source(
+        self, p: Principal, source_id: str, *, wait: bool = True
+    ) -> DeleteResult:
+        if not source_id.strip():
+            raise InvalidInput("source_id must not be empty", field="source_id")
+        # Only what the caller can see: a scoped key never learns of documents outside it.
+        records = [
+            r
+            for r in await self.reg.documents.list(f"{p.org_id}.")
+            if r.source_id == source_id and visible(p, r)
+        ]
+        for record in records:
+            check_document_write(p, record)
+        if records:
+            await self._delete(
+                records,
+                DocDeleted(org_id=p.org_id, document_ids=[r.document_id for r in records]),
+                wait=wait,
+            )
+        return DeleteResult(
+            status="deleted" if records else "not_found",
+            deleted_count=len(records),
+            document_ids=[r.document_id for r in records],
+        )
+
+    async def find_by_uri(self, p: Principal, uri: str) -> DocumentRecord | None:
+        for r in await self.reg.documents.list(f"{p.org_id}."):
+            if r.uri == uri and visible(p, r):
+                return r
+        return None
+
+    async def _delete(
+        self, records: list[DocumentRecord], event: DocDeleted, *, wait: bool
+    ) -> None:
+        if not wait:
+            await self.bus.publish(Subject.DOC_DELETED, event)
+            return
+        async with self.waiting.watch([r.document_id for r in records]) as events:
+            await self.bus.publish(Subject.DOC_DELETED, event)
+            await self.waiting.removed(events, event.org_id, records, self.waiting.deadline())
+
+    async def _record(self, p: Principal, document_id: str) -> DocumentRecord:
+        record = (
+            await self.reg.documents.get(f"{p.org_id}.{document_id}")
+            if key_safe(document_id)
+            else None
+        )
+        if record is None or not visible(p, record):
+            raise NotFound(f"document {document_id!r} not found", field="document_id")
+        return record
+
+    async def _check_tag_scope(self, p: Principal, tags: list[str]) -> None:
+        if p.kb_ids is not None and tags:
+            check_tag_scope(p, await self.reg.kbs.list(f"{p.org_id}."), tags)
+
+    async def _view(self, record: DocumentRecord, p: Principal) -> DocumentView:
+        tags, collection = split_tags(record.tags)
+        status = record.status.value
+        if record.status == DocStatus.ready:
+            entries = await asyncio.gather(
+                *(self.reg.index.get(f"{k}.{record.document_id}") for k in record.kb_ids)
+            )
+            done = all(e is not None and e.revision >= record.revision for e in entries)
+            status = "complete" if done else "processing"
+            if record.kb_errors:
+                status = "failed"
+        return DocumentView(
+            document_id=record.document_id,
+            name=record.name,
+            mime_type=record.mime_type,
+            source_id=record.source_id,
+            uri=record.uri,
+            tags=visible_tags(p, tags),
+            collection=collection,
+            metadata=record.metadata,
+            revision=record.revision,
+            status=status,
+            error=record.error
+            or "; ".join(f"KB {k}: {why}" for k, why in sorted(record.kb_errors.items()))
+            or None,
+            kb_ids=visible_kb_ids(p, record.kb_ids),
+            size_bytes=record.size_bytes,
+            created_at=record.created_at,
+            updated_at=record.updated_at,
+        )
+
+
+def _at_least(revision: int) -> Callable[[DocumentRecord], bool]:
+    return lambda record: record.revision >= revision
+
+
+def _check_label_prefixes(tags: list[str]) -> None:
+    for tag in tags:
+        if tag.startswith(COLLECTION_PREFIX):
+            raise InvalidInput(
+                "set collections with `collection`, not a 'collection:' tag", field="tags"
+            )
+
+
+def _revision_of(record: DocumentRecord, event_id: str) -> int | None:
+    """The revision that `event_id` made, if it is one of the record's recent changes."""
+    if record.last_event_id == event_id:
+        return record.recent_events.get(event_id, record.revision)
+    return record.recent_events.get(event_id)
+
+
+def _overtaken(document_id: str, mine: int, newer: int) -> Conflict:
+    return Conflict(
+        f"document {document_id!r}: this change (revision {mine}) was overtaken by another "
+        f"request's (revision {newer}) before it was indexed; read the document for its state",
+        field="document_id",
+    )
+
+
+def _patched(patch: DocumentPatch, record: DocumentRecord) -> bool:
+    """Whether `record` already has what `patch` sets (by this or another change)."""
+    shown, collection = split_tags(record.tags)
+    if patch.tags is not None:
+        labels = {t for t in shown if not t.startswith("kb:")}
+        wanted = set(patch.tags)
+        if labels != {t for t in wanted if not t.startswith("kb:")} or not wanted <= set(shown):
+            return False
+    if patch.clear_collection and collection is not None:
+        return False
+    if not patch.clear_collection and patch.collection not in (None, collection):
+        return False
+    return patch.metadata is None or record.metadata == patch.metadata
