@@ -179,6 +179,9 @@ class DocumentRecord(BaseModel):
     error: str | None = None
     kb_ids: list[str] = Field(default_factory=list, description="KBs the document belongs to")
     last_event_id: str | None = None
+    upload_event_id: str | None = Field(
+        None, description="the upload whose content the document holds"
+    )
     recent_events: dict[str, int] = Field(
         default_factory=dict,
         description="event id → revision it made, for the last few changes: a waiting caller "

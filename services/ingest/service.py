@@ -133,6 +133,7 @@ class IngestService:
                 record.kb_ids = existing.kb_ids
                 record.recent_events = dict(existing.recent_events)
             record.applied(ev.event_id)
+            record.upload_event_id = ev.event_id
             if text is None:
                 record.status = DocStatus.awaiting_ocr
                 await self._save(record, last)

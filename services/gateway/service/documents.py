@@ -48,7 +48,7 @@ from services.gateway.service.access import (
     visible_tags,
 )
 from services.gateway.service.kbs import KnowledgeBases
-from services.gateway.service.waiting import Events, Superseded, Waiting
+from services.gateway.service.waiting import Events, Waiting
 
 PATCH_ATTEMPTS = 10
 # How long a PATCH without `wait` waits for ingest to apply (or drop) its change.
@@ -147,7 +147,9 @@ class Documents:
         deadline = self.waiting.deadline()
         found = await self.waiting.record(
             f"{event.org_id}.{event.document_id}",
-            lambda r: _revision_of(r, event.event_id) is not None,
+            lambda r: (
+                _revision_of(r, event.event_id) is not None or r.upload_event_id == event.event_id
+            ),
             deadline,
             events,
             event,
@@ -159,9 +161,9 @@ class Documents:
             return result
         record = found
         revision = _revision_of(record, event.event_id) or record.revision
-        if record.revision > revision:
-            # Another write of this document came after ours and before it was indexed: ours
-            # will never be searchable as such. Said plainly, not waited for until timeout.
+        if record.upload_event_id != event.event_id:
+            # Another upload replaced ours before it was indexed: ours will never be
+            # searchable. Said plainly, not waited for until the timeout.
             raise _overtaken(record.document_id, revision, record.revision)
         result.revision = record.revision
         result.kb_ids = record.kb_ids
@@ -172,10 +174,11 @@ class Documents:
         if not record.kb_ids:
             return result.model_copy(update={"status": "stored", "chunk_count": 0})
         outcome = await self.waiting.indexed(
-            events, event.org_id, set(record.kb_ids), set(), revision, deadline, exact=True
+            events, event.org_id, set(record.kb_ids), set(), revision, deadline
         )
-        if isinstance(outcome, Superseded):
-            raise _overtaken(record.document_id, revision, outcome.revision)
+        current = await self.reg.documents.get(record.key)
+        if current is not None and current.upload_event_id != event.event_id:
+            raise _overtaken(record.document_id, revision, current.revision)
         if isinstance(outcome, DocFailed):
             return result.model_copy(update={"status": "failed", "error": outcome.error})
         if outcome is None:
@@ -224,8 +227,8 @@ class Documents:
         the record read here, and ingest applies changes in revision order: one that another
         change overtook is dropped as stale. So every call waits for ingest's verdict (not
         for indexing, unless `wait`): a dropped change is applied again on the newer record
-        (what the caller asked to set is set), and one overtaken once applied (so never
-        indexed, or shown, as such) answers 409. Nothing is lost silently."""
+        (what the caller asked to set is set); one applied and then overwritten by a later
+        change of the same field answers 409. Nothing is lost silently."""
         record = await self._record(p, document_id)
         check_document_write(p, record)
         if patch.metadata is not None:
@@ -272,22 +275,19 @@ class Documents:
                     record = updated  # ours was dropped as stale: again, on the newer record
                     check_document_write(p, record)
                     continue
-                if updated.revision > mine:
-                    raise _overtaken(document_id, mine, updated.revision)
                 if wait and updated.status == DocStatus.ready:
                     lost = set(record.kb_ids) - set(updated.kb_ids)
-                    outcome = await self.waiting.indexed(
-                        events,
-                        p.org_id,
-                        set(updated.kb_ids),
-                        lost,
-                        mine,
-                        deadline,
-                        exact=True,
+                    await self.waiting.indexed(
+                        events, p.org_id, set(updated.kb_ids), lost, mine, deadline
                     )
-                    if isinstance(outcome, Superseded):
-                        raise _overtaken(document_id, mine, outcome.revision)
-                return await self._view(updated, p)
+                # Applied in order; later changes build on it. The answer is the document
+                # now, as long as it still holds what this call set: a later change of the
+                # same field won (last writer wins), and this call says so instead of
+                # showing another request's value as its own.
+                current = await self.reg.documents.get(record.key) or updated
+                if not _patched(patch, current):
+                    raise _overtaken(document_id, mine, current.revision)
+                return await self._view(current, p)
         else:
             raise Conflict(
                 f"document {document_id!r} keeps changing; try again", field="document_id"
@@ -421,8 +421,9 @@ def _revision_of(record: DocumentRecord, event_id: str) -> int | None:
 
 def _overtaken(document_id: str, mine: int, newer: int) -> Conflict:
     return Conflict(
-        f"document {document_id!r}: this change (revision {mine}) was overtaken by another "
-        f"request's (revision {newer}) before it was indexed; read the document for its state",
+        f"document {document_id!r}: this change (revision {mine}) was overwritten by another "
+        f"request's (revision {newer}) before it could be confirmed; read the document for "
+        "its state",
         field="document_id",
     )
 

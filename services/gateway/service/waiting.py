@@ -10,7 +10,6 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import nats
 from nats.aio.msg import Msg
@@ -23,13 +22,6 @@ from services.common.registry import Registries
 
 POLL_SECONDS = 0.05
 Events = asyncio.Queue[DocIndexed | DocFailed]
-
-
-@dataclass(frozen=True)
-class Superseded:
-    """A later revision of the document was indexed instead of the one waited for."""
-
-    revision: int
 
 
 class IndexWaiter:
@@ -123,14 +115,11 @@ class Waiting:
         remove_kbs: set[str],
         revision: int,
         deadline: float,
-        *,
-        exact: bool = False,
-    ) -> dict[str, int] | DocFailed | Superseded | None:
+    ) -> dict[str, int] | DocFailed | None:
         """Wait for doc.indexed from every KB in index_kbs (at `revision` or later) and a
         removal from every KB in remove_kbs. Returns chunk counts, the failure, or None on
-        timeout; with `exact`, a KB indexing a later revision (ours was overtaken, so it
-        will never be indexed as such) returns `Superseded`. Document ids are per org:
-        another org's events for the same id are not ours."""
+        timeout. Document ids are per org: another org's events for the same id are not
+        ours."""
         counts: dict[str, int] = {}
         removed: set[str] = set()
         while (index_kbs - counts.keys()) or (remove_kbs - removed):
@@ -152,8 +141,6 @@ class Waiting:
             if ev.removed:
                 removed.add(ev.kb_id)
             elif ev.kb_id in index_kbs:
-                if exact and ev.revision > revision:
-                    return Superseded(ev.revision)
                 counts[ev.kb_id] = ev.chunk_count
         return counts
 
