@@ -15,9 +15,10 @@ from opentelemetry.trace import SpanKind
 from starlette.routing import Route
 
 from services.common.errors import KbmeshError
-from services.gateway.api import documents, kbs, search, tools
+from services.gateway.api import deadletters, documents, kbs, search, tools
 from services.gateway.auth import KeyResolver
 from services.gateway.bodyguard import JsonBodyGuard
+from services.gateway.console import mount_console
 from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
 
@@ -115,6 +116,7 @@ def create_app(
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(deadletters.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))
         mcp_http = mcp.streamable_http_app(streamable_http_path="/")
@@ -123,4 +125,5 @@ def create_app(
             Route("/mcp", MountRoot(mcp_http, "/mcp"), methods=["GET", "POST", "DELETE"])
         )
         app.mount("/mcp", mcp_http)
+    mount_console(app)
     return app
