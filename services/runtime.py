@@ -140,10 +140,17 @@ async def _wire(rt: Runtime) -> None:
     if "search" in rt.services:
         from services.search.handlers import DEFAULT_MAX_PAYLOAD
         from services.search.handlers import create_router as search_router
+        from services.search.rerank import LiteLLMReranker
         from services.search.service import SearchService
 
         rt.search = SearchService(
-            rt.registries, require_store(rt), rt.embedders, rt.settings.search
+            rt.registries,
+            require_store(rt),
+            rt.embedders,
+            rt.settings.search,
+            reranker=LiteLLMReranker(
+                rt.settings.search.rerank_timeout_seconds, egress=egress_policy(rt.settings)
+            ),
         )
         rt.bus.broker.include_router(
             search_router(

@@ -84,7 +84,10 @@ class KnowledgeBases:
 
     async def resolve(self, p: Principal, ref: str, *, write: bool = False) -> KnowledgeBase:
         """A KB id or name, within the caller's org and scope (else 404)."""
-        kb = await self.reg.kbs.get(f"{p.org_id}.{ref}") if key_safe(ref) else None
+        key = f"{p.org_id}.{ref}"
+        # Reads resolve from the live mirror (as names already do); writes from the bucket.
+        lookup = self.reg.kbs.get if write else self.reg.kbs.lookup
+        kb = await lookup(key) if key_safe(ref) else None
         if kb is None:
             kb = next((k for k in await self.reg.kbs.list(f"{p.org_id}.") if k.name == ref), None)
         if kb is None and ref == self.settings.default_kb and p.kb_ids is None:
@@ -104,6 +107,10 @@ class KnowledgeBases:
         self._check_count(await self.reg.kbs.list(f"{p.org_id}."), body.name)
         await asyncio.to_thread(validate_kb, kb)
         await check_model(kb.embedding_model, kb.api_base, egress_policy(self.settings))
+        if kb.rerank_api_base:
+            await egress_policy(self.settings).check_url(
+                kb.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
+            )
         # Check and create under the org's lock (one gateway), then check the rank among
         # what exists (gateways racing each other agree on who is over the limit).
         async with self._locks.setdefault(p.org_id, asyncio.Lock()):
@@ -151,7 +158,8 @@ class KnowledgeBases:
             others = await self.reg.kbs.list(f"{p.org_id}.")
             if any(k.name == changes["name"] for k in others):
                 raise Conflict(f"a knowledge base named {changes['name']!r} exists", field="name")
-        update = {k: v for k, v in changes.items() if v is not None or k == "api_base"}
+        nullable = ("api_base", "rerank_model", "rerank_api_base")
+        update = {k: v for k, v in changes.items() if v is not None or k in nullable}
         added = sorted(set(update.get("tag_ids", kb.tag_ids)) - set(kb.tag_ids))
         if added:
             check_kb_tags_in_scope(
@@ -186,6 +194,10 @@ class KnowledgeBases:
         if (checked.embedding_model, checked.api_base) != (kb.embedding_model, kb.api_base):
             await check_model(
                 checked.embedding_model, checked.api_base, egress_policy(self.settings)
+            )
+        if checked.rerank_api_base and checked.rerank_api_base != kb.rerank_api_base:
+            await egress_policy(self.settings).check_url(
+                checked.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
             )
         old, updated = await self._change(p.org_id, kb.kb_id, apply)
         if set(updated.tag_ids) != set(old.tag_ids):
