@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from services.gateway.mcp import KbmeshMCP
     from services.gateway.service import GatewayService
     from services.ingest.service import IngestService
+    from services.search.ask import AskService
     from services.search.service import SearchService
 
 log = logging.getLogger("kbmesh")
@@ -53,6 +54,7 @@ class Runtime:
     ingest: IngestService | None = None
     embed: EmbedService | None = None
     search: SearchService | None = None
+    ask: AskService | None = None
     gateway: GatewayService | None = None
 
     async def close(self) -> None:
@@ -138,6 +140,7 @@ async def _wire(rt: Runtime) -> None:
             embed_router(rt.bus, rt.embed, concurrency=rt.settings.embed_concurrency)
         )
     if "search" in rt.services:
+        from services.search.ask import AskService
         from services.search.handlers import DEFAULT_MAX_PAYLOAD
         from services.search.handlers import create_router as search_router
         from services.search.rerank import LiteLLMReranker
@@ -152,10 +155,21 @@ async def _wire(rt: Runtime) -> None:
                 rt.settings.search.rerank_timeout_seconds, egress=egress_policy(rt.settings)
             ),
         )
+        rt.ask = AskService(
+            rt.registries,
+            rt.search,
+            rt.settings.ask,
+            # Read per call: the policy is the operator's settings as they stand.
+            check_api_base=lambda url: egress_policy(rt.settings).check_url(
+                url, field="api_base", what="call the chat model at"
+            ),
+        )
         rt.bus.broker.include_router(
             search_router(
                 rt.search,
+                rt.ask,
                 concurrency=rt.settings.search.concurrency,
+                ask_concurrency=rt.settings.ask.concurrency,
                 max_payload=lambda: rt.bus.nc.max_payload if rt.bus.nc else DEFAULT_MAX_PAYLOAD,
             )
         )

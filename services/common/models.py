@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Collection
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -207,23 +208,25 @@ class DocumentRecord(BaseModel):
         while len(self.recent_events) > RECENT_EVENTS:
             del self.recent_events[next(iter(self.recent_events))]
 
-    def visible_in(self, scope: list[str] | tuple[str, ...] | None) -> bool:
-        """Whether a key limited to the KBs `scope` (None: unlimited) can read the document:
-        it is in one of them, or tagged into one of them."""
-        if scope is None:
-            return True
-        return bool(set(scope) & set(self.kb_ids)) or any(kb_tag(k) in self.tags for k in scope)
-
     def writable_in(self, scope: list[str] | tuple[str, ...] | None) -> bool:
         """Whether such a key may replace or change it: visible, and in no KB outside scope."""
         if scope is None:
             return True
         outside = {t.removeprefix(KB_TAG_PREFIX) for t in self.tags if t.startswith(KB_TAG_PREFIX)}
-        return self.visible_in(scope) and (set(self.kb_ids) | outside) <= set(scope)
+        return self.in_scope(scope) and (set(self.kb_ids) | outside) <= set(scope)
 
     @property
     def text_object(self) -> str:
         return f"{self.org_id}/{self.document_id}/text"
+
+    def in_scope(self, kb_ids: Collection[str] | None) -> bool:
+        """Whether a caller limited to `kb_ids` (None: every KB) may see this document: it
+        is in one of them, or tagged into one."""
+        return (
+            kb_ids is None
+            or bool(set(kb_ids) & set(self.kb_ids))
+            or any(kb_tag(k) in self.tags for k in kb_ids)
+        )
 
 
 class IndexEntry(BaseModel):

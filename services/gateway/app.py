@@ -16,7 +16,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.errors import KbmeshError
-from services.gateway.api import deadletters, documents, kbs, search, tools
+from services.gateway.api import answers, deadletters, documents, kbs, search, tools
 from services.gateway.auth import KeyResolver
 from services.gateway.bodyguard import JsonBodyGuard
 from services.gateway.console import mount_console
@@ -138,6 +138,7 @@ def create_app(
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(answers.router)
     app.include_router(deadletters.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))

@@ -13,7 +13,7 @@ from services.gateway.auth import Principal
 
 
 def visible(p: Principal, record: DocumentRecord) -> bool:
-    return record.visible_in(p.kb_ids)
+    return record.in_scope(p.kb_ids)
 
 
 def check_document_write(p: Principal, record: DocumentRecord) -> None:
@@ -52,7 +52,7 @@ def check_kb_tags_in_scope(
             )
     wanted = set(tag_ids)
     for record in documents:
-        if wanted & set(record.tags) and not record.visible_in(p.kb_ids):
+        if wanted & set(record.tags) and not record.in_scope(p.kb_ids):
             raise Forbidden(
                 "tag_ids: these tags would add documents this API key cannot read to "
                 f"knowledge base {kb_id!r}",
