@@ -92,7 +92,7 @@ def create_app(
         description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
         lifespan=lifespan,
     )
-    app.add_middleware(JsonBodyGuard, media_type=PROBLEM)
+    app.add_middleware(JsonBodyGuard)
     app.state.service = service
     app.state.keys = keys
 

@@ -17,6 +17,8 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from services.gateway.api.problems import problem
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -29,10 +31,9 @@ _METHODS = {"POST", "PUT", "PATCH"}
 
 
 class JsonBodyGuard:
-    def __init__(self, app: ASGIApp, *, max_depth: int = MAX_DEPTH, media_type: str) -> None:
+    def __init__(self, app: ASGIApp, *, max_depth: int = MAX_DEPTH) -> None:
         self.app = app
         self.max_depth = max_depth
-        self.media_type = media_type
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _METHODS or not _is_json(scope):
@@ -48,9 +49,9 @@ class JsonBodyGuard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        problem = self.inspect(body)
-        if problem is not None:
-            await self._refuse(send, *problem)
+        found = self.inspect(body)
+        if found is not None:
+            await self._refuse(scope, receive, send, *found)
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -68,29 +69,17 @@ class JsonBodyGuard:
             return None  # not JSON at all: the route's own parsing says so
         return _walk(value, self.max_depth)
 
-    async def _refuse(self, send: Send, field: str, message: str) -> None:
-        payload = json.dumps(
-            {
-                "type": "urn:kbmesh:error:ValidationError",
-                "title": "ValidationError",
-                "status": 422,
-                "detail": message,
-                "error_type": "ValidationError",
-                "field": field,
-                "errors": [{"field": field, "message": message}],
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 422,
-                "headers": [
-                    (b"content-type", self.media_type.encode()),
-                    (b"content-length", str(len(payload)).encode()),
-                ],
-            }
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, field: str, message: str
+    ) -> None:
+        response = problem(
+            422,
+            "ValidationError",
+            message,
+            field=field,
+            errors=[{"field": field, "message": message}],
         )
-        await send({"type": "http.response.body", "body": payload})
+        await response(scope, receive, send)
 
 
 def _walk(value: Any, max_depth: int) -> tuple[str, str] | None:
