@@ -95,6 +95,7 @@ async def build_runtime(
     url = settings.nats_url
     if embedded_nats or not url:
         nats_server = NatsServer(settings.data_dir / "nats").start()
+        nats_server.supervise()
         url = nats_server.url
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         (settings.data_dir / "nats.url").write_text(url)
@@ -192,7 +193,9 @@ def gateway_app(rt: Runtime) -> FastAPI:
         raise RuntimeError("this runtime does not run the gateway")
     keys = api_keys(rt)
     mcp = create_mcp(rt.gateway, keys=keys) if rt.settings.toolsets else None
-    return create_app(rt.gateway, keys, mcp=mcp, ready=rt.ready, services=rt.services)
+    return create_app(
+        rt.gateway, keys, mcp=mcp, ready=rt.ready, services=rt.services, nats_server=rt.nats
+    )
 
 
 def stdio_mcp(rt: Runtime, principal: Principal) -> KbmeshMCP:

@@ -17,7 +17,12 @@ class BusSettings(BaseModel):
         default_factory=lambda: [0.5, 2.0, 5.0, 15.0],
         description="redelivery delays for transient errors, one per retry",
     )
-    ack_wait_seconds: float = Field(120.0, gt=0, description="redelivery when a worker dies")
+    ack_wait_seconds: float = Field(
+        10.0,
+        ge=3,
+        description="redelivery when a worker dies; a working handler reports progress "
+        "every third of it, so long work is never redelivered while it runs",
+    )
     stream_max_age_days: float = Field(7.0, gt=0)
     replicas: int = Field(
         1, ge=1, le=5, description="JetStream replicas of streams, buckets and the object store"
