@@ -22,6 +22,7 @@ from services.common.natsproc import NatsServer
 from services.gateway.api import answers, deadletters, documents, kbs, search, tools
 from services.gateway.api.problems import http_error_type, openapi_document, problem
 from services.gateway.auth import KeyResolver
+from services.gateway.bodyguard import JsonBodyGuard
 from services.gateway.console import mount_console
 from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
@@ -91,6 +92,7 @@ def create_app(
         description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
         lifespan=lifespan,
     )
+    app.add_middleware(JsonBodyGuard)
     app.state.service = service
     app.state.keys = keys
 
