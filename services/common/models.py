@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
+from services.common.errors import Conflict
 from services.common.settings import DEFAULT_MODEL
 
 # KB settings the chunker and search accept (the request models publish the same bounds).
@@ -17,10 +18,20 @@ MAX_NEIGHBORS = 5
 KB_TAG_PREFIX = "kb:"
 COLLECTION_PREFIX = "collection:"
 DEFAULT_SOURCE = "user-provided"
+RECENT_EVENTS = 16
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def id_unavailable(document_id: str) -> Conflict:
+    """The one answer for a document id a caller may not use, whether another request just
+    took it or it names a document outside the caller's scope: the two must look alike, or
+    the answer would tell a scoped key which ids exist elsewhere."""
+    return Conflict(
+        f"document_id {document_id!r} is not available; choose another id", field="document_id"
+    )
 
 
 def kb_tag(kb_id: str) -> str:
@@ -194,6 +205,14 @@ class DocumentRecord(BaseModel):
     error: str | None = None
     kb_ids: list[str] = Field(default_factory=list, description="KBs the document belongs to")
     last_event_id: str | None = None
+    upload_event_id: str | None = Field(
+        None, description="the upload whose content the document holds"
+    )
+    recent_events: dict[str, int] = Field(
+        default_factory=dict,
+        description="event id → revision it made, for the last few changes: a waiting caller "
+        "finds its own change, and a late redelivery is recognised after newer changes",
+    )
     kb_errors: dict[str, str] = Field(
         default_factory=dict, description="KB id → why indexing this revision there failed"
     )
@@ -203,6 +222,20 @@ class DocumentRecord(BaseModel):
     @property
     def key(self) -> str:
         return f"{self.org_id}.{self.document_id}"
+
+    def applied(self, event_id: str) -> None:
+        """Record that `event_id` made the current revision."""
+        self.last_event_id = event_id
+        self.recent_events[event_id] = self.revision
+        while len(self.recent_events) > RECENT_EVENTS:
+            del self.recent_events[next(iter(self.recent_events))]
+
+    def writable_in(self, scope: list[str] | tuple[str, ...] | None) -> bool:
+        """Whether such a key may replace or change it: visible, and in no KB outside scope."""
+        if scope is None:
+            return True
+        outside = {t.removeprefix(KB_TAG_PREFIX) for t in self.tags if t.startswith(KB_TAG_PREFIX)}
+        return self.in_scope(scope) and (set(self.kb_ids) | outside) <= set(scope)
 
     @property
     def text_object(self) -> str:

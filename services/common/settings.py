@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.ids import check_id
+from services.common.limits import LimitSettings
 
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
 
@@ -61,6 +62,20 @@ class SearchSettings(BaseModel):
     query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")
     timeout_seconds: float = Field(10.0, gt=0)
     concurrency: int = Field(32, ge=1, description="search requests answered at once per replica")
+
+
+class EgressSettings(BaseModel):
+    """Where outbound calls a client can steer (upload by URL, a KB's `api_base`) may go
+    besides public addresses."""
+
+    allowlist: list[str] = Field(
+        default_factory=list,
+        description="hosts (`*.example.com` for subdomains), addresses or CIDRs allowed even "
+        "though they are loopback, link-local or private",
+    )
+    allow_private: bool = Field(
+        False, description="allow every non-public address (self-hosted models nearby)"
+    )
 
 
 class AskSettings(BaseModel):
@@ -128,9 +143,6 @@ class Settings(BaseSettings):
 
     mcp_toolsets: str = Field("core", description="comma list of core, compat")
     upload_root: Path | None = Field(None, description="root for kb_upload by path")
-    url_allowlist: list[str] = Field(
-        default_factory=list, description="hosts/CIDRs allowed for ingest by URL"
-    )
     mcp_allowed_hosts: list[str] = Field(
         default_factory=list,
         description="Host headers accepted at /mcp besides loopback (DNS-rebinding protection); "
@@ -139,6 +151,8 @@ class Settings(BaseSettings):
 
     bus: BusSettings = Field(default_factory=BusSettings)
     search: SearchSettings = Field(default_factory=SearchSettings)
+    egress: EgressSettings = Field(default_factory=EgressSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
     ask: AskSettings = Field(default_factory=AskSettings)
 
     @field_validator("default_org")

@@ -27,6 +27,7 @@ from services.gateway.api.problems import (
     problem,
 )
 from services.gateway.auth import KeyResolver
+from services.gateway.bodyguard import JsonBodyGuard
 from services.gateway.console import mount_console
 from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
@@ -96,6 +97,7 @@ def create_app(
         description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
         lifespan=lifespan,
     )
+    app.add_middleware(JsonBodyGuard)
     app.state.service = service
     app.state.keys = keys
 

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
-from services.common.events import DocFailed, DocIndexed, Subject
+from services.common.events import DocFailed, DocIndexed, Event, Subject
 from services.common.models import DocumentRecord
 from services.common.registry import Registries
 
@@ -88,11 +88,11 @@ class Waiting:
         predicate: Callable[[DocumentRecord], bool] | None,
         deadline: float,
         events: Events | None = None,
-        org_id: str | None = None,
+        cause: Event | None = None,
     ) -> DocumentRecord | DocFailed | None:
         """The document record once it satisfies `predicate` (None: once it is gone; then
-        None is returned), watched in the registry; or, with `events`, an ingest failure
-        reported meanwhile; or None on timeout."""
+        None is returned), watched in the registry; or, with `events`, ingest's failure to
+        handle `cause` reported meanwhile; or None on timeout."""
 
         def reached(record: DocumentRecord | None) -> bool:
             return record is None if predicate is None else record is not None and predicate(record)
@@ -101,8 +101,8 @@ class Waiting:
             self.reg.documents.wait_for(key, reached, deadline - time.monotonic())
         )
         failure = None
-        if events is not None and org_id is not None:
-            failure = asyncio.ensure_future(_ingest_failure(events, org_id))
+        if events is not None and cause is not None:
+            failure = asyncio.ensure_future(_ingest_failure(events, cause))
         try:
             await asyncio.wait(
                 [t for t in (watch, failure) if t is not None],
@@ -173,14 +173,20 @@ class Waiting:
             await self.record(r.key, None, deadline)
 
 
-async def _ingest_failure(events: Events, org_id: str) -> DocFailed:
-    """The next ingest failure of `org_id` on `events`; every other event read meanwhile is
+async def _ingest_failure(events: Events, cause: Event) -> DocFailed:
+    """Ingest's failure to handle `cause`, next on `events` (a concurrent write's failure
+    is not ours); every other event read meanwhile is
     put back, in order, before those that arrived after (the index waits read them next)."""
     passed: list[DocIndexed | DocFailed] = []
     try:
         while True:
             ev = await events.get()
-            if isinstance(ev, DocFailed) and ev.stage == "ingest" and ev.org_id == org_id:
+            if (
+                isinstance(ev, DocFailed)
+                and ev.stage == "ingest"
+                and ev.org_id == cause.org_id
+                and ev.cause == cause.event_id
+            ):
                 return ev
             passed.append(ev)
     finally:
