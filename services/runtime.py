@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.sdk.trace import SpanProcessor
 
+from services.common import metrics
 from services.common.bus import Bus
 from services.common.embedders import EmbedderPool
 from services.common.natsproc import NatsServer
@@ -37,8 +38,11 @@ class Runtime:
     nats: NatsServer | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     objects: dict[str, object] = field(default_factory=dict)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
         with contextlib.suppress(Exception):
             await self.registries.close()
         with contextlib.suppress(Exception):
@@ -143,4 +147,7 @@ async def start_consuming(rt: Runtime) -> None:
         if load is not None:
             await asyncio.to_thread(load)
     await rt.bus.start()
+    if rt.settings.metrics_port:
+        metrics.serve(rt.settings.metrics_port)
+        rt.tasks.append(asyncio.create_task(metrics.follow_bus(rt.bus.js)))
     rt.ready.set()

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.common import bm25
+from services.common import bm25, metrics
 from services.common.embedders import EmbedderPool
 from services.common.errors import Conflict, Transient
 from services.common.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish, Subject
@@ -177,9 +177,23 @@ class EmbedService:
             entry.indexed_at = utcnow()
             await self.reg.index.put(entry_key, entry)
             return entry, False
+        new_text = entry is None or entry.checksum != record.checksum
         entry = await self._build(kb, record)
+        await self._drop_if_abandoned(kb)
         await self.reg.index.put(entry_key, entry)
+        if new_text:  # not a rebuild for new settings: the upload's own wait
+            metrics.index_latency(record.accepted_at)
         return entry, True
+
+    async def _drop_if_abandoned(self, kb: KnowledgeBase) -> None:
+        """A rebuild cancelled while we wrote to its collection: our write re-created what
+        the cancel dropped, so drop it again (the catch-up then indexes where it belongs)."""
+        current = await self.reg.kbs.get(f"{kb.org_id}.{kb.kb_id}")
+        if current is not None and kb.collection_name not in (
+            current.collection_name,
+            current.serving_collection,
+        ):
+            await self.store.drop_collection(kb.collection_name)
 
     async def _build(self, kb: KnowledgeBase, record: DocumentRecord) -> IndexEntry:
         text = await self.reg.texts.get_text(record.text_object)
@@ -203,7 +217,8 @@ class EmbedService:
         chunks, indexed, sparse = await asyncio.to_thread(prepare)
         with _tracer.start_as_current_span("kbmesh.embed.embed") as span:
             span.set_attribute("kbmesh.model", kb.embedding_model)
-            dense = await embedder.embed(indexed) if indexed else []
+            with metrics.embed_batch(len(indexed)):
+                dense = await embedder.embed(indexed) if indexed else []
         base = document_payload(record)
         points = [
             ChunkPoint(
@@ -297,6 +312,15 @@ class EmbedService:
                 del self._waiters[key], self._locks[key]
 
     async def kb_changed(self, ev: KbChanged) -> None:
+        if ev.change == "cancelled":
+            await self._cancelled(ev)
+            return
+        if ev.change in ("settings", "reindex"):
+            # A rebuild replaced before it was built leaves its collection behind.
+            kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
+            for collection in kb.abandoned_collections if kb else []:
+                await self.store.drop_collection(collection)
+            return
         if ev.change != "deleted":
             return
         for collection in ev.collections or [collection_for(ev.kb_id, 1)]:
@@ -304,9 +328,52 @@ class EmbedService:
         for entry in await self.reg.index.list(f"{ev.kb_id}."):
             await self.reg.index.delete(f"{entry.kb_id}.{entry.document_id}")
 
+    async def _cancelled(self, ev: KbChanged) -> None:
+        """A cancelled rebuild: drop what it built, and point the index entries it wrote back
+        at the serving collection. A document that changed while the rebuild ran has only its
+        new revision in the abandoned collection, so it is indexed again here."""
+        for collection in ev.collections:
+            await self.store.drop_collection(collection)
+        kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
+        if kb is None or kb.serving is not None:
+            return  # deleted, or another rebuild started meanwhile: that one settles it
+        for entry in await self.reg.index.list(f"{kb.kb_id}."):
+            if entry.settings_version == kb.settings_version:
+                continue
+            async with self._serial(kb.kb_id, entry.document_id):
+                record = await self.reg.documents.get(f"{kb.org_id}.{entry.document_id}")
+                if record is None:
+                    continue  # its kb.remove clears the entry
+                if await self._serving_has(kb, record):
+                    entry.settings_version = kb.settings_version
+                    await self.reg.index.put(entry.key, entry)
+                    continue
+                await self.reg.index.delete(entry.key)
+            await self.index(
+                KbIndex(
+                    org_id=kb.org_id,
+                    kb_id=kb.kb_id,
+                    document_id=record.document_id,
+                    revision=record.revision,
+                )
+            )
+        log.info("reindex cancelled kb_id=%s dropped=%s", kb.kb_id, ev.collections)
+
+    async def _serving_has(self, kb: KnowledgeBase, record: DocumentRecord) -> bool:
+        """Whether the collection searches read holds this revision, built with the KB's
+        settings (chunk payloads carry both)."""
+        hits = await self.store.scroll(
+            kb.collection_name, Filter(must=(Match("document_id", record.document_id),)), 1
+        )
+        return bool(hits) and (
+            hits[0].payload.get("revision") == record.revision
+            and hits[0].payload.get("settings_version") == kb.settings_version
+        )
+
     async def _announce(
         self, kb: KnowledgeBase, record: DocumentRecord, entry: IndexEntry, *, embedded: bool
     ) -> None:
+        metrics.DOCUMENTS_INDEXED.inc()
         await self.publish(
             Subject.DOC_INDEXED,
             DocIndexed(

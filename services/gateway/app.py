@@ -14,8 +14,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from services.common.errors import KbmeshError
-from services.gateway.api import documents, kbs, search
+from services.gateway.api import documents, kbs, progress, search
 from services.gateway.auth import KeyResolver
+from services.gateway.progress import ProgressFeed
 from services.gateway.service import GatewayService
 from services.gateway.waiter import IndexWaiter
 from services.runtime import Runtime
@@ -38,6 +39,7 @@ def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONRes
 
 def create_app(rt: Runtime) -> FastAPI:
     waiter = IndexWaiter()
+    feed = ProgressFeed()
     service = GatewayService(rt.bus, rt.registries, rt.settings, waiter)
     rt.objects["gateway"] = service
     keys = KeyResolver(rt.registries.keys, rt.settings.default_org)
@@ -51,12 +53,14 @@ def create_app(rt: Runtime) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         assert rt.bus.nc is not None
         await waiter.start(rt.bus.nc)
+        await feed.start(rt.bus.nc)
         await service.ensure_default_kb(rt.settings.default_org)
         async with contextlib.AsyncExitStack() as stack:
             if mcp_server is not None:
                 await stack.enter_async_context(mcp_server.session_manager.run())
             yield
         await waiter.stop()
+        await feed.stop()
 
     app = FastAPI(
         title="kbmesh",
@@ -67,6 +71,7 @@ def create_app(rt: Runtime) -> FastAPI:
     app.state.service = service
     app.state.keys = keys
     app.state.runtime = rt
+    app.state.progress_feed = feed
 
     @app.middleware("http")
     async def traced(request: Request, call_next: Any) -> Any:
@@ -112,6 +117,7 @@ def create_app(rt: Runtime) -> FastAPI:
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(progress.router)
     if mcp_server is not None:
         from services.gateway.api import tools
 
