@@ -81,7 +81,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--concurrency", type=_positive, default=4, help="uploads at once (default 4)")
     p.add_argument(
         "--api",
-        default=os.environ.get("KBMESH_API", DEFAULT_API),
+        default=DEFAULT_API,
         help=f"kbmesh REST API (default {DEFAULT_API}); the key comes from KBMESH_API_KEY",
     )
 
