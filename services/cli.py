@@ -201,6 +201,7 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
         if tasks[0].done() and not tasks[0].cancelled() and tasks[0].exception() is not None:
             failure = tasks[0].exception()
         if server is not None:
+            rt.stopping.set()  # ends open event streams, which the server would wait for
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await tasks[1]

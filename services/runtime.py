@@ -37,6 +37,8 @@ class Runtime:
     store: VectorStore | None = None
     nats: NatsServer | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set before the HTTP server stops: endless responses (event streams) end on it.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
     objects: dict[str, object] = field(default_factory=dict)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 

@@ -39,7 +39,7 @@ def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONRes
 
 def create_app(rt: Runtime) -> FastAPI:
     waiter = IndexWaiter()
-    feed = ProgressFeed()
+    feed = ProgressFeed(rt.stopping)
     service = GatewayService(rt.bus, rt.registries, rt.settings, waiter)
     rt.objects["gateway"] = service
     keys = KeyResolver(rt.registries.keys, rt.settings.default_org)

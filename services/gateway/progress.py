@@ -71,7 +71,8 @@ FEED_MODELS: dict[str, type[BaseModel]] = {
     Subject.DOC_FAILED: DocFailed,
     Subject.KB_CHANGED: KbChanged,
 }
-Item = DocIndexed | DocFailed | KbChanged | None  # None: the KB record changed
+Item = DocIndexed | DocFailed | KbChanged | str | None  # None: the KB record changed
+CLOSED = "closed"  # the gateway is stopping
 
 
 class ProgressFeed:
@@ -79,9 +80,11 @@ class ProgressFeed:
     each KB. Listeners register before they read their first snapshot, so nothing that
     happens after it is missed."""
 
-    def __init__(self) -> None:
+    def __init__(self, stopping: asyncio.Event) -> None:
         self._listeners: dict[str, set[asyncio.Queue[Item]]] = defaultdict(set)
         self._subs: list[Subscription] = []
+        self._stopping = stopping
+        self._closer: asyncio.Task[None] | None = None
 
     async def start(self, nc: nats.NATS) -> None:
         self._subs = [
@@ -90,8 +93,18 @@ class ProgressFeed:
             await nc.subscribe(Subject.KB_CHANGED, cb=self._on_event),
             await nc.subscribe(KB_RECORDS, cb=self._on_kb_record),
         ]
+        self._closer = asyncio.create_task(self._close_on_stop())
+
+    async def _close_on_stop(self) -> None:
+        """The HTTP server waits for open responses before it stops: end the streams."""
+        await self._stopping.wait()
+        for queues in list(self._listeners.values()):
+            for queue in queues:
+                queue.put_nowait(CLOSED)
 
     async def stop(self) -> None:
+        if self._closer is not None:
+            self._closer.cancel()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -118,6 +131,8 @@ class ProgressFeed:
     @contextlib.asynccontextmanager
     async def listen(self, kb_id: str) -> AsyncIterator[asyncio.Queue[Item]]:
         queue: asyncio.Queue[Item] = asyncio.Queue()
+        if self._stopping.is_set():
+            queue.put_nowait(CLOSED)
         self._listeners[kb_id].add(queue)
         try:
             yield queue
@@ -159,7 +174,9 @@ async def event_stream(
                     last = current
                     yield _sse("progress", {"kb_id": kb_id, **current.model_dump()})
                 continue
-            if item is not None and item.org_id != org_id:
+            if item == CLOSED:
+                return
+            if isinstance(item, str) or (item is not None and item.org_id != org_id):
                 continue
             document = _document_event(item)
             if document is not None and document["kb_id"] == kb_id:

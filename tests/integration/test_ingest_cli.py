@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import running_stack
+from tests.support.asgi import serve_app
 from tests.support.domain import create_kb, uid
 from tests.support.mcp_client import OFFLINE_ENV, REPO, kbmesh_command, serve_http
 
@@ -39,7 +40,13 @@ TREE = {
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory, embedders) -> AsyncIterator[tuple[Any, httpx.AsyncClient, str]]:
     async with (
-        running_stack(tmp_path_factory.mktemp("ingest-cli"), embedders=embedders) as (rt, client),
+        running_stack(
+            # The web page of the URL test is served on loopback, which the egress guard
+            # refuses unless allow-listed.
+            tmp_path_factory.mktemp("ingest-cli"),
+            embedders=embedders,
+            url_allowlist=["127.0.0.1"],
+        ) as (rt, client),
         serve_http(rt) as (base, _app),
     ):
         yield rt, client, base
@@ -108,6 +115,7 @@ async def test_folder_ingest_skips_unchanged_and_syncs_deletions(stack, tmp_path
     args = (root, "--kb", kb["name"], "--source-id", source, "--tags", "handbook")
 
     indexed_before = await metric(client, "kbmesh_documents_indexed_total")
+    latencies_before = await metric(client, "kbmesh_index_seconds_count")
     chunks_before = await metric(client, "kbmesh_chunks_embedded_total")
     status, lines = await kbmesh_ingest(base, *args)
     assert status == 0, lines
@@ -127,6 +135,7 @@ async def test_folder_ingest_skips_unchanged_and_syncs_deletions(stack, tmp_path
     }
     # The counters saw exactly this run: 12 documents, every chunk of them embedded once.
     assert await metric(client, "kbmesh_documents_indexed_total") - indexed_before == 12
+    assert await metric(client, "kbmesh_index_seconds_count") - latencies_before == 12
     chunks = await metric(client, "kbmesh_chunks_embedded_total")
     assert chunks - chunks_before == stats["chunk_count"]
 
@@ -167,6 +176,32 @@ async def test_failed_extraction_is_listed_and_exits_1(stack, tmp_path):
     assert lines.index(failure) < len(lines) - 1
     failed = await metric(client, "kbmesh_documents_failed_total", stage="ingest")
     assert failed - failed_before == 1
+
+
+PAGE = b"""<html><head><title>Runbook</title></head><body><h1>Runbook</h1><p>Restart the
+gateway first, then the workers, one replica at a time.</p></body></html>"""
+
+
+async def runbook_site(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    headers = [(b"content-type", b"text/html; charset=utf-8")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": PAGE})
+
+
+async def test_url_ingest_loads_one_web_page(stack):
+    """`kbmesh ingest URL` has the server fetch the page: one document, indexed, with the
+    URL as its uri, found by a search."""
+    _rt, client, base = stack
+    kb = await create_kb(client)
+    async with serve_app(runbook_site, lifespan="off") as site:
+        url = f"{site}/runbook.html"
+        status, lines = await kbmesh_ingest(base, url, "--kb", kb["name"])
+    assert status == 0, lines
+    assert lines[-1] == "1 uploaded, 0 unchanged, 0 deleted, 0 failed", lines
+    docs = (await client.get("/v1/documents", params={"kb": kb["kb_id"]})).json()["items"]
+    assert [(d["uri"], d["status"]) for d in docs] == [(url, "complete")]
+    r = await client.post("/v1/search", json={"query": "restart order", "kb_ids": [kb["kb_id"]]})
+    assert r.json()["hits"][0]["document_id"] == docs[0]["document_id"]
 
 
 async def test_bad_usage_exits_2(stack, tmp_path):

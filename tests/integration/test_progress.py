@@ -172,3 +172,19 @@ async def test_reindex_progress_streams_to_done_and_cancel_keeps_the_old_index(s
 async def _settled_twice(rt: Any) -> bool:
     await settled(rt)
     return True
+
+
+async def test_open_streams_end_when_the_gateway_stops(stack):
+    """An event stream never ends by itself, and the HTTP server waits for open responses
+    before it stops: the runtime's stopping signal ends them (last test: the stack stops)."""
+    rt, client, base = stack
+    kb = await create_kb(client, name=f"stopping-{uid()}")
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+        http.stream("GET", f"/v1/kbs/{kb['kb_id']}/events") as response,
+    ):
+        lines = response.aiter_lines()
+        assert await anext(lines) == "event: progress"
+        rt.stopping.set()
+        rest = [line async for line in lines]  # ends: the server closed the stream
+    assert all(not line.startswith("event: ") for line in rest), rest
