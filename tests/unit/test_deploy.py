@@ -215,6 +215,7 @@ def gateway_get_paths() -> set[str]:
         registries=SimpleNamespace(keys=None),
         services=("gateway",),
         ready=None,
+        stopping=None,
     )
     paths = create_app(rt).openapi()["paths"]  # type: ignore[arg-type]
     return {path for path, methods in paths.items() if "get" in methods}
