@@ -78,7 +78,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--sync", action="store_true", help="delete the source's documents whose files are gone"
     )
-    p.add_argument("--concurrency", type=_positive, default=4, help="uploads at once (default 4)")
+    # Each upload waits until indexed: enough in flight to keep embed busy (and batching).
+    p.add_argument("--concurrency", type=_positive, default=8, help="uploads at once (default 8)")
     p.add_argument(
         "--api",
         default=DEFAULT_API,
