@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "mcp":
         asyncio.run(_mcp(args))
     elif args.command == "mock":
-        from services.mock import serve_mock
+        from services.contracts.mock import serve_mock
 
         toolsets = [t.strip() for t in args.toolsets.split(",") if t.strip()]
         try:
@@ -169,10 +169,10 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
     try:
         tasks = [asyncio.create_task(start_consuming(rt))]
         if "gateway" in rt.services:
-            from services.gateway.app import create_app
+            from services.runtime import gateway_app
 
             config = uvicorn.Config(
-                create_app(rt),
+                gateway_app(rt),
                 host=settings.host,
                 port=settings.port,
                 log_level="warning",
@@ -201,7 +201,8 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
         if tasks[0].done() and not tasks[0].cancelled() and tasks[0].exception() is not None:
             failure = tasks[0].exception()
         if server is not None:
-            rt.stopping.set()  # ends open event streams, which the server would wait for
+            if rt.gateway is not None:  # open event streams: the server would wait for them
+                rt.gateway.progress.close_streams()
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await tasks[1]
@@ -215,7 +216,6 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
 
 async def _mcp(args: argparse.Namespace) -> None:
     from services.common.settings import Settings
-    from services.gateway.mcp import serve_stdio
     from services.gateway.tools import tools_for
 
     overrides: dict[str, object] = {}
@@ -252,7 +252,57 @@ async def _mcp(args: argparse.Namespace) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
     with contextlib.suppress(asyncio.CancelledError):
-        await serve_stdio(settings, embedded=args.embedded, api_key=args.api_key)
+        await _serve_stdio(settings, embedded=args.embedded, api_key=args.api_key)
+
+
+async def _serve_stdio(settings: Settings, *, embedded: bool, api_key: str | None) -> None:
+    """MCP over this process's stdin/stdout. Connects to a running stack
+    (`settings.nats_url`), or with `embedded` runs the whole stack in this process."""
+    from services.gateway.auth import Principal
+    from services.runtime import SERVICES, api_keys, build_runtime, start_consuming, stdio_mcp
+
+    with _stdout_to_stderr():
+        rt = await build_runtime(
+            settings, SERVICES if embedded else ("gateway",), embedded_nats=embedded
+        )
+    gateway = rt.gateway
+    try:
+        if gateway is None:  # pragma: no cover - both service sets include the gateway
+            raise RuntimeError("the gateway is not wired")
+        with _stdout_to_stderr():
+            await start_consuming(rt)
+            await gateway.start()
+            principal = Principal(org_id=settings.default_org)
+            if api_key:
+                principal = await api_keys(rt).resolve(f"Bearer {api_key}", None)
+            server = stdio_mcp(rt, principal)
+            logging.getLogger("kbmesh.mcp").info(
+                "mcp_stdio_ready nats=%s embedded=%s toolsets=%s org_id=%s",
+                rt.bus.url,
+                embedded,
+                ",".join(settings.toolsets),
+                principal.org_id,
+            )
+        await server.run_stdio_async()
+    finally:
+        if gateway is not None:
+            await gateway.stop()
+        await rt.close()
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """stdout is the protocol channel: while starting up, anything a library prints goes to
+    stderr instead (the SDK diverts it the same way while serving)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @contextlib.asynccontextmanager
@@ -325,7 +375,7 @@ async def _dlq(args: argparse.Namespace) -> int:
 
 
 def _contracts(command: str, root: Path) -> int:
-    from services.contracts import build, drift, export
+    from services.contracts.export import build, drift, export
 
     contracts = build()
     if command == "export":
@@ -341,7 +391,7 @@ def _contracts(command: str, root: Path) -> int:
         for line in changes:
             print(f"  {line}", file=sys.stderr)
     for gap in contracts.missing:
-        print(f"  no contract example: {gap} (services/contract_examples.py)", file=sys.stderr)
+        print(f"  no contract example: {gap} (services/contracts/examples.py)", file=sys.stderr)
     return 1 if command == "check" and (changes or contracts.missing) else 0
 
 

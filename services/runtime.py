@@ -1,7 +1,8 @@
 """Composition root: builds the services a process runs, on one bus connection.
 
 `kbmesh up` runs all four on a private nats-server and the embedded store; `kbmesh serve`
-runs the named ones against `KBMESH_NATS_URL`. Nothing here holds logic.
+runs the named ones against `KBMESH_NATS_URL`. Nothing here holds logic: each service is
+built from its parts, and the gateway's app and MCP server from the gateway's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import SpanProcessor
 
@@ -22,6 +24,17 @@ from services.common.registry import Registries
 from services.common.settings import Settings
 from services.common.store import VectorStore, create_store
 from services.common.telemetry import configure_telemetry
+
+if TYPE_CHECKING:
+    # Services are imported when chosen: `kbmesh serve gateway` loads no chunker or model.
+    from fastapi import FastAPI
+
+    from services.embed.service import EmbedService
+    from services.gateway.auth import KeyResolver, Principal
+    from services.gateway.mcp import KbmeshMCP
+    from services.gateway.service import GatewayService
+    from services.ingest.service import IngestService
+    from services.search.service import SearchService
 
 log = logging.getLogger("kbmesh")
 SERVICES = ("ingest", "embed", "search", "gateway")
@@ -37,9 +50,10 @@ class Runtime:
     store: VectorStore | None = None
     nats: NatsServer | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set before the HTTP server stops: endless responses (event streams) end on it.
-    stopping: asyncio.Event = field(default_factory=asyncio.Event)
-    objects: dict[str, object] = field(default_factory=dict)
+    ingest: IngestService | None = None
+    embed: EmbedService | None = None
+    search: SearchService | None = None
+    gateway: GatewayService | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def close(self) -> None:
@@ -112,27 +126,30 @@ async def _wire(rt: Runtime) -> None:
         from services.ingest.handlers import create_router as ingest_router
         from services.ingest.service import IngestService
 
-        ingest = IngestService(rt.registries, publish, rt.settings)
-        rt.objects["ingest"] = ingest
-        rt.bus.broker.include_router(ingest_router(rt.bus, ingest))
+        rt.ingest = IngestService(rt.registries, publish, rt.settings)
+        rt.bus.broker.include_router(ingest_router(rt.bus, rt.ingest))
     if "embed" in rt.services:
         from services.embed.handlers import create_router as embed_router
         from services.embed.service import EmbedService
 
-        embed = EmbedService(rt.registries, require_store(rt), rt.embedders, publish)
-        rt.objects["embed"] = embed
+        rt.embed = EmbedService(rt.registries, require_store(rt), rt.embedders, publish)
         rt.bus.broker.include_router(
-            embed_router(rt.bus, embed, concurrency=rt.settings.embed_concurrency)
+            embed_router(rt.bus, rt.embed, concurrency=rt.settings.embed_concurrency)
         )
     if "search" in rt.services:
         from services.search.handlers import create_router as search_router
         from services.search.service import SearchService
 
-        search = SearchService(rt.registries, require_store(rt), rt.embedders, rt.settings.search)
-        rt.objects["search"] = search
-        rt.bus.broker.include_router(
-            search_router(search, concurrency=rt.settings.search.concurrency)
+        rt.search = SearchService(
+            rt.registries, require_store(rt), rt.embedders, rt.settings.search
         )
+        rt.bus.broker.include_router(
+            search_router(rt.search, concurrency=rt.settings.search.concurrency)
+        )
+    if "gateway" in rt.services:
+        from services.gateway.service import GatewayService
+
+        rt.gateway = GatewayService(rt.bus, rt.registries, rt.settings)
 
 
 def require_store(rt: Runtime) -> VectorStore:
@@ -153,3 +170,30 @@ async def start_consuming(rt: Runtime) -> None:
         metrics.serve(rt.settings.metrics_port)
         rt.tasks.append(asyncio.create_task(metrics.follow_bus(rt.bus.js)))
     rt.ready.set()
+
+
+def api_keys(rt: Runtime) -> KeyResolver:
+    from services.gateway.auth import KeyResolver
+
+    return KeyResolver(rt.registries.keys, rt.settings.default_org)
+
+
+def gateway_app(rt: Runtime) -> FastAPI:
+    """The gateway's FastAPI app (REST, tools, MCP over HTTP) over this runtime's parts."""
+    from services.gateway.app import create_app
+    from services.gateway.mcp import create_mcp
+
+    if rt.gateway is None:
+        raise RuntimeError("this runtime does not run the gateway")
+    keys = api_keys(rt)
+    mcp = create_mcp(rt.gateway, keys=keys) if rt.settings.toolsets else None
+    return create_app(rt.gateway, keys, mcp=mcp, ready=rt.ready, services=rt.services)
+
+
+def stdio_mcp(rt: Runtime, principal: Principal) -> KbmeshMCP:
+    """The MCP server that `kbmesh mcp` serves on stdio, as `principal`."""
+    from services.gateway.mcp import create_mcp
+
+    if rt.gateway is None:
+        raise RuntimeError("this runtime does not run the gateway")
+    return create_mcp(rt.gateway, principal=principal)

@@ -47,12 +47,11 @@ async def running_stack(
     import httpx
 
     from services.common.settings import Settings
-    from services.gateway.app import create_app
-    from services.runtime import build_runtime, start_consuming
+    from services.runtime import build_runtime, gateway_app, start_consuming
 
     settings = Settings(data_dir=data_dir, nats_url=nats_url, **overrides)
     rt = await build_runtime(settings, embedders=embedders, span_processors=span_processors)
-    app = create_app(rt)
+    app = gateway_app(rt)
     started, stop = asyncio.Event(), asyncio.Event()
 
     async def lifespan() -> None:

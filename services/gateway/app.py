@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import importlib.util
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,14 +12,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from starlette.routing import Route
 
 from services.common.errors import KbmeshError
-from services.gateway.api import documents, kbs, progress, search
+from services.gateway.api import documents, kbs, progress, search, tools
 from services.gateway.auth import KeyResolver
-from services.gateway.progress import ProgressFeed
+from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
-from services.gateway.waiter import IndexWaiter
-from services.runtime import Runtime
 
 PROBLEM = "application/problem+json"
 _tracer = trace.get_tracer("kbmesh.gateway")
@@ -37,30 +36,28 @@ def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONRes
     return JSONResponse(body, status_code=status, media_type=PROBLEM)
 
 
-def create_app(rt: Runtime) -> FastAPI:
-    waiter = IndexWaiter()
-    feed = ProgressFeed(rt.stopping)
-    service = GatewayService(rt.bus, rt.registries, rt.settings, waiter)
-    rt.objects["gateway"] = service
-    keys = KeyResolver(rt.registries.keys, rt.settings.default_org)
-    mcp_server = None
-    if rt.settings.toolsets and importlib.util.find_spec("services.gateway.mcp"):
-        from services.gateway.mcp import create_mcp
-
-        mcp_server = create_mcp(service, rt.settings, keys)
+def create_app(
+    service: GatewayService,
+    keys: KeyResolver,
+    *,
+    mcp: KbmeshMCP | None = None,
+    ready: asyncio.Event | None = None,
+    services: Sequence[str] = ("gateway",),
+) -> FastAPI:
+    """The gateway over its parts: the service, the API keys, and the MCP server (None: no
+    /mcp and no /api/v1/tools). `ready` is set once the process's subscribers run; /readyz
+    reports it with the names of the `services` this process runs."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        assert rt.bus.nc is not None
-        await waiter.start(rt.bus.nc)
-        await feed.start(rt.bus.nc)
-        await service.ensure_default_kb(rt.settings.default_org)
-        async with contextlib.AsyncExitStack() as stack:
-            if mcp_server is not None:
-                await stack.enter_async_context(mcp_server.session_manager.run())
-            yield
-        await waiter.stop()
-        await feed.stop()
+        await service.start()
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if mcp is not None:
+                    await stack.enter_async_context(mcp.session_manager.run())
+                yield
+        finally:
+            await service.stop()
 
     app = FastAPI(
         title="kbmesh",
@@ -70,8 +67,6 @@ def create_app(rt: Runtime) -> FastAPI:
     )
     app.state.service = service
     app.state.keys = keys
-    app.state.runtime = rt
-    app.state.progress_feed = feed
 
     @app.middleware("http")
     async def traced(request: Request, call_next: Any) -> Any:
@@ -105,28 +100,23 @@ def create_app(rt: Runtime) -> FastAPI:
 
     @app.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
-        connected = rt.bus.nc is not None and rt.bus.nc.is_connected
-        ready = rt.ready.is_set() and connected
+        nc = service.bus.nc
+        connected = nc is not None and nc.is_connected
+        is_ready = (ready is None or ready.is_set()) and connected
         body = {
-            "status": "ready" if ready else "starting",
+            "status": "ready" if is_ready else "starting",
             "nats": connected,
-            "services": list(rt.services),
+            "services": list(services),
         }
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return JSONResponse(body, status_code=200 if is_ready else 503)
 
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
     app.include_router(progress.router)
-    if mcp_server is not None:
-        from services.gateway.api import tools
-
-        app.include_router(tools.create_router(mcp_server))
-        from starlette.routing import Route
-
-        from services.gateway.mcp import MountRoot
-
-        mcp_http = mcp_server.streamable_http_app(streamable_http_path="/")
+    if mcp is not None:
+        app.include_router(tools.create_router(mcp))
+        mcp_http = mcp.streamable_http_app(streamable_http_path="/")
         # /mcp itself too, not only /mcp/...: no redirect for clients to follow.
         app.router.routes.append(
             Route("/mcp", MountRoot(mcp_http, "/mcp"), methods=["GET", "POST", "DELETE"])

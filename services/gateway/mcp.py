@@ -1,5 +1,5 @@
-"""The MCP server: the tools of `tools.py` over streamable HTTP (mounted at /mcp by the app)
-and over stdio (`kbmesh mcp`).
+"""The MCP server: the tools of `tools/` over streamable HTTP (mounted at /mcp by the app)
+and over stdio (`kbmesh mcp` serves it on the process's stdin/stdout).
 
 Built on the SDK's `MCPServer`; only `list_tools` and `call_tool` are ours, so kbmesh validates
 arguments itself and every failure comes back as the structured tool error with `isError`.
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
-from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
 
 from mcp.server.mcpserver import Context, MCPServer
@@ -155,18 +153,18 @@ class KbmeshMCP(MCPServer):
 
 def create_mcp(
     service: GatewayService,
-    settings: Settings,
-    keys: KeyResolver | None = None,
     *,
+    keys: KeyResolver | None = None,
     principal: Principal | None = None,
+    toolsets: Sequence[str] | None = None,
 ) -> KbmeshMCP:
-    """The MCP server with the toolsets of `KBMESH_MCP_TOOLSETS`. Over HTTP, pass the app's
-    `KeyResolver`; stdio passes the fixed `principal` it runs as instead."""
+    """The MCP server with `toolsets` (default: `KBMESH_MCP_TOOLSETS`). Over HTTP, pass the
+    app's `KeyResolver`; stdio passes the fixed `principal` it runs as instead."""
     if keys is None and principal is None:
-        keys = KeyResolver(service.reg.keys, settings.default_org)
-    return KbmeshMCP(
-        service, settings, tools_for(settings.toolsets), keys=keys, principal=principal
-    )
+        raise ValueError("create_mcp needs the API keys (HTTP) or a fixed principal (stdio)")
+    settings = service.settings
+    chosen = tools_for(list(toolsets) if toolsets is not None else settings.toolsets)
+    return KbmeshMCP(service, settings, chosen, keys=keys, principal=principal)
 
 
 def transport_security(settings: Settings) -> TransportSecuritySettings:
@@ -234,58 +232,3 @@ class MountRoot:
         path = f"{root}{self.prefix}/"
         scope = {**scope, "path": path, "raw_path": path.encode(), "root_path": root + self.prefix}
         await self.app(scope, receive, send)
-
-
-# ---- stdio ----------------------------------------------------------------------------------
-
-
-async def serve_stdio(settings: Settings, *, embedded: bool, api_key: str | None) -> None:
-    """`kbmesh mcp`: MCP over this process's stdin/stdout. Connects to a running stack
-    (`settings.nats_url`), or with `embedded` runs the whole stack in this process."""
-    from services.gateway.waiter import IndexWaiter
-    from services.runtime import SERVICES, build_runtime, start_consuming
-
-    with _stdout_to_stderr():
-        rt = await build_runtime(
-            settings, SERVICES if embedded else ("gateway",), embedded_nats=embedded
-        )
-    waiter = IndexWaiter()
-    try:
-        with _stdout_to_stderr():
-            service = GatewayService(rt.bus, rt.registries, settings, waiter)
-            await start_consuming(rt)
-            if rt.bus.nc is None:
-                raise RuntimeError("bus not connected")
-            await waiter.start(rt.bus.nc)
-            await service.ensure_default_kb(settings.default_org)
-            principal = Principal(org_id=settings.default_org)
-            if api_key:
-                resolver = KeyResolver(rt.registries.keys, settings.default_org)
-                principal = await resolver.resolve(f"Bearer {api_key}", None)
-            server = create_mcp(service, settings, principal=principal)
-            log.info(
-                "mcp_stdio_ready nats=%s embedded=%s toolsets=%s org_id=%s",
-                rt.bus.url,
-                embedded,
-                ",".join(settings.toolsets),
-                principal.org_id,
-            )
-        await server.run_stdio_async()
-    finally:
-        await waiter.stop()
-        await rt.close()
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """stdout is the protocol channel: while starting up, anything a library prints goes to
-    stderr instead (the SDK diverts it the same way while serving)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)

@@ -80,11 +80,10 @@ class ProgressFeed:
     each KB. Listeners register before they read their first snapshot, so nothing that
     happens after it is missed."""
 
-    def __init__(self, stopping: asyncio.Event) -> None:
+    def __init__(self) -> None:
         self._listeners: dict[str, set[asyncio.Queue[Item]]] = defaultdict(set)
         self._subs: list[Subscription] = []
-        self._stopping = stopping
-        self._closer: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def start(self, nc: nats.NATS) -> None:
         self._subs = [
@@ -93,18 +92,16 @@ class ProgressFeed:
             await nc.subscribe(Subject.KB_CHANGED, cb=self._on_event),
             await nc.subscribe(KB_RECORDS, cb=self._on_kb_record),
         ]
-        self._closer = asyncio.create_task(self._close_on_stop())
 
-    async def _close_on_stop(self) -> None:
-        """The HTTP server waits for open responses before it stops: end the streams."""
-        await self._stopping.wait()
+    def close_streams(self) -> None:
+        """End every open stream, and any opened from now on: the HTTP server waits for open
+        responses before it stops, and a stream never ends by itself."""
+        self._closed = True
         for queues in list(self._listeners.values()):
             for queue in queues:
                 queue.put_nowait(CLOSED)
 
     async def stop(self) -> None:
-        if self._closer is not None:
-            self._closer.cancel()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -131,7 +128,7 @@ class ProgressFeed:
     @contextlib.asynccontextmanager
     async def listen(self, kb_id: str) -> AsyncIterator[asyncio.Queue[Item]]:
         queue: asyncio.Queue[Item] = asyncio.Queue()
-        if self._stopping.is_set():
+        if self._closed:
             queue.put_nowait(CLOSED)
         self._listeners[kb_id].add(queue)
         try:

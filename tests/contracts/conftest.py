@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from services.contracts import Contracts, build
+from services.contracts.export import Contracts, build
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,7 @@ def contracts() -> Contracts:
 @pytest.fixture(scope="module")
 async def mock(contracts: Contracts) -> AsyncIterator[httpx.AsyncClient]:
     """The mock app in-process (REST and /api/v1/tools need no lifespan)."""
-    from services.mock import create_mock_app
+    from services.contracts.mock import create_mock_app
 
     transport = httpx.ASGITransport(app=create_mock_app(contracts=contracts))
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:

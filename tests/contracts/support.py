@@ -7,7 +7,7 @@ from urllib.parse import quote
 
 import httpx
 
-from services.contracts import Contracts, OpKey, schema_errors, validator
+from services.contracts.export import Contracts, OpKey, schema_errors, validator
 
 
 async def send_example(client: httpx.AsyncClient, example: dict[str, Any]) -> httpx.Response:

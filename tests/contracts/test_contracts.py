@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from services.common.events import EVENT_MODELS
-from services.contracts import CALL_TOOL, Contracts, build, drift, schema_errors
+from services.contracts.export import CALL_TOOL, Contracts, build, drift, schema_errors
 from services.gateway.tools import TOOLS
 from tests.contracts.support import errors
 
@@ -28,7 +28,7 @@ def test_committed_contracts_equal_the_code():
 
 
 def test_every_tool_event_and_operation_has_a_contract_with_examples(contracts: Contracts):
-    assert not contracts.missing, "add examples to services/contract_examples.py:\n  " + (
+    assert not contracts.missing, "add examples to services/contracts/examples.py:\n  " + (
         "\n  ".join(contracts.missing)
     )
     for name in TOOLS:

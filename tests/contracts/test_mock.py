@@ -11,9 +11,9 @@ import sys
 import httpx
 import pytest
 
-from services.contracts import TOOLS_PATH, Contracts, build
+from services.contracts.export import TOOLS_PATH, Contracts, build
+from services.contracts.mock import create_mock_app
 from services.gateway.tools import TOOLS
-from services.mock import create_mock_app
 from tests.contracts.support import errors, rest_errors, send_example
 from tests.support.asgi import serve_app
 from tests.support.mcp_client import http_session
@@ -135,7 +135,7 @@ def test_mock_runs_without_nats_a_store_or_a_model():
     heavy = ["torch", "sentence_transformers", "litellm", "qdrant_edge", "qdrant_client"]
     script = (
         "import json, sys, time\n"
-        "from services.mock import create_mock_app\n"
+        "from services.contracts.mock import create_mock_app\n"
         "t = time.perf_counter(); create_mock_app()\n"
         f"print(json.dumps({{'loaded': [m for m in {heavy!r} if m in sys.modules], "
         "'seconds': time.perf_counter() - t}))\n"

@@ -15,8 +15,8 @@ import httpx
 import nats
 import pytest
 
-from services.contract_examples import CHUNKS, DOC_TEXT, METADATA, QUERY
-from services.contracts import CALL_TOOL, LIST_TOOLS, TOOLS_PATH, Contracts, OpKey, build
+from services.contracts.examples import CHUNKS, DOC_TEXT, METADATA, QUERY
+from services.contracts.export import CALL_TOOL, LIST_TOOLS, TOOLS_PATH, Contracts, OpKey, build
 from services.gateway.tools import TOOLS
 from tests.conftest import running_stack
 from tests.contracts.support import errors, rest_errors, send_example

@@ -317,7 +317,7 @@ async def test_delete_kb_drops_its_vectors_and_entries_documents_stay(stack):
     assert r.status_code == 200 and r.json()["status"] == "deleted", r.text
     await settled(rt)
     assert (await client.get(f"/v1/kbs/{doomed['kb_id']}")).status_code == 404
-    assert not await rt.objects["embed"].store.collection_exists(f"kb_{doomed['kb_id']}")
+    assert not await rt.store.collection_exists(f"kb_{doomed['kb_id']}")
     assert await rt.registries.index.list(f"{doomed['kb_id']}.") == []
     view = (await client.get(f"/v1/documents/{doc}")).json()
     assert view["kb_ids"] == [kept["kb_id"]] and view["status"] == "complete"

@@ -113,12 +113,10 @@ async def test_list_tools_shows_each_toolset_with_schemas(stack):
 
     service = stack.app.state.service
     for toolsets, expected in (("core", CORE), ("compat", COMPAT), ("compat,core", CORE | COMPAT)):
-        server = create_mcp(
-            service, stack.rt.settings.model_copy(update={"mcp_toolsets": toolsets})
-        )
+        server = create_mcp(service, keys=stack.app.state.keys, toolsets=toolsets.split(","))
         assert {t.name for t in await server.list_tools()} == expected
     with pytest.raises(ValueError, match="KBMESH_MCP_TOOLSETS"):
-        create_mcp(service, stack.rt.settings.model_copy(update={"mcp_toolsets": "core,nope"}))
+        create_mcp(service, keys=stack.app.state.keys, toolsets=["core", "nope"])
 
     listing = (await stack.client.get("/api/v1/tools")).json()
     assert {t["name"] for t in listing["tools"]} == set(tools)

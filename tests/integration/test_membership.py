@@ -180,7 +180,7 @@ async def test_out_of_order_and_duplicated_tags_changed_end_in_newest_revision(s
     assert await rt.registries.index.get(f"{kb_b['kb_id']}.{doc}") is None
     entry = await rt.registries.index.get(f"{kb_c['kb_id']}.{doc}")
     assert entry is not None and entry.revision == 3
-    chunks = await rt.objects["embed"].store.scroll(f"kb_{kb_c['kb_id']}", Filter(), 100)
+    chunks = await rt.store.scroll(f"kb_{kb_c['kb_id']}", Filter(), 100)
     assert chunks and all(
         h.payload["tags"] == [t_c]
         and h.payload["collection"] == "final"
@@ -245,7 +245,7 @@ async def test_redelivered_upload_is_harmless_and_same_content_is_not_re_embedde
     record = await rt.registries.documents.get(f"{ORG}.{doc}")
     assert record.revision == 2 and record.checksum == entry.checksum
     assert embed_count(rt) == mid, "unchanged text and settings must not be re-embedded"
-    hits = await rt.objects["embed"].store.scroll(f"kb_{kb['kb_id']}", Filter(), 100)
+    hits = await rt.store.scroll(f"kb_{kb['kb_id']}", Filter(), 100)
     assert {h.payload["metadata"]["n"] for h in hits} == {2}
 
 
@@ -316,7 +316,7 @@ async def test_concurrent_tag_and_kb_changes_lose_no_update(stack):
     assert record.kb_ids == [kb["kb_id"]]
     entry = await rt.registries.index.get(f"{kb['kb_id']}.{doc}")
     assert entry is not None and entry.revision == record.revision
-    hits = await rt.objects["embed"].store.scroll(
+    hits = await rt.store.scroll(
         f"kb_{kb['kb_id']}", Filter(must=(Match("document_id", doc),)), 100
     )
     assert hits and {tuple(h.payload["tags"]) for h in hits} == {tuple(record.tags)}

@@ -37,7 +37,7 @@ async def test_model_change_switches_collections_and_search_answers_throughout(
                 f"/v1/kbs/{kb_id}/documents?wait=true", json={"name": name, "content": text}
             )
             assert r.json()["status"] == "complete", r.text
-        store = rt.objects["embed"].store
+        store = rt.store
         old, new = f"kb_{kb_id}", f"kb_{kb_id}_g2"
         chunks = await store.count(old)
         assert chunks >= len(DOCS)

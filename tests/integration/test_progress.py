@@ -117,7 +117,7 @@ async def test_reindex_progress_streams_to_done_and_cancel_keeps_the_old_index(s
     kb_record = await rt.registries.kbs.get(f"local.{kb_id}")
     assert kb_record.serving is None
     serving = kb_record.collection_name
-    store = rt.objects["embed"].store
+    store = rt.embed.store
     chunks = await store.count(serving)
     query = {"query": "espresso history and behaviour", "kb_ids": [kb_id]}
     top = (await client.post("/v1/search", json=query)).json()["hits"][0]
@@ -176,7 +176,7 @@ async def _settled_twice(rt: Any) -> bool:
 
 async def test_open_streams_end_when_the_gateway_stops(stack):
     """An event stream never ends by itself, and the HTTP server waits for open responses
-    before it stops: the runtime's stopping signal ends them (last test: the stack stops)."""
+    before it stops: the gateway ends them first (last test: the stack stops)."""
     rt, client, base = stack
     kb = await create_kb(client, name=f"stopping-{uid()}")
     async with (
@@ -185,6 +185,6 @@ async def test_open_streams_end_when_the_gateway_stops(stack):
     ):
         lines = response.aiter_lines()
         assert await anext(lines) == "event: progress"
-        rt.stopping.set()
+        rt.gateway.progress.close_streams()
         rest = [line async for line in lines]  # ends: the server closed the stream
     assert all(not line.startswith("event: ") for line in rest), rest

@@ -222,7 +222,7 @@ async def corpus(stack) -> Corpus:
 
 async def service_search(rt, org: str = "local", **query: Any) -> SearchResponse:
     """The search service called directly, as its bus handler would."""
-    return await rt.objects["search"].search(SearchRequest(org_id=org, **query))
+    return await rt.search.search(SearchRequest(org_id=org, **query))
 
 
 async def rest_search(client, corpus: Corpus, org: str = "local", **query: Any) -> dict[str, Any]:
@@ -485,7 +485,7 @@ async def test_score_kind_and_min_score_in_every_mode(stack, corpus):
 async def chunk_index_of(rt, corpus: Corpus, doc: str, word: str) -> tuple[int, int]:
     """(chunk index holding `word`, total chunks) of a coalescing fixture document, read
     from the store, so the test does not depend on the chunker's exact boundaries."""
-    store = rt.objects["search"].store
+    store = rt.store
     points = await store.scroll(
         f"kb_{corpus.kbs['coalesce']}", Filter(must=(Match("document_id", corpus.ids[doc]),)), 100
     )

@@ -103,7 +103,8 @@ async def test_search_replicas_share_the_load(stack, kbs):
     """A second search replica on its own NATS connection joins the queue group: many
     requests through the gateway are answered by both replicas, each with the full answer."""
     rt, client = stack
-    first: SearchService = rt.objects["search"]
+    first = rt.search
+    assert first is not None
     second = SearchService(rt.registries, first.store, rt.embedders, rt.settings.search)
     served: Counter[str] = Counter()
 

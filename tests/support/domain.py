@@ -146,7 +146,7 @@ async def collection_of(rt: Any, kb_id: str) -> str:
 
 
 async def vector_count(rt: Any, kb_id: str, document_id: str | None = None) -> int:
-    store = rt.objects["embed"].store
+    store = rt.store
     flt = Filter(must=(Match("document_id", document_id),)) if document_id else None
     return await store.count(await collection_of(rt, kb_id), flt)
 
@@ -222,7 +222,7 @@ def expected_chunks(
 
 async def stored_chunks(rt: Any, kb_id: str, document_id: str) -> list[str]:
     """The document's chunk contents in `kb_id`, in chunk order."""
-    store = rt.objects["embed"].store
+    store = rt.store
     hits = await store.scroll(
         await collection_of(rt, kb_id), Filter(must=(Match("document_id", document_id),)), 1000
     )

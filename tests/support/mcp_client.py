@@ -31,9 +31,9 @@ OFFLINE_ENV = {
 @contextlib.asynccontextmanager
 async def serve_http(rt: Any) -> AsyncIterator[tuple[str, Any]]:
     """The gateway app of `rt` behind uvicorn on 127.0.0.1:<free port>; yields (base url, app)."""
-    from services.gateway.app import create_app
+    from services.runtime import gateway_app
 
-    app = create_app(rt)
+    app = gateway_app(rt)
     async with serve_app(app) as base:
         yield base, app
 

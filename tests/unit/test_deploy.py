@@ -205,19 +205,15 @@ def settings_from(monkeypatch: pytest.MonkeyPatch):
 
 
 def gateway_get_paths() -> set[str]:
-    """The GET paths of the real gateway app (built on a stub runtime; nothing connects)."""
+    """The GET paths of the real gateway app (built on stand-in parts; nothing connects)."""
     from services.gateway.app import create_app
+    from services.gateway.auth import KeyResolver
+    from services.gateway.service import GatewayService
 
-    rt = SimpleNamespace(
-        settings=Settings(mcp_toolsets=""),
-        bus=None,
-        objects={},
-        registries=SimpleNamespace(keys=None),
-        services=("gateway",),
-        ready=None,
-        stopping=None,
-    )
-    paths = create_app(rt).openapi()["paths"]  # type: ignore[arg-type]
+    settings = Settings(mcp_toolsets="")
+    service = GatewayService(None, SimpleNamespace(keys=None), settings)  # type: ignore[arg-type]
+    keys = KeyResolver(None, settings.default_org)  # type: ignore[arg-type]
+    paths = create_app(service, keys).openapi()["paths"]
     return {path for path, methods in paths.items() if "get" in methods}
 
 

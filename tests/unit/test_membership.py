@@ -15,7 +15,7 @@ from services.common.registry import ApiKey
 from services.common.settings import Settings
 from services.gateway.auth import KeyResolver, Unauthorized, hash_key
 from services.gateway.schemas import KbCreate
-from services.gateway.service import GatewayService, validate_kb
+from services.gateway.service import KnowledgeBases, validate_kb
 
 
 def kb(**fields) -> KnowledgeBase:
@@ -92,11 +92,11 @@ def test_request_model_rejects_out_of_range_settings(body):
 def test_default_kb_ids_are_unique_per_org():
     """The default org keeps `default` as its default KB's id; every other org gets a
     stable id of its own, so no two orgs share a collection or index entries."""
-    service = GatewayService(None, None, Settings(default_org="local"), None)  # type: ignore[arg-type]
-    assert service.default_kb_id("local") == "default"
-    a, b = service.default_kb_id("org-a"), service.default_kb_id("org-b")
+    kbs = KnowledgeBases(None, None, Settings(default_org="local"))  # type: ignore[arg-type]
+    assert kbs.default_id("local") == "default"
+    a, b = kbs.default_id("org-a"), kbs.default_id("org-b")
     assert len({a, b, "default"}) == 3
-    assert service.default_kb_id("org-a") == a
+    assert kbs.default_id("org-a") == a
     assert len(a) <= 64 and a.isalnum()
 
 

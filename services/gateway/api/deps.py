@@ -1,4 +1,4 @@
-"""FastAPI dependencies: the service and the caller's principal."""
+"""FastAPI dependencies: the gateway's parts and the caller's principal."""
 
 from __future__ import annotations
 
@@ -8,12 +8,24 @@ from fastapi import Depends, Header, Request
 
 from services.gateway.auth import KeyResolver, Principal
 from services.gateway.schemas import UploadResult
-from services.gateway.service import GatewayService
+from services.gateway.service import Documents, GatewayService, KnowledgeBases, Search
 
 
 def get_service(request: Request) -> GatewayService:
     service: GatewayService = request.app.state.service
     return service
+
+
+def get_kbs(request: Request) -> KnowledgeBases:
+    return get_service(request).kbs
+
+
+def get_documents(request: Request) -> Documents:
+    return get_service(request).documents
+
+
+def get_search(request: Request) -> Search:
+    return get_service(request).search
 
 
 async def get_principal(
@@ -24,7 +36,10 @@ async def get_principal(
     return await resolver.resolve(authorization, host)
 
 
-Service = Annotated[GatewayService, Depends(get_service)]
+Gateway = Annotated[GatewayService, Depends(get_service)]
+Kbs = Annotated[KnowledgeBases, Depends(get_kbs)]
+Docs = Annotated[Documents, Depends(get_documents)]
+Searcher = Annotated[Search, Depends(get_search)]
 Caller = Annotated[Principal, Depends(get_principal)]
 
 # With wait=true an upload that finished answers 200 instead of 202.

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from services.gateway.api.deps import WAITED, Caller, Service
+from services.gateway.api.deps import WAITED, Caller, Docs
 from services.gateway.schemas import (
     DeleteResult,
     DocumentPatch,
@@ -22,10 +22,10 @@ Wait = Annotated[bool, Query(description="wait until the index reflects the chan
 
 @router.post("", status_code=202, responses=WAITED)
 async def upload(
-    body: UploadBody, service: Service, caller: Caller, response: Response, wait: Wait = False
+    body: UploadBody, documents: Docs, caller: Caller, response: Response, wait: Wait = False
 ) -> UploadResult:
     """Upload a document; it joins every KB whose tag_ids its tags match (and `kb_id`)."""
-    result = await service.upload(caller, body, None, wait=wait)
+    result = await documents.upload(caller, body, None, wait=wait)
     if result.status in ("complete", "stored"):
         response.status_code = 200
     return result
@@ -33,7 +33,7 @@ async def upload(
 
 @router.get("")
 async def list_documents(
-    service: Service,
+    documents: Docs,
     caller: Caller,
     kb: str | None = None,
     tag: str | None = None,
@@ -43,7 +43,7 @@ async def list_documents(
     skip: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> Page[DocumentView]:
-    return await service.list_documents(
+    return await documents.page(
         caller,
         kb=kb,
         tag=tag,
@@ -56,32 +56,32 @@ async def list_documents(
 
 
 @router.get("/{document_id}")
-async def get_document(document_id: str, service: Service, caller: Caller) -> DocumentView:
-    return await service.get_document(caller, document_id)
+async def get_document(document_id: str, documents: Docs, caller: Caller) -> DocumentView:
+    return await documents.get(caller, document_id)
 
 
 @router.patch("/{document_id}")
 async def patch_document(
-    document_id: str, body: DocumentPatch, service: Service, caller: Caller, wait: Wait = True
+    document_id: str, body: DocumentPatch, documents: Docs, caller: Caller, wait: Wait = True
 ) -> DocumentView:
     """Change tags, collection or metadata: payloads are rewritten, nothing is re-embedded."""
-    return await service.patch_document(caller, document_id, body, wait=wait)
+    return await documents.patch(caller, document_id, body, wait=wait)
 
 
 @router.delete("/{document_id}")
 async def delete_document(
-    document_id: str, service: Service, caller: Caller, wait: Wait = True
+    document_id: str, documents: Docs, caller: Caller, wait: Wait = True
 ) -> DeleteResult:
     """Delete a document everywhere. Unknown ids succeed with deleted_count 0."""
-    return await service.delete_document(caller, document_id, wait=wait)
+    return await documents.delete(caller, document_id, wait=wait)
 
 
 @router.delete("")
 async def delete_by_source(
-    service: Service,
+    documents: Docs,
     caller: Caller,
     source_id: Annotated[str, Query(min_length=1)],
     wait: Wait = True,
 ) -> DeleteResult:
     """Delete every document of a source."""
-    return await service.delete_source(caller, source_id, wait=wait)
+    return await documents.delete_source(caller, source_id, wait=wait)

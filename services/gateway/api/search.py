@@ -7,23 +7,23 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from services.common.queries import ChunkResponse, SearchQuery, SearchResponse
-from services.gateway.api.deps import Caller, Service
+from services.gateway.api.deps import Caller, Searcher
 
 router = APIRouter(prefix="/v1", tags=["search"])
 
 
 @router.post("/search")
-async def search(body: SearchQuery, service: Service, caller: Caller) -> SearchResponse:
+async def search(body: SearchQuery, search: Searcher, caller: Caller) -> SearchResponse:
     """Hybrid (default), dense or keyword search over one, several or all KBs."""
-    return await service.search(caller, body)
+    return await search.query(caller, body)
 
 
 @router.get("/chunks/{chunk_id}")
 async def get_chunk(
     chunk_id: str,
-    service: Service,
+    search: Searcher,
     caller: Caller,
     kb: str | None = None,
     neighbors: Annotated[int, Query(ge=0, le=5)] = 0,
 ) -> ChunkResponse:
-    return await service.get_chunk(caller, chunk_id, kb, neighbors)
+    return await search.chunk(caller, chunk_id, kb, neighbors)

@@ -1,6 +1,6 @@
 """The files in `contracts/`, exported from their one source — the pydantic models of events,
 tools and REST bodies, and the gateway's own routes — with the examples of
-`services.contract_examples`; plus the lookups and schema checks the mock and tests share.
+`services.contracts.examples`; plus the lookups and schema checks the mock and tests share.
 
     contracts/events/<subject>.schema.json        + <subject>.example.json
     contracts/tools/<name>.input.schema.json      + <name>.output.schema.json, <name>.examples.json
@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from services.common.events import EVENT_MODELS, Event
-from services.contract_examples import (
+from services.contracts.examples import (
     EVENT_EXAMPLES,
     REST_EXAMPLES,
     TOOL_EXAMPLES,
@@ -210,21 +210,22 @@ def schema_errors(check: Draft202012Validator, instance: Any) -> list[ProblemFie
 
 def schema_only_app() -> FastAPI:
     """The gateway app with every toolset, built only to read its routes and OpenAPI document.
-    Its lifespan (which connects to NATS) never runs, so the runtime's parts are stand-ins that
+    Its lifespan (which connects to NATS) never runs, so the gateway's parts are stand-ins that
     nothing calls; settings are the defaults, whatever the environment says."""
     from services.common.settings import Settings
     from services.gateway.app import create_app
-    from services.runtime import Runtime
+    from services.gateway.auth import KeyResolver
+    from services.gateway.mcp import create_mcp
+    from services.gateway.service import GatewayService
 
     settings = Settings.model_construct(mcp_toolsets=",".join(TOOLSETS))
-    rt = Runtime(
-        settings=settings,
-        services=("gateway",),
+    service = GatewayService(
         bus=None,  # type: ignore[arg-type]
         registries=SimpleNamespace(keys=None),  # type: ignore[arg-type]
-        embedders=None,  # type: ignore[arg-type]
+        settings=settings,
     )
-    return create_app(rt)
+    keys = KeyResolver(None, settings.default_org)  # type: ignore[arg-type]
+    return create_app(service, keys, mcp=create_mcp(service, keys=keys))
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:

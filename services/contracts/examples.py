@@ -53,11 +53,24 @@ from services.gateway.schemas import (
     UploadBody,
     UploadResult,
 )
-from services.gateway.tools import (
+from services.gateway.tools.compat import (
     DeleteDocumentInput,
+    DocResult,
+    KnowledgeChunk,
+    KnowledgeResult,
+    ManageKnowledgeInput,
+    ManageKnowledgeOutput,
+    MetadataFilter,
+    SearchDocsInput,
+    SearchDocsOutput,
+    SearchKnowledgeBaseInput,
+    SearchKnowledgeBaseOutput,
+    UploadDocumentInput,
+    UploadDocumentOutput,
+)
+from services.gateway.tools.core import (
     DeleteOutput,
     DeleteSourceOutput,
-    DocResult,
     DocumentRef,
     KbGetChunkInput,
     KbRef,
@@ -65,24 +78,13 @@ from services.gateway.tools import (
     KbUpdateInput,
     KbUploadInput,
     KbUploadOutput,
-    KnowledgeChunk,
-    KnowledgeResult,
     ListDocumentsInput,
     ListKbsInput,
-    ManageKnowledgeInput,
-    ManageKnowledgeOutput,
-    MetadataFilter,
     ReindexInput,
-    SearchDocsInput,
-    SearchDocsOutput,
-    SearchKnowledgeBaseInput,
-    SearchKnowledgeBaseOutput,
     SetCollectionInput,
     SetCollectionOutput,
     SourceRef,
     UpdateDocumentInput,
-    UploadDocumentInput,
-    UploadDocumentOutput,
 )
 
 
@@ -623,7 +625,7 @@ KB_DOCUMENT = KbDocumentView(
 )
 
 # GET /api/v1/tools and POST /api/v1/tools/{name} are derived from the tools registry and the
-# tool examples by the export (services/contracts.py).
+# tool examples by the export (services/contracts/export.py).
 REST_EXAMPLES: list[RestExample] = [
     RestExample("GET", "/healthz", 200, {"status": "ok"}),
     RestExample(

@@ -4,7 +4,7 @@ under /api/v1/tools and MCP at /mcp — for teams that build against kbmesh befo
 No NATS, no store, no model. Every request is first held to its JSON Schema from the contracts,
 without type coercion (a 422 problem, or a tool error, when it does not match), so a client
 that satisfies the mock satisfies the gateway. Every answer is an example of
-`services.contract_examples`, the same that `contracts/` holds. Tool calls then take the
+`services.contracts.examples`, the same that `contracts/` holds. Tool calls then take the
 gateway's own path (`run_tool`: the input model's checks, the result dumped and rendered as
 the gateway does), with the tool's work replaced by the example whose arguments match best.
 """
@@ -29,8 +29,8 @@ from starlette.routing import Route
 
 from services.common.errors import InvalidInput, KbmeshError, NotFound
 from services.common.settings import Settings
-from services.contract_examples import RestExample, ToolExample
-from services.contracts import (
+from services.contracts.examples import RestExample, ToolExample
+from services.contracts.export import (
     LIST_TOOLS,
     PROBLEM_MEDIA_TYPE,
     TOOLS_PATH,

@@ -1,0 +1,44 @@
+"""The gateway's logic, shared by REST and MCP and free of both: knowledge bases, documents,
+search, the access rules of API-key scopes, and read-your-writes waiting.
+
+It never writes vectors: documents change through events to ingest; KB definitions are
+written here (the gateway owns the KB API) and announced with `kb.changed`."""
+
+from __future__ import annotations
+
+from services.common.bus import Bus
+from services.common.registry import Registries
+from services.common.settings import Settings
+from services.gateway.progress import ProgressFeed
+from services.gateway.service.documents import Documents
+from services.gateway.service.kbs import KnowledgeBases, validate_kb
+from services.gateway.service.search import Search
+from services.gateway.service.waiting import Waiting
+
+__all__ = ["Documents", "GatewayService", "KnowledgeBases", "Search", "validate_kb"]
+
+
+class GatewayService:
+    """The gateway's parts on one bus and one set of registries."""
+
+    def __init__(self, bus: Bus, registries: Registries, settings: Settings) -> None:
+        self.bus = bus
+        self.reg = registries
+        self.settings = settings
+        self.waiting = Waiting(registries, settings.wait_timeout_seconds)
+        self.kbs = KnowledgeBases(bus, registries, settings)
+        self.documents = Documents(bus, registries, settings, self.kbs, self.waiting)
+        self.search = Search(bus, settings, self.kbs)
+        self.progress = ProgressFeed()
+
+    async def start(self) -> None:
+        """Subscribe to index notifications and make sure the default org has its KB."""
+        if self.bus.nc is None:
+            raise RuntimeError("the gateway needs a connected bus")
+        await self.waiting.events.start(self.bus.nc)
+        await self.progress.start(self.bus.nc)
+        await self.kbs.ensure_default(self.settings.default_org)
+
+    async def stop(self) -> None:
+        await self.waiting.events.stop()
+        await self.progress.stop()

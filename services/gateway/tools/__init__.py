@@ -1,0 +1,27 @@
+"""The agent tools: the registry (`registry.py`), their text rendering (`rendering.py`), and
+the `core` and `compat` toolsets, registered on import."""
+
+from services.gateway.tools import compat, core
+from services.gateway.tools.registry import (
+    TOOLS,
+    TOOLSETS,
+    ToolErrorResult,
+    ToolOutcome,
+    ToolSpec,
+    error_outcome,
+    run_tool,
+    tools_for,
+)
+
+__all__ = [
+    "TOOLS",
+    "TOOLSETS",
+    "ToolErrorResult",
+    "ToolOutcome",
+    "ToolSpec",
+    "compat",
+    "core",
+    "error_outcome",
+    "run_tool",
+    "tools_for",
+]

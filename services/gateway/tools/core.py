@@ -1,0 +1,502 @@
+"""The `core` tools: kbmesh's own knowledge-base lifecycle — search, chunks, documents and
+knowledge bases — one input model, one output model and one thin function over
+`GatewayService` each.
+
+Docstrings of the tool functions and `Field` descriptions are product text: an LLM reads them
+to choose a tool and fill its arguments.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.common.content import normalise_mime
+from services.common.models import DEFAULT_SOURCE
+from services.common.queries import ChunkResponse, SearchFilters, SearchQuery, SearchResponse
+from services.common.store.base import Mode
+from services.gateway.auth import Principal
+from services.gateway.fetch import fetch_url, read_path
+from services.gateway.schemas import (
+    Ack,
+    DeleteResult,
+    DocumentPatch,
+    DocumentView,
+    KbCreate,
+    KbList,
+    KbStats,
+    KbUpdate,
+    KbView,
+    Page,
+    UploadBody,
+    UploadResult,
+)
+from services.gateway.service import GatewayService
+from services.gateway.tools.registry import tool
+from services.gateway.tools.rendering import render_chunk, render_search
+
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+KbName = Annotated[
+    str, Field(min_length=1, max_length=100, description="knowledge base name or id (see kb_list)")
+]
+
+
+class KbSearchInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(
+        min_length=1, max_length=4000, description="what to look for, as a question or keywords"
+    )
+    kb: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        description="knowledge base name or id to search; omit to search "
+        "every knowledge base you can access (see kb_list)",
+    )
+    top_k: int = Field(5, ge=1, le=50, description="how many matching chunks to return")
+    mode: Mode = Field(
+        Mode.hybrid,
+        description="hybrid (default: meaning and exact words), "
+        "dense (meaning only) or keyword (exact terms: names, ids, error codes)",
+    )
+    filters: SearchFilters | None = Field(
+        None,
+        description="narrow the search: document_ids, source_ids, tags (any of), "
+        "collection, document_name, metadata conditions, upload date range",
+    )
+    coalesce_neighbors: int | None = Field(
+        None,
+        ge=0,
+        le=5,
+        description="also return this many chunks before and after each "
+        "match, for context (marked is_matched=false); omitted: the knowledge base's default",
+    )
+    min_score: float | None = Field(
+        None,
+        description="drop matches scoring below this (cosine similarity 0-1 in hybrid "
+        "and dense mode, BM25 relative to the best match in keyword mode)",
+    )
+
+
+@tool("core", title="Search knowledge bases", render=render_search, read_only=True)
+async def kb_search(service: GatewayService, p: Principal, inp: KbSearchInput) -> SearchResponse:
+    """Search the knowledge bases for passages relevant to a question. Use this first whenever
+    an answer may depend on documents stored in kbmesh. Returns a numbered, source-attributed
+    list (document, chunk, score, uri) and the structured hits; cite the document names.
+    Use filters to restrict by tags, collection, source, document or metadata, and
+    coalesce_neighbors to get surrounding context. Call kb_get_chunk to expand one hit."""
+    query = SearchQuery(
+        query=inp.query,
+        kb_ids=[inp.kb] if inp.kb else None,
+        top_k=inp.top_k,
+        mode=inp.mode,
+        filters=inp.filters,
+        min_score=inp.min_score,
+        coalesce_neighbors=inp.coalesce_neighbors,
+    )
+    return await service.search.query(p, query)
+
+
+class KbGetChunkInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    chunk_id: str = Field(min_length=1, max_length=100, description="chunk_id of a search hit")
+    kb: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        description="knowledge base name or id the chunk is in (faster); "
+        "omitted: looked up in every knowledge base you can access",
+    )
+    neighbors: int = Field(
+        0, ge=0, le=5, description="also return this many chunks before and after it"
+    )
+
+
+@tool("core", title="Get a chunk and its neighbours", render=render_chunk, read_only=True)
+async def kb_get_chunk(
+    service: GatewayService, p: Principal, inp: KbGetChunkInput
+) -> ChunkResponse:
+    """Fetch one chunk by its chunk_id (from kb_search) with optional neighbouring chunks of
+    the same document, to read more context around a search hit."""
+    return await service.search.chunk(p, inp.chunk_id, inp.kb, inp.neighbors)
+
+
+# ---- core: documents ------------------------------------------------------------------------
+
+
+class KbUploadInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kb: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        description="knowledge base name or id to add the document to; "
+        "omitted: the default knowledge base",
+    )
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        description="document title or file name; required with content, "
+        "taken from the URL or file name otherwise",
+    )
+    content: str | None = Field(
+        None,
+        description="the document itself: text, or base64 when "
+        "content_encoding is base64 (PDF, DOCX, images)",
+    )
+    content_encoding: Literal["text", "base64"] = Field(
+        "text", description="how content is encoded"
+    )
+    url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="an http(s) URL for the server to fetch instead of "
+        "pasting content (public addresses only, unless allow-listed)",
+    )
+    path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="a file on the kbmesh server, relative to its upload "
+        "root (KBMESH_UPLOAD_ROOT), instead of pasting content",
+    )
+    mime_type: str | None = Field(
+        None,
+        description="text/plain, text/markdown, text/html, "
+        "application/pdf, DOCX or image/*; omitted: detected",
+    )
+    tags: list[str] = Field(
+        default_factory=list,
+        description="labels; the document also joins "
+        "every knowledge base whose tag_ids include one of them",
+    )
+    collection: str | None = Field(
+        None, description="an exclusive label (at most one per document), e.g. a product or a team"
+    )
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="custom fields, filterable in kb_search"
+    )
+    source_id: str = Field(
+        DEFAULT_SOURCE,
+        min_length=1,
+        max_length=256,
+        description="provenance group, e.g. a repository; kb_delete_source removes a whole group",
+    )
+    uri: str | None = Field(
+        None,
+        description="where the document lives, shown with search results; defaults to url or path",
+    )
+    document_id: str | None = Field(
+        None, pattern=ID_PATTERN, description="replace this existing document with a new revision"
+    )
+    wait: bool = Field(
+        True,
+        description="wait until the document is searchable (recommended); "
+        "false returns at once with status 'processing'",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KbUploadInput:
+        given = [n for n in ("content", "url", "path") if getattr(self, n) is not None]
+        if len(given) != 1:
+            got = f" (got {', '.join(given)})" if given else ""
+            raise ValueError(f"give exactly one of content, url or path{got}")
+        if self.content is not None and not self.name:
+            raise ValueError("name is required with content")
+        return self
+
+
+class KbUploadOutput(UploadResult):
+    mime_type: str = Field(description="the type the document was stored and extracted as")
+
+
+@tool("core", title="Add a document", open_world=True)
+async def kb_upload(service: GatewayService, p: Principal, inp: KbUploadInput) -> KbUploadOutput:
+    """Add a document to a knowledge base so it becomes searchable: pass its text as content,
+    or let the server fetch it from a url, or read it from a server-side path (both avoid
+    pasting large documents through the conversation). PDF, DOCX, HTML, markdown and text are
+    extracted. Give document_id to replace an existing document. With wait (default) the call
+    returns once the document is indexed, with its chunk_count."""
+    # Resolved (and write access checked) first: a key that cannot write fetches nothing.
+    kb = await service.kbs.resolve(p, inp.kb or service.settings.default_kb, write=True)
+    name, uri = inp.name, inp.uri
+    if inp.content is not None:
+        content, encoding = inp.content, inp.content_encoding
+        mime = inp.mime_type or normalise_mime(None, name or "")
+    else:
+        fetched = (
+            await fetch_url(inp.url, service.settings)
+            if inp.url is not None
+            else await read_path(inp.path or "", service.settings)
+        )
+        content, encoding = base64.b64encode(fetched.data).decode("ascii"), "base64"
+        mime = inp.mime_type or fetched.mime_type
+        name, uri = name or fetched.name, uri or fetched.uri
+    body = UploadBody(
+        name=name or "document",
+        content=content,
+        content_encoding=encoding,
+        mime_type=mime,
+        tags=inp.tags,
+        collection=inp.collection,
+        metadata=inp.metadata,
+        source_id=inp.source_id,
+        uri=uri,
+        document_id=inp.document_id,
+    )
+    result = await service.documents.upload(p, body, kb.kb_id, wait=inp.wait)
+    return KbUploadOutput(**result.model_dump(), mime_type=normalise_mime(mime, body.name))
+
+
+class DocumentRef(BaseModel):
+    # Shared with the compat toolset, whose clients may send fields of their own.
+    model_config = ConfigDict(extra="ignore")
+
+    document_id: str = Field(
+        min_length=1,
+        max_length=64,
+        description="the document's id (from kb_upload, kb_search or kb_list_documents)",
+    )
+
+
+class DeleteOutput(BaseModel):
+    status: Literal["deleted", "not_found"]
+    deleted_count: int = Field(
+        description="1 when the document was deleted, 0 when no such document exists"
+    )
+    document_id: str | None
+    title: str | None = Field(description="the deleted document's name")
+    message: str
+
+
+def _delete_output(result: DeleteResult, ref: str) -> DeleteOutput:
+    if result.deleted_count:
+        message = f"deleted document {result.title!r} ({result.document_id})"
+    else:
+        message = f"no document {ref!r} exists; nothing was deleted"
+    return DeleteOutput(
+        status=result.status,
+        deleted_count=result.deleted_count,
+        document_id=result.document_id,
+        title=result.title,
+        message=message,
+    )
+
+
+@tool("core", "compat", title="Delete a document", destructive=True)
+async def kb_delete(service: GatewayService, p: Principal, inp: DocumentRef) -> DeleteOutput:
+    """Delete a document by id from every knowledge base; once this returns, no search returns
+    it. An unknown id is not an error: it returns deleted_count 0."""
+    return _delete_output(await service.documents.delete(p, inp.document_id), inp.document_id)
+
+
+class SourceRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source_id: str = Field(
+        min_length=1, max_length=256, description="the source_id the documents were uploaded with"
+    )
+
+
+class DeleteSourceOutput(BaseModel):
+    status: Literal["deleted", "not_found"]
+    source_id: str
+    deleted_count: int
+    document_ids: list[str]
+    message: str
+
+
+@tool("core", title="Delete every document of a source", destructive=True)
+async def kb_delete_source(
+    service: GatewayService, p: Principal, inp: SourceRef
+) -> DeleteSourceOutput:
+    """Delete every document that was uploaded with this source_id (e.g. a whole repository
+    before re-ingesting it). Returns how many were deleted; 0 is not an error."""
+    result = await service.documents.delete_source(p, inp.source_id)
+    return DeleteSourceOutput(
+        status=result.status,
+        source_id=inp.source_id,
+        deleted_count=result.deleted_count,
+        document_ids=result.document_ids,
+        message=f"deleted {result.deleted_count} document(s) of source {inp.source_id!r}",
+    )
+
+
+class SetCollectionInput(DocumentRef):
+    collection: str | None = Field(
+        min_length=1,
+        max_length=200,
+        description="the collection "
+        "to put the document in, or null to remove it from its "
+        "collection",
+    )
+
+
+class SetCollectionOutput(BaseModel):
+    status: Literal["updated"] = "updated"
+    document_id: str
+    title: str
+    collection: str | None
+    revision: int
+
+
+@tool("core", "compat", title="Set a document's collection", destructive=False)
+async def kb_set_collection(
+    service: GatewayService, p: Principal, inp: SetCollectionInput
+) -> SetCollectionOutput:
+    """Put a document in a collection (an exclusive label: at most one per document), or pass
+    null to clear it. Search can then filter on the collection. Nothing is re-embedded."""
+    patch = (
+        DocumentPatch(collection=inp.collection)
+        if inp.collection is not None
+        else DocumentPatch(clear_collection=True)
+    )
+    view = await service.documents.patch(p, inp.document_id, patch)
+    return SetCollectionOutput(
+        document_id=view.document_id,
+        title=view.name,
+        collection=view.collection,
+        revision=view.revision,
+    )
+
+
+class UpdateDocumentInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    document_id: str = Field(min_length=1, max_length=64, description="the document's id")
+    tags: list[str] | None = Field(
+        None,
+        description="the new full tag list (replaces the "
+        "current tags; membership in tag-matched knowledge bases "
+        "follows)",
+    )
+    metadata: dict[str, Any] | None = Field(
+        None, description="the new metadata (replaces the current metadata)"
+    )
+
+    @model_validator(mode="after")
+    def _something(self) -> UpdateDocumentInput:
+        if self.tags is None and self.metadata is None:
+            raise ValueError("give tags, metadata or both")
+        return self
+
+
+@tool("core", title="Update a document's tags or metadata")
+async def kb_update_document(
+    service: GatewayService, p: Principal, inp: UpdateDocumentInput
+) -> DocumentView:
+    """Replace a document's tags and/or metadata without touching its text: nothing is
+    re-embedded, and search filters see the change once this returns. Use kb_upload with
+    document_id to change the text."""
+    patch = DocumentPatch(tags=inp.tags, metadata=inp.metadata)
+    return await service.documents.patch(p, inp.document_id, patch)
+
+
+class ListDocumentsInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kb: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        description="only documents of "
+        "this knowledge base (name or id); omitted: all you can access",
+    )
+    tag: str | None = Field(None, description="only documents with this tag")
+    collection: str | None = Field(None, description="only documents in this collection")
+    source_id: str | None = Field(None, description="only documents of this source")
+    name_search: str | None = Field(None, description="only documents whose name contains this")
+    skip: int = Field(0, ge=0, description="paging offset")
+    limit: int = Field(50, ge=1, le=500, description="page size")
+
+
+@tool("core", title="List documents", read_only=True)
+async def kb_list_documents(
+    service: GatewayService, p: Principal, inp: ListDocumentsInput
+) -> Page[DocumentView]:
+    """List documents with their id, name, status, tags, collection, metadata, source and the
+    knowledge bases they are in; filter by knowledge base, tag, collection, source or name."""
+    return await service.documents.page(
+        p,
+        kb=inp.kb,
+        tag=inp.tag,
+        collection=inp.collection,
+        source_id=inp.source_id,
+        name_search=inp.name_search,
+        skip=inp.skip,
+        limit=inp.limit,
+    )
+
+
+# ---- core: knowledge bases ------------------------------------------------------------------
+
+
+class ListKbsInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name_search: str | None = Field(
+        None, description="only knowledge bases whose name contains this"
+    )
+    skip: int = Field(0, ge=0, description="paging offset")
+    limit: int = Field(50, ge=1, le=200, description="page size")
+
+
+@tool("core", title="List knowledge bases", read_only=True)
+async def kb_list(service: GatewayService, p: Principal, inp: ListKbsInput) -> KbList:
+    """List the knowledge bases you can access, with their description, settings, status and
+    document and chunk counts. Use it to pick the kb for kb_search or kb_upload."""
+    return await service.kbs.page(p, inp.skip, inp.limit, inp.name_search)
+
+
+@tool("core", title="Create a knowledge base")
+async def kb_create(service: GatewayService, p: Principal, inp: KbCreate) -> KbView:
+    """Create a knowledge base with its own chunking and embedding settings. tag_ids make
+    every document carrying one of those tags a member automatically."""
+    return await service.kbs.create(p, inp)
+
+
+class KbUpdateInput(KbUpdate):
+    kb: KbName
+
+
+@tool("core", title="Update a knowledge base")
+async def kb_update(service: GatewayService, p: Principal, inp: KbUpdateInput) -> KbView:
+    """Change a knowledge base's name, description, tag_ids or settings. Changing chunking or
+    the embedding model re-indexes every document (status pending_reindex); search keeps
+    answering from the old index meanwhile. Only the fields you pass change."""
+    changes = KbUpdate.model_validate(inp.model_dump(exclude_unset=True, exclude={"kb"}))
+    return await service.kbs.update(p, inp.kb, changes)
+
+
+class KbRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kb: KbName
+
+
+@tool("core", title="Knowledge base statistics", read_only=True)
+async def kb_stats(service: GatewayService, p: Principal, inp: KbRef) -> KbStats:
+    """Counts for one knowledge base: indexed documents and chunks, documents matching its
+    tags, failed and pending documents, and progress: how many documents are indexed,
+    pending and failed, and how far a reindex has got (done of total)."""
+    return await service.kbs.stats(p, inp.kb)
+
+
+class ReindexInput(KbRef):
+    failed_only: bool = Field(False, description="only retry documents whose indexing failed")
+
+
+@tool("core", title="Re-index a knowledge base")
+async def kb_reindex(service: GatewayService, p: Principal, inp: ReindexInput) -> Ack:
+    """Re-index every document of a knowledge base (or, with failed_only, retry the failed
+    ones). Runs in the background; watch kb_stats."""
+    return await service.kbs.reindex(p, inp.kb, failed_only=inp.failed_only)

@@ -1,0 +1,76 @@
+"""Tool results as text: the numbered, source-attributed listings an LLM reads (the same
+results travel as structured content too)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from services.common.queries import ChunkResponse, SearchHit, SearchResponse
+
+if TYPE_CHECKING:
+    from services.gateway.tools.compat import SearchDocsOutput, SearchKnowledgeBaseOutput
+
+
+def _hit_header(hit: SearchHit) -> str:
+    where = hit.uri or hit.source_id or ""
+    score = f", score {hit.score:.3f}" if hit.score is not None else ""
+    return (
+        f"{hit.document_name} — chunk {hit.chunk_index + 1} of {hit.total_chunks}{score}"
+        + (f"\n    source: {where}" if where else "")
+        + f"\n    kb: {hit.kb_id} · document_id: {hit.document_id} · chunk_id: {hit.chunk_id}"
+    )
+
+
+def render_search(resp: SearchResponse) -> str:
+    matched = [h for h in resp.hits if h.is_matched]
+    if not matched:
+        return f'No results for "{resp.query}".'
+    lines = [
+        f'{len(matched)} result(s) for "{resp.query}" ({resp.mode.value} search; '
+        f"score = {resp.score_kind}):"
+    ]
+    n = 0
+    for hit in resp.hits:
+        if hit.is_matched:
+            n += 1
+            lines.append(f"\n[{n}] {_hit_header(hit)}\n{hit.content}")
+        else:
+            lines.append(
+                f"\n    (context: chunk {hit.chunk_index + 1} of {hit.document_name})"
+                f"\n{hit.content}"
+            )
+    return "\n".join(lines)
+
+
+def render_chunk(resp: ChunkResponse) -> str:
+    chunks = sorted([resp.chunk, *resp.neighbors], key=lambda h: h.chunk_index)
+    lines = [_hit_header(resp.chunk)]
+    for h in chunks:
+        marker = ">>" if h.chunk_id == resp.chunk.chunk_id else "  "
+        lines.append(f"\n{marker} chunk {h.chunk_index + 1}:\n{h.content}")
+    return "\n".join(lines)
+
+
+def render_docs(out: SearchDocsOutput) -> str:
+    if not out.results:
+        return "No matching documents found."
+    return "\n\n".join(
+        f"{i}. {r.documentTitle} (chunk {r.chunkIndex}, score {r.score:.3f})\n{r.content}"
+        for i, r in enumerate(out.results, 1)
+    )
+
+
+def render_knowledge(out: SearchKnowledgeBaseOutput) -> str:
+    if not out.results:
+        return f'No results for "{out.query}".'
+    lines, n = [], 0
+    for r in out.results:
+        if r.is_matched:
+            n += 1
+            lines.append(
+                f"{n}. {r.source} (chunk {r.chunk_index}, relevance "
+                f"{(r.relevance or 0):.3f})\n{r.content}"
+            )
+        else:
+            lines.append(f"   (context, chunk {r.chunk_index} of {r.source})\n{r.content}")
+    return "\n\n".join(lines)

@@ -1,0 +1,78 @@
+"""The import graph runs one way: cli → runtime → services → common. Read from the source
+(every import statement, including those inside functions and under TYPE_CHECKING), so a
+lazy import cannot hide an edge."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "services"
+SERVICES = ("ingest", "embed", "search", "gateway")
+# What each part of services/ may import, besides itself.
+ALLOWED: dict[str, set[str]] = {
+    "common": set(),
+    **{name: {"common"} for name in SERVICES},
+    # The contracts are the gateway's tools and routes, exported; the mock serves them.
+    "contracts": {"common", "gateway"},
+    "runtime": {"common", *SERVICES},
+    # `kbmesh ingest` is a REST client of a running stack: no service, no runtime.
+    "cli_ingest": {"common"},
+    "cli": {"common", "contracts", "gateway", "runtime", "cli_ingest"},
+}
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_parts(path: Path) -> set[str]:
+    """The top-level parts of `services` that a module imports."""
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+            if node.module == "services":
+                names = [f"services.{a.name}" for a in node.names]
+        for name in names:
+            segments = name.split(".")
+            if segments[0] == "services" and len(segments) > 1:
+                parts.add(segments[1])
+    return parts
+
+
+MODULES = sorted(p for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_imports_only_what_its_layer_may(path: Path) -> None:
+    part = part_of(path)
+    assert part in ALLOWED, f"{path}: a new part of services/; add it to ALLOWED"
+    foreign = imported_parts(path) - ALLOWED[part] - {part}
+    assert not foreign, f"services/{path.relative_to(ROOT)} ({part}) imports {sorted(foreign)}"
+
+
+def test_the_rules_cover_the_stated_layering() -> None:
+    """The gateway imports no other service package nor the runtime; nothing under common
+    imports a service; no service imports the runtime or the CLI."""
+    assert ALLOWED["gateway"] == {"common"}
+    assert ALLOWED["common"] == set()
+    for name in (*SERVICES, "contracts"):
+        assert not ALLOWED[name] & {"runtime", "cli"}
+    assert "cli" not in ALLOWED["runtime"]
+
+
+def test_the_checker_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from services.runtime import Runtime\n"
+        "def f():\n    import services.search.service\n    from services import embed\n"
+    )
+    assert imported_parts(module) == {"runtime", "search", "embed"}
