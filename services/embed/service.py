@@ -165,14 +165,13 @@ class EmbedService:
         )
         if entry is not None and same_build and entry.revision >= record.revision:
             return entry, False
+        if kb.serving is not None and (entry is None or entry.revision < record.revision):
+            # Searches read the previous generation until the rebuild is done: its labels
+            # follow the document's at once (its text and chunks stay as they were built).
+            await self._relabel(kb.serving_collection, record)
         if entry is not None and same_build:
             # Same text, same settings: only labels changed. Rewrite payloads, no embedding.
-            with _tracer.start_as_current_span("kbmesh.embed.set_payload"):
-                await self.store.set_payload(
-                    kb.collection_name,
-                    Filter(must=(Match("document_id", record.document_id),)),
-                    document_payload(record),
-                )
+            await self._relabel(kb.collection_name, record)
             entry.revision = record.revision
             entry.indexed_at = utcnow()
             await self.reg.index.put(entry_key, entry)
@@ -184,6 +183,14 @@ class EmbedService:
         if new_text:  # not a rebuild for new settings: the upload's own wait
             metrics.index_latency(record.accepted_at)
         return entry, True
+
+    async def _relabel(self, collection: str, record: DocumentRecord) -> None:
+        with _tracer.start_as_current_span("kbmesh.embed.set_payload"):
+            await self.store.set_payload(
+                collection,
+                Filter(must=(Match("document_id", record.document_id),)),
+                document_payload(record),
+            )
 
     async def _drop_if_abandoned(self, kb: KnowledgeBase) -> None:
         """A rebuild cancelled while we wrote to its collection: our write re-created what
@@ -234,6 +241,7 @@ class EmbedService:
                     "start": c.start,
                     "end": c.end,
                     "settings_version": kb.settings_version,
+                    "text_checksum": record.checksum,
                 },
             )
             for c, vector, sparse_vector in zip(chunks, dense, sparse, strict=True)
@@ -344,8 +352,10 @@ class EmbedService:
                 record = await self.reg.documents.get(f"{kb.org_id}.{entry.document_id}")
                 if record is None:
                     continue  # its kb.remove clears the entry
-                if await self._serving_has(kb, record):
+                chunks = await self._serving_chunks(kb, record)
+                if chunks is not None:
                     entry.settings_version = kb.settings_version
+                    entry.chunk_count = chunks
                     await self.reg.index.put(entry.key, entry)
                     continue
                 await self.reg.index.delete(entry.key)
@@ -359,16 +369,18 @@ class EmbedService:
             )
         log.info("reindex cancelled kb_id=%s dropped=%s", kb.kb_id, ev.collections)
 
-    async def _serving_has(self, kb: KnowledgeBase, record: DocumentRecord) -> bool:
-        """Whether the collection searches read holds this revision, built with the KB's
-        settings (chunk payloads carry both)."""
-        hits = await self.store.scroll(
-            kb.collection_name, Filter(must=(Match("document_id", record.document_id),)), 1
-        )
-        return bool(hits) and (
-            hits[0].payload.get("revision") == record.revision
-            and hits[0].payload.get("settings_version") == kb.settings_version
-        )
+    async def _serving_chunks(self, kb: KnowledgeBase, record: DocumentRecord) -> int | None:
+        """The document's chunk count in the collection searches read, when it holds the
+        document's current text built with the KB's settings (chunk payloads carry both;
+        labels are kept current there during a rebuild); None otherwise."""
+        document = Filter(must=(Match("document_id", record.document_id),))
+        hits = await self.store.scroll(kb.collection_name, document, 1)
+        if not hits or (
+            hits[0].payload.get("text_checksum") != record.checksum
+            or hits[0].payload.get("settings_version") != kb.settings_version
+        ):
+            return None
+        return await self.store.count(kb.collection_name, document)
 
     async def _announce(
         self, kb: KnowledgeBase, record: DocumentRecord, entry: IndexEntry, *, embedded: bool

@@ -14,7 +14,14 @@ import httpx
 import pytest
 
 from tests.conftest import running_stack
-from tests.support.domain import create_kb, embed_count, settled, uid, wait_until
+from tests.support.domain import (
+    create_kb,
+    embed_count,
+    settled,
+    uid,
+    vector_count,
+    wait_until,
+)
 from tests.support.mcp_client import serve_http
 
 TOPICS = ["glacier", "volcano", "espresso", "raft", "orchid", "comet"]
@@ -172,6 +179,67 @@ async def test_reindex_progress_streams_to_done_and_cancel_keeps_the_old_index(s
 async def _settled_twice(rt: Any) -> bool:
     await settled(rt)
     return True
+
+
+async def test_cancel_keeps_changes_made_during_the_rebuild(stack):
+    """Changes made while a rebuild runs reach the index searches read: a relabelled
+    document is found by its new tag at once, and after the cancel, a document whose text
+    changed meanwhile (built only into the abandoned collection) is indexed again into the
+    serving one. Every index entry ends at the KB's settings with the serving chunk count."""
+    rt, client, base = stack
+    kb_id = (await create_kb(client, name=f"changes-{uid()}"))["kb_id"]
+    ids = []
+    for i in range(30):
+        r = await client.post(
+            f"/v1/kbs/{kb_id}/documents", json={"name": f"note-{i}.md", "content": document(i)}
+        )
+        ids.append(r.json()["document_id"])
+    await settled(rt)
+    changed, relabelled = ids[0], ids[1]
+    async with event_stream(base, kb_id) as events:
+        await next_progress(events, [])
+        assert (await client.post(f"/v1/kbs/{kb_id}/reindex")).status_code == 202
+        r = await client.post(
+            f"/v1/kbs/{kb_id}/documents",
+            json={
+                "name": "note-0.md",
+                "document_id": changed,
+                "content": "Lighthouse keepers trimmed the lamp wicks every evening.",
+            },
+        )
+        assert r.status_code == 202, r.text
+        r = await client.patch(f"/v1/documents/{relabelled}", json={"tags": ["flagged"]})
+        assert r.status_code == 200, r.text
+        flagged = await client.post(
+            "/v1/search",
+            json={"query": "note", "kb_ids": [kb_id], "filters": {"tags": ["flagged"]}},
+        )
+        assert [h["document_id"] for h in flagged.json()["hits"]] == [relabelled]
+        while True:
+            reindex = (await next_progress(events, []))["reindex"]
+            if reindex and reindex["done"] > 0:
+                break
+        assert reindex["done"] < reindex["total"], "the reindex finished before the cancel"
+        r = await client.post(f"/v1/kbs/{kb_id}/reindex/cancel")
+        assert r.status_code == 200, r.text
+    await settled(rt)
+
+    hits = (
+        await client.post("/v1/search", json={"query": "lighthouse lamp wicks", "kb_ids": [kb_id]})
+    ).json()["hits"]
+    assert hits[0]["document_id"] == changed and "Lighthouse" in hits[0]["content"]
+    kb = await rt.registries.kbs.get(f"local.{kb_id}")
+    assert kb.serving is None
+    store = rt.embed.store
+    for document_id in ids:
+        entry = await rt.registries.index.get(f"{kb_id}.{document_id}")
+        record = await rt.registries.documents.get(f"local.{document_id}")
+        assert entry.settings_version == kb.settings_version, document_id
+        assert entry.checksum == record.checksum and entry.revision == record.revision
+        assert entry.chunk_count == await vector_count(rt, kb_id, document_id)
+    assert await store.count(kb.collection_name) == sum(
+        [(await rt.registries.index.get(f"{kb_id}.{d}")).chunk_count for d in ids]
+    )
 
 
 async def test_open_streams_end_when_the_gateway_stops(stack):
