@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,21 @@ def test_progress_line_counts_files_bytes_chunks() -> None:
     line = progress.line()
     assert line.startswith("1/4 files, 1.0 KB/4.0 KB, 3 chunks indexed, ")
     assert "ETA" in line and progress.bar().startswith("[######")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+async def test_progress_redraws_one_line_on_a_terminal_and_prints_lines_elsewhere() -> None:
+    """On a terminal the bar is redrawn in place and left on its own line; elsewhere a
+    plain `progress:` line is printed (at least once, at the end)."""
+    tty, plain = Terminal(), io.StringIO()
+    for out in (tty, plain):
+        progress = Progress(files_total=2, bytes_total=10, out=out)
+        async with progress.shown():
+            progress.add(10, chunks=4)
+    assert tty.getvalue().startswith("\r\x1b[2K[") and tty.getvalue().endswith("\n")
+    assert "1/2 files" in tty.getvalue() and "progress:" not in tty.getvalue()
+    assert plain.getvalue().startswith("progress: 1/2 files, 10 B/10 B, 4 chunks indexed")
