@@ -87,6 +87,10 @@ def bench_env(**extra: str) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         LITELLM_LOCAL_MODEL_COST_MAP="True",
         TOKENIZERS_PARALLELISM="false",
+        # One ONNX export of the bundled model for every benchmark run (built on first use).
+        KBMESH_MODEL_CACHE_DIR=os.environ.get(
+            "KBMESH_MODEL_CACHE_DIR", str(ROOT / "benchmarks" / "data" / "models")
+        ),
     )
     env.update(extra)
     return env

@@ -106,7 +106,10 @@ async def build_runtime(
         registries = await Registries.open(bus.js)
         pool = embedders or EmbedderPool(
             batch_size=settings.embed_batch_size,
+            max_batch=settings.embed_max_batch,
             query_cache_size=settings.search.query_cache_size,
+            local_backend=settings.local_backend,
+            cache_dir=settings.models_dir,
         )
         rt = Runtime(settings, chosen, bus, registries, pool, nats=nats_server)
         if "embed" in chosen or "search" in chosen:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,8 +16,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The ONNX export of the bundled model is content-addressed (weights, recipe, onnxruntime
+# version) and never changes once written, so every test and every `kbmesh up` subprocess
+# may share one build instead of exporting it again per data directory.
+os.environ.setdefault(
+    "KBMESH_MODEL_CACHE_DIR",
+    str(Path(tempfile.gettempdir()) / f"kbmesh-test-models-{os.getuid()}"),
+)
 
 from services.common.natsproc import NatsServer
+
+MODEL_CACHE_DIR = Path(os.environ["KBMESH_MODEL_CACHE_DIR"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache() -> Path:
+    """Build the ONNX export once before any test needs it, so that no `kbmesh up` under
+    test spends its readiness timeout exporting (a no-op once the cache holds it)."""
+    from services.common.embedders import LocalEmbedder
+    from services.common.embedders.onnx_export import ensure_onnx
+    from services.common.settings import DEFAULT_MODEL
+
+    model = LocalEmbedder(DEFAULT_MODEL, cache_dir=MODEL_CACHE_DIR)
+    return ensure_onnx(model.model_dir, MODEL_CACHE_DIR, name=model.name, quantized=False)
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +53,7 @@ def embedders():
     """One model load for the whole session (the pool is stateless apart from caches)."""
     from services.common.embedders import EmbedderPool
 
-    return EmbedderPool(query_cache_size=256)
+    return EmbedderPool(query_cache_size=256, cache_dir=MODEL_CACHE_DIR)
 
 
 @contextlib.asynccontextmanager

@@ -69,8 +69,21 @@ class Settings(BaseSettings):
         256 * 1024, ge=1, description="larger uploads travel via the object store"
     )
     wait_timeout_seconds: float = Field(120.0, gt=0)
-    embed_batch_size: int = Field(32, ge=1)
-    embed_concurrency: int = Field(2, ge=1, description="kb.index messages worked at once")
+    embed_batch_size: int = Field(32, ge=1, description="texts per local model run")
+    embed_max_batch: int = Field(
+        64, ge=1, description="chunks of concurrent documents embedded together, at most"
+    )
+    embed_concurrency: int = Field(
+        16,
+        ge=1,
+        description="kb.index messages worked at once; their chunks share embedding batches",
+    )
+    local_backend: Literal["onnx", "torch"] = Field(
+        "onnx", description="runtime for local/... models: onnxruntime, or torch as reference"
+    )
+    model_cache_dir: Path | None = Field(
+        None, description="ONNX exports of the local models; default <data_dir>/models"
+    )
 
     mcp_toolsets: str = Field("core", description="comma list of core, compat")
     upload_root: Path | None = Field(None, description="root for kb_upload by path")
@@ -92,6 +105,10 @@ class Settings(BaseSettings):
         from services.common.models import check_id
 
         return check_id(value, "KBMESH_DEFAULT_ORG")
+
+    @property
+    def models_dir(self) -> Path:
+        return self.model_cache_dir or self.data_dir / "models"
 
     @property
     def store_kind(self) -> Literal["edge", "server"]:

@@ -11,6 +11,7 @@ and can be told to fail its next N requests with a given status to exercise retr
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import socket
@@ -40,6 +41,9 @@ def unit(vector: list[float]) -> list[float]:
 @dataclass
 class _Script:
     failures: list[tuple[int, str]] = field(default_factory=list)
+    poison: str | None = None
+    delay_seconds: float = 0.0
+    rejected: list[list[str]] = field(default_factory=list)
     requests: int = 0
     batches: list[list[str]] = field(default_factory=list)
     models: list[str] = field(default_factory=list)
@@ -92,6 +96,23 @@ class OpenAIEmbeddingsServer:
         with self._lock:
             self._script.failures.extend([(status, message)] * count)
 
+    def reject_inputs_containing(self, marker: str | None) -> None:
+        """Answer 400 to every request with an input containing `marker`, as a provider
+        rejects one bad input (content policy, over-long text) and with it its whole request."""
+        with self._lock:
+            self._script.poison = marker
+
+    def delay(self, seconds: float) -> None:
+        """Take `seconds` over each request, as a busy provider does."""
+        with self._lock:
+            self._script.delay_seconds = seconds
+
+    @property
+    def rejected(self) -> list[list[str]]:
+        """Inputs of each request refused for a poisoned input."""
+        with self._lock:
+            return [list(b) for b in self._script.rejected]
+
     def reset(self) -> None:
         with self._lock:
             self._script = _Script()
@@ -132,6 +153,22 @@ class OpenAIEmbeddingsServer:
                 )
             raw = body.get("input", [])
             inputs = [raw] if isinstance(raw, str) else [str(x) for x in raw]
+            with self._lock:
+                poison, delay = self._script.poison, self._script.delay_seconds
+            if delay:
+                await asyncio.sleep(delay)
+            if poison is not None and any(poison in text for text in inputs):
+                with self._lock:
+                    self._script.rejected.append(inputs)
+                return JSONResponse(
+                    status_code=400,
+                    content={
+                        "error": {
+                            "message": "input rejected by content policy",
+                            "type": "invalid_request_error",
+                        }
+                    },
+                )
             if not inputs or any(not text for text in inputs):
                 return JSONResponse(
                     status_code=400,

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def kbmesh_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KBMESH_")}
+    # The one exception: the shared, content-addressed model cache (tests/conftest.py).
+    if "KBMESH_MODEL_CACHE_DIR" in os.environ:
+        env["KBMESH_MODEL_CACHE_DIR"] = os.environ["KBMESH_MODEL_CACHE_DIR"]
     env.update(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",

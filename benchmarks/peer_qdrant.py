@@ -1,0 +1,257 @@
+"""kbmesh side by side with the official Qdrant MCP server (mcp-server-qdrant, FastEmbed ONNX)
+on the same man-page documents and the same model (all-MiniLM-L6-v2), in one run.
+
+The peer is not part of kbmesh and is not built here: point `--peers-root` (or PEERS_ROOT) at
+a directory where it was built offline (a `venv-qdrant` with `mcp-server-qdrant` and a
+`fastembed_cache` holding the ONNX export of the packaged weights). Without it, the benchmark
+says so and exits.
+
+    python3 ../shared/bench/manpages.py benchmarks/data/man200 --sections 1 --max-docs 200
+    PEERS_ROOT=/path/to/peers .venv/bin/python -m benchmarks.peer_qdrant benchmarks/data/man200
+
+Ingest: each system gets every document once, kbmesh through REST uploads (8 at a time, then
+waiting until all are indexed: chunked, every chunk embedded), the peer through its
+`qdrant-store` tool (one call per document, as its interface takes them; it keeps only the
+first 256 word pieces of each). Search: query by query, alternating which system goes first,
+kbmesh `POST /v1/search` (hybrid, top 10 chunks) and the peer's `qdrant-find` (top 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import httpx2
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+
+from benchmarks.common import kbmesh_up_at
+
+K = 10
+METADATA = re.compile(r"<metadata>(.*?)</metadata>", re.S)
+
+
+def load_set(directory: Path) -> tuple[list[dict], list[tuple[str, str]]]:
+    corpus = [json.loads(line) for line in (directory / "corpus.jsonl").open()]
+    queries = {q["_id"]: q["text"] for q in map(json.loads, (directory / "queries.jsonl").open())}
+    rel: dict[str, str] = {}
+    for line in (directory / "qrels" / "test.tsv").read_text().splitlines()[1:]:
+        qid, doc, _ = line.split("\t")
+        rel[qid] = doc
+    return corpus, [(queries[q], rel[q]) for q in queries if q in rel]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def peer_server(root: Path, data: Path):
+    port = free_port()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "FASTEMBED_CACHE_PATH": str(root / "fastembed_cache"),
+        "QDRANT_LOCAL_PATH": str(data),
+        "QDRANT_SEARCH_LIMIT": str(K),
+        "COLLECTION_NAME": "kb",
+        "EMBEDDING_MODEL": "sentence-transformers/all-MiniLM-L6-v2",
+        "FASTMCP_SERVER_HOST": "127.0.0.1",
+        "FASTMCP_SERVER_PORT": str(port),
+    }
+    log = (data.parent / "peer.log").open("wb")
+    proc = subprocess.Popen(
+        [str(root / "venv-qdrant" / "bin" / "mcp-server-qdrant"), "--transport", "streamable-http"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError((data.parent / "peer.log").read_text()[-3000:])
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("mcp-server-qdrant did not open its port") from None
+                await asyncio.sleep(0.2)
+        async with (
+            httpx2.AsyncClient(timeout=httpx2.Timeout(120.0, read=300.0)) as http,
+            streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http) as (r, w),
+            ClientSession(r, w) as session,
+        ):
+            await session.initialize()
+            yield session
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def tool_text(result) -> str:
+    text = "".join(getattr(c, "text", "") for c in result.content)
+    if result.isError:
+        raise RuntimeError(f"peer tool error: {text[:300]}")
+    return text
+
+
+async def peer_ingest(session: ClientSession, corpus: list[dict]) -> float:
+    started = time.perf_counter()
+    for doc in corpus:
+        tool_text(
+            await session.call_tool(
+                "qdrant-store", {"information": doc["text"], "metadata": {"id": doc["_id"]}}
+            )
+        )
+    return time.perf_counter() - started
+
+
+async def peer_find(session: ClientSession, query: str) -> tuple[float, list[str]]:
+    started = time.perf_counter()
+    text = tool_text(await session.call_tool("qdrant-find", {"query": query}))
+    elapsed = time.perf_counter() - started
+    ids = [json.loads(m).get("id") for m in METADATA.findall(text.replace('\\"', '"'))]
+    return elapsed, ids
+
+
+async def kbmesh_ingest(client: httpx.AsyncClient, kb_id: str, corpus: list[dict]) -> tuple:
+    gate = asyncio.Semaphore(8)
+    ids: dict[str, str] = {}
+
+    async def one(doc: dict) -> None:
+        async with gate:
+            r = await client.post(
+                f"/v1/kbs/{kb_id}/documents", json={"name": doc["_id"], "content": doc["text"]}
+            )
+            r.raise_for_status()
+            ids[r.json()["document_id"]] = doc["_id"]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(d) for d in corpus))
+    while True:
+        stats = (await client.get(f"/v1/kbs/{kb_id}/stats")).json()
+        if stats["document_count"] + stats.get("failed_count", 0) >= len(corpus):
+            return time.perf_counter() - started, ids, stats
+        await asyncio.sleep(0.05)
+
+
+async def kbmesh_find(
+    client: httpx.AsyncClient, kb_id: str, query: str, names: dict[str, str]
+) -> tuple[float, list[str]]:
+    body = {"query": query, "kb_ids": [kb_id], "top_k": K}
+    started = time.perf_counter()
+    r = await client.post("/v1/search", json=body)
+    elapsed = time.perf_counter() - started
+    r.raise_for_status()
+    ranked: list[str] = []
+    for hit in r.json()["hits"]:
+        doc = names.get(hit["document_id"], "")
+        if hit.get("is_matched", True) and doc not in ranked:
+            ranked.append(doc)
+    return elapsed, ranked
+
+
+def mrr(ranked: list[list[str]], relevant: list[str]) -> float:
+    total = 0.0
+    for got, want in zip(ranked, relevant, strict=True):
+        if want in got[:K]:
+            total += 1 / (got.index(want) + 1)
+    return total / len(relevant)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1000
+
+
+async def run(beir: Path, peers: Path, max_queries: int | None) -> None:
+    corpus, queries = load_set(beir)
+    queries = queries[:max_queries] if max_queries else queries
+    with tempfile.TemporaryDirectory() as tmp, kbmesh_up_at(Path(tmp) / "kbmesh") as base:
+        async with (
+            peer_server(peers, Path(tmp) / "peer" / "qdrant") as peer,
+            httpx.AsyncClient(base_url=base, timeout=600) as client,
+        ):
+            kb_id = (await client.post("/v1/kbs", json={"name": "peer-bench"})).json()["kb_id"]
+            kb_seconds, names, stats = await kbmesh_ingest(client, kb_id, corpus)
+            peer_seconds = await peer_ingest(peer, corpus)
+            # Warm-up of both search paths, not counted.
+            for q, _ in queries[:5]:
+                await kbmesh_find(client, kb_id, q + " warm", names)
+                await peer_find(peer, q + " warm")
+            kb_times: list[float] = []
+            peer_times: list[float] = []
+            kb_ranked: list[list[str]] = []
+            peer_ranked: list[list[str]] = []
+            for i, (q, _) in enumerate(queries):
+                order = ("kbmesh", "peer") if i % 2 == 0 else ("peer", "kbmesh")
+                for system in order:
+                    if system == "kbmesh":
+                        t, ranked = await kbmesh_find(client, kb_id, q, names)
+                        kb_times.append(t)
+                        kb_ranked.append(ranked)
+                    else:
+                        t, ranked = await peer_find(peer, q)
+                        peer_times.append(t)
+                        peer_ranked.append(ranked)
+    relevant = [r for _, r in queries]
+    kb_p50, peer_p50 = statistics.median(kb_times) * 1000, statistics.median(peer_times) * 1000
+    print(f"date {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC  set {beir}")
+    print(f"documents {len(corpus)}  kbmesh chunks {stats['chunk_count']}  queries {len(queries)}")
+    print("| figure | kbmesh | mcp-server-qdrant | kbmesh / peer |\n| --- | --- | --- | --- |")
+    print(
+        f"| ingest, seconds | {kb_seconds:.1f} | {peer_seconds:.1f} | "
+        f"{kb_seconds / peer_seconds:.2f} |"
+    )
+    print(
+        f"| search p50 ms | {kb_p50:.1f} | {peer_p50:.1f} | {kb_p50 / peer_p50:.2f} |\n"
+        f"| search p99 ms | {pct(kb_times, 0.99):.1f} | {pct(peer_times, 0.99):.1f} | "
+        f"{pct(kb_times, 0.99) / pct(peer_times, 0.99):.2f} |"
+    )
+    print(
+        f"| MRR@10 (known item) | {mrr(kb_ranked, relevant):.3f} | "
+        f"{mrr(peer_ranked, relevant):.3f} | |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("beir_dir", type=Path)
+    parser.add_argument("--peers-root", type=Path, default=os.environ.get("PEERS_ROOT"))
+    parser.add_argument("--max-queries", type=int)
+    args = parser.parse_args()
+    server = args.peers_root and Path(args.peers_root) / "venv-qdrant" / "bin" / "mcp-server-qdrant"
+    if not server or not server.exists():
+        print("skipped: mcp-server-qdrant not found; set PEERS_ROOT (or --peers-root) to a")
+        print("directory with venv-qdrant/ and fastembed_cache/ built offline")
+        sys.exit(0)
+    asyncio.run(run(args.beir_dir, Path(args.peers_root), args.max_queries))
+
+
+if __name__ == "__main__":
+    main()

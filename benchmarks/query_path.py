@@ -1,0 +1,146 @@
+"""Where the time of one search goes: each hop of a REST hybrid search measured against the
+same queries, interleaved query by query, on a running `kbmesh up`.
+
+    .venv/bin/python -m benchmarks.query_path [--docs 40] [--queries 200]
+
+Per query, in turn: REST hybrid, REST keyword (no query embedding), the same two as NATS
+requests straight to `search.query` (no HTTP, no gateway), and the query encode alone in
+this process on onnxruntime's query lane and on torch fp32 sentence-transformers. Each query
+text is used once per variant with a distinct suffix, so the query cache never answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import nats
+
+from benchmarks.common import kbmesh_up_at, stdlib_documents
+from services.common.embedders import LocalEmbedder
+from services.common.events import Subject
+from services.common.queries import SearchRequest
+
+MODEL = "local/all-MiniLM-L6-v2"
+
+
+def queries_from(docs: list[tuple[str, str]], count: int) -> list[str]:
+    lines = [
+        line.strip()
+        for _, text in docs
+        for line in text.splitlines()
+        if 30 < len(line.strip()) < 80 and not line.strip().startswith(("|", "-", "="))
+    ]
+    return lines[:: max(1, len(lines) // count)][:count]
+
+
+def p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1000
+
+
+async def run(base: str, data: Path, kb_id: str, queries: list[str]) -> dict[str, list[float]]:
+    onnx = LocalEmbedder(MODEL)
+    onnx.load()
+    torch = LocalEmbedder(MODEL, backend="torch")
+    torch.load()
+    nc = await nats.connect((data / "nats.url").read_text().strip())
+    times: dict[str, list[float]] = {
+        k: []
+        for k in ("rest_hybrid", "rest_keyword", "nats_hybrid", "nats_keyword", "onnx", "torch")
+    }
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+
+        async def rest(query: str, mode: str) -> float:
+            body = {"query": query, "kb_ids": [kb_id], "top_k": 10, "mode": mode}
+            started = time.perf_counter()
+            r = await client.post("/v1/search", json=body)
+            elapsed = time.perf_counter() - started
+            r.raise_for_status()
+            return elapsed
+
+        async def bus(query: str, mode: str) -> float:
+            req = SearchRequest(query=query, kb_ids=[kb_id], top_k=10, mode=mode, org_id="local")
+            started = time.perf_counter()
+            reply = await nc.request(Subject.SEARCH_QUERY, req.model_dump_json().encode(), 30)
+            elapsed = time.perf_counter() - started
+            if b'"error"' in reply.data[:20]:
+                raise RuntimeError(reply.data[:300])
+            return elapsed
+
+        def encode(embedder: LocalEmbedder, query: str) -> float:
+            started = time.perf_counter()
+            embedder.encode([query], query=True)
+            return time.perf_counter() - started
+
+        for i, q in enumerate(queries[:5] + queries):
+            warm = i < 5
+            got = {
+                "rest_hybrid": await rest(f"{q} r{i}", "hybrid"),
+                "nats_hybrid": await bus(f"{q} n{i}", "hybrid"),
+                "rest_keyword": await rest(f"{q} k{i}", "keyword"),
+                "nats_keyword": await bus(f"{q} b{i}", "keyword"),
+                "onnx": encode(onnx, f"{q} o{i}"),
+                "torch": encode(torch, f"{q} t{i}"),
+            }
+            if not warm:
+                for k, v in got.items():
+                    times[k].append(v)
+    await nc.close()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=40)
+    parser.add_argument("--queries", type=int, default=200)
+    args = parser.parse_args()
+    docs = stdlib_documents(args.docs)
+    queries = queries_from(docs, args.queries)
+    with tempfile.TemporaryDirectory() as tmp, kbmesh_up_at(Path(tmp)) as base:
+        r = httpx.post(f"{base}/v1/kbs", json={"name": "hops"})
+        kb_id = r.json()["kb_id"]
+        for name, text in docs:
+            httpx.post(
+                f"{base}/v1/kbs/{kb_id}/documents",
+                json={"name": name, "content": text},
+                timeout=60,
+            ).raise_for_status()
+        deadline = time.monotonic() + 1800
+        while time.monotonic() < deadline:
+            stats = httpx.get(f"{base}/v1/kbs/{kb_id}/stats").json()
+            if stats["document_count"] >= len(docs):
+                break
+            time.sleep(0.5)
+        times = asyncio.run(run(base, Path(tmp), kb_id, queries))
+    med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    print(f"date {datetime.date.today()}  documents {len(docs)}  chunks {stats['chunk_count']}")
+    print(f"queries {len(times['onnx'])} per variant, interleaved\n")
+    print("| measured | p50 ms | p90 ms |\n| --- | --- | --- |")
+    for k, v in times.items():
+        print(f"| {k} | {med[k]:.2f} | {p(v, 0.9):.2f} |")
+    hops = [
+        ("HTTP + auth + gateway (REST − NATS, hybrid)", med["rest_hybrid"] - med["nats_hybrid"]),
+        ("NATS + search service + engine + score lookups (NATS keyword)", med["nats_keyword"]),
+        (
+            "query embedding in the service (NATS hybrid − keyword)",
+            med["nats_hybrid"] - med["nats_keyword"],
+        ),
+    ]
+    print("\n| hop (difference of medians) | ms |\n| --- | --- |")
+    for name, ms in hops:
+        print(f"| {name} | {ms:.2f} |")
+    print(
+        f"\nREST hybrid p50 / torch fp32 query encode p50: {med['rest_hybrid'] / med['torch']:.2f}"
+    )
+    print(f"onnx query encode / torch query encode: {med['onnx'] / med['torch']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Coalescing of concurrent embed requests into shared model calls.
+
+Small documents give a model two or three chunks each, and a model call costs much more per
+text at batch 2 than at batch 32. The batcher lets the chunks of concurrent documents ride in
+one call: requests queue first-in first-out, one drainer task fills each call with up to
+`max_texts` texts from the head of the queue (cutting a large request across calls), and
+hands each request back exactly its own vectors.
+
+A call that fails with texts of several requests, for any reason but a transient one, is
+repeated per request, so one bad input (a provider rejecting a text, say) fails only the
+request it came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+Encode = Callable[[list[str]], Awaitable[list[list[float]]]]
+
+
+@dataclass(eq=False)
+class _Request:
+    texts: list[str]
+    future: asyncio.Future[list[list[float]]]
+    vectors: list[list[float] | None] = field(default_factory=list)
+    missing: int = 0
+
+    def __post_init__(self) -> None:
+        self.vectors = [None] * len(self.texts)
+        self.missing = len(self.texts)
+
+    def fill(self, start: int, vectors: list[list[float]]) -> None:
+        self.vectors[start : start + len(vectors)] = vectors
+        self.missing -= len(vectors)
+        if self.missing == 0 and not self.future.done():
+            self.future.set_result([v for v in self.vectors if v is not None])
+
+    def fail(self, err: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(err)
+
+
+@dataclass(frozen=True)
+class _Slice:
+    request: _Request
+    start: int
+    end: int
+
+    @property
+    def texts(self) -> list[str]:
+        return self.request.texts[self.start : self.end]
+
+
+@dataclass
+class BatcherStats:
+    calls: int = 0
+    texts: int = 0
+    # Calls that carried texts of more than one request: proof that batching happened.
+    shared_calls: int = 0
+    split_retries: int = 0
+
+
+class Batcher:
+    """Runs `encode` over the texts of concurrent `submit` calls, at most `max_texts` a call.
+
+    `linger_seconds`: how long an idle batcher waits for company before its first call;
+    while a call runs, new requests queue up on their own and go in the next one.
+    """
+
+    def __init__(self, encode: Encode, *, max_texts: int, linger_seconds: float = 0.0) -> None:
+        self._encode = encode
+        self._max = max(1, max_texts)
+        self._linger = max(0.0, linger_seconds)
+        self._pending: deque[_Slice] = deque()
+        self._drainer: asyncio.Task[None] | None = None
+        self.stats = BatcherStats()
+
+    async def submit(self, texts: list[str]) -> list[list[float]]:
+        if not texts:
+            return []
+        request = _Request(texts, asyncio.get_running_loop().create_future())
+        self._pending.append(_Slice(request, 0, len(texts)))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        return await request.future
+
+    async def _drain(self) -> None:
+        if self._linger and self._queued() < self._max:
+            await asyncio.sleep(self._linger)
+        while self._pending:
+            group = self._take()
+            if group:
+                await self._run(group)
+
+    def _queued(self) -> int:
+        return sum(s.end - s.start for s in self._pending)
+
+    def _take(self) -> list[_Slice]:
+        """Slices first-in first-out until the call is full; the last one may be cut, its
+        rest staying first in line."""
+        group: list[_Slice] = []
+        room = self._max
+        while self._pending and room:
+            head = self._pending.popleft()
+            if head.request.future.done():  # failed or its caller went away
+                continue
+            if head.end - head.start > room:
+                self._pending.appendleft(_Slice(head.request, head.start + room, head.end))
+                head = _Slice(head.request, head.start, head.start + room)
+            group.append(head)
+            room -= head.end - head.start
+        return group
+
+    async def _run(self, group: list[_Slice]) -> None:
+        flat = [text for s in group for text in s.texts]
+        requests = {id(s.request): s.request for s in group}
+        try:
+            vectors = await self._encode(flat)
+        except asyncio.CancelledError:
+            for request in requests.values():
+                request.future.cancel()
+            raise
+        except Exception as err:
+            # A transient error (provider down, rate limit) is everybody's: their messages
+            # are redelivered later. Anything else may be one input's fault.
+            if len(requests) == 1 or getattr(err, "retryable", False):
+                for request in requests.values():
+                    request.fail(err)
+                return
+            log.warning(
+                "embed_batch_failed requests=%d texts=%d error=%r; retrying each alone",
+                len(requests),
+                len(flat),
+                str(err)[:200],
+            )
+            self.stats.split_retries += 1
+            for s in group:
+                if not s.request.future.done():
+                    await self._run([s])
+            return
+        self.stats.calls += 1
+        self.stats.texts += len(flat)
+        if len(requests) > 1:
+            self.stats.shared_calls += 1
+        offset = 0
+        for s in group:
+            s.request.fill(s.start, vectors[offset : offset + s.end - s.start])
+            offset += s.end - s.start

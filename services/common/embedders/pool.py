@@ -1,0 +1,133 @@
+"""The embedder factory: one embedder per (model, api_base), created on first use, and a
+bounded cache of query vectors in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from services.common.embedders.base import Embedder, is_local
+from services.common.embedders.local import Backend, LocalEmbedder, local_spec
+from services.common.embedders.remote import LiteLLMEmbedder, remote_max_tokens
+
+
+def model_limits(model: str) -> int:
+    """Usable input tokens for `model`, without loading it. InvalidInput for unknown local
+    models; remote models not in LiteLLM's map get DEFAULT_REMOTE_MAX_TOKENS."""
+    if is_local(model):
+        return local_spec(model).max_tokens
+    return remote_max_tokens(model)
+
+
+class EmbedderPool:
+    """Hands out one embedder per (model, api_base), created on first use."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int = 32,
+        max_batch: int = 64,
+        api_key: str | None = None,
+        query_cache_size: int = 1024,
+        local_backend: Backend = "onnx",
+        cache_dir: Path | None = None,
+    ) -> None:
+        self._batch_size = batch_size
+        self._max_batch = max_batch
+        self._api_key = api_key
+        self._local_backend: Backend = local_backend
+        self._cache_dir = cache_dir
+        self._embedders: dict[tuple[str, str | None], Embedder] = {}
+        self._lock = threading.Lock()
+        self.queries = CachedQueryEmbedder(self, size=query_cache_size)
+
+    def get(self, model: str, api_base: str | None = None) -> Embedder:
+        # api_base means nothing to an in-process model; one instance serves every KB.
+        key = (model, None if is_local(model) else api_base)
+        with self._lock:
+            embedder = self._embedders.get(key)
+            if embedder is None:
+                if is_local(model):
+                    embedder = LocalEmbedder(
+                        model,
+                        backend=self._local_backend,
+                        cache_dir=self._cache_dir,
+                        batch_size=self._batch_size,
+                        max_batch=self._max_batch,
+                    )
+                else:
+                    embedder = LiteLLMEmbedder(model, api_base=api_base, api_key=self._api_key)
+                self._embedders[key] = embedder
+            return embedder
+
+    def loaded(self) -> list[Embedder]:
+        with self._lock:
+            return list(self._embedders.values())
+
+    async def embed_query(self, model: str, text: str, api_base: str | None = None) -> list[float]:
+        return await self.queries.embed(model, text, api_base)
+
+
+_Key = tuple[str, str | None, str]
+
+
+class CachedQueryEmbedder:
+    """Bounded LRU of query vectors keyed by (model, api_base, text).
+
+    Concurrent requests for the same uncached query share one embedding call. `size=0`
+    disables caching (sharing in-flight calls still applies).
+    """
+
+    def __init__(self, pool: EmbedderPool, size: int = 1024) -> None:
+        self._pool = pool
+        self._size = max(0, size)
+        self._cache: OrderedDict[_Key, list[float]] = OrderedDict()
+        self._inflight: dict[_Key, asyncio.Future[list[float]]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    async def embed(self, model: str, text: str, api_base: str | None = None) -> list[float]:
+        key: _Key = (model, None if is_local(model) else api_base, text)
+        while True:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return list(cached)
+            pending = self._inflight.get(key)
+            if pending is None:
+                break
+            await asyncio.wait({pending})
+            if pending.cancelled():
+                continue  # the caller that started it was cancelled; try again ourselves
+            error = pending.exception()
+            if error is not None:
+                raise error
+            self.hits += 1
+            return list(pending.result())
+
+        self.misses += 1
+        future: asyncio.Future[list[float]] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            [vector] = await self._pool.get(model, api_base).embed([text], query=True)
+        except Exception as err:
+            future.set_exception(err)
+            future.exception()  # retrieved here, so asyncio never logs it as unhandled
+            raise
+        else:
+            future.set_result(vector)
+            if self._size:
+                self._cache[key] = vector
+                while len(self._cache) > self._size:
+                    self._cache.popitem(last=False)
+        finally:
+            self._inflight.pop(key, None)
+            if not future.done():  # cancelled: waiters retry on their own
+                future.cancel()
+        return list(vector)

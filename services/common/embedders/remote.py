@@ -1,0 +1,219 @@
+"""LiteLLM embedders: any hosted or self-hosted model LiteLLM speaks to (OpenAI, Cohere,
+Ollama, TEI/vLLM via `api_base`), with our own retry policy and cross-document batching."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from services.common.embedders.base import MODEL_FIELD, QUERY_MAX_TEXTS, normalise
+from services.common.embedders.batching import Batcher
+from services.common.embedders.tokenizing import tiktoken_tokenizer
+from services.common.errors import InvalidInput, Transient
+
+log = logging.getLogger(__name__)
+
+# LiteLLM's usual limit for OpenAI embedding models; used when the model is not in its map.
+DEFAULT_REMOTE_MAX_TOKENS = 8191
+
+
+def _import_litellm() -> Any:
+    # Without this, `import litellm` fetches its cost map from the internet at import time.
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    # Otherwise every provider error also prints a "Give Feedback / Get Help" banner to stdout.
+    litellm.suppress_debug_info = True
+    return litellm
+
+
+async def _import_litellm_off_loop() -> Any:
+    # The first `import litellm` takes seconds; it must not stall the event loop.
+    module = sys.modules.get("litellm")
+    if module is not None and getattr(module, "suppress_debug_info", False):
+        return module
+    return await asyncio.to_thread(_import_litellm)
+
+
+def remote_max_tokens(model: str) -> int:
+    litellm = _import_litellm()
+    try:
+        info = litellm.get_model_info(model)
+    except Exception:
+        # Unmapped models (self-hosted, custom names) are normal: fall back to the default.
+        return DEFAULT_REMOTE_MAX_TOKENS
+    limit = info.get("max_input_tokens") or info.get("max_tokens")
+    return int(limit) if limit else DEFAULT_REMOTE_MAX_TOKENS
+
+
+class _TruthyZero(int):
+    """0 retries that survives `max_retries or DEFAULT_MAX_RETRIES`.
+
+    litellm's OpenAI embedding path does exactly that (BerriAI/litellm#7003), so a plain 0
+    becomes 2 hidden retries inside the OpenAI SDK, stacked under ours.
+    """
+
+    def __bool__(self) -> bool:
+        return True
+
+
+_NO_SDK_RETRIES = _TruthyZero(0)
+
+
+def _is_retryable(err: Exception, litellm: Any) -> bool | None:
+    """True: transient provider error. False: the request itself is wrong. None: not ours."""
+    exceptions = litellm.exceptions
+    if isinstance(err, exceptions.APIConnectionError | exceptions.Timeout):
+        return True
+    status = getattr(err, "status_code", None)
+    if isinstance(status, int):
+        if status in (408, 429) or status >= 500:
+            return True
+        if 400 <= status < 500:
+            return False
+    if isinstance(err, exceptions.APIError | exceptions.OpenAIError):
+        return True
+    return None
+
+
+class LiteLLMEmbedder:
+    """Any LiteLLM embedding model; dimension learnt from the first response."""
+
+    def __init__(
+        self,
+        model: str,
+        api_base: str | None = None,
+        api_key: str | None = None,
+        *,
+        batch_size: int = 64,
+        tries: int = 3,
+        backoff_seconds: float = 0.5,
+        timeout_seconds: float = 60.0,
+    ) -> None:
+        self._model = model
+        self.api_base = api_base
+        self._api_key = api_key
+        self._batch_size = batch_size
+        self._tries = max(1, tries)
+        self._backoff = backoff_seconds
+        self._timeout = timeout_seconds
+        self._dim: int | None = None
+        self._max_tokens: int | None = None
+        self._tokenizer: object | None = None
+        self._embed_count = 0
+        # Chunks of concurrently indexed documents share requests of up to `batch_size`.
+        self.documents = Batcher(self._embed_batch, max_texts=batch_size, linger_seconds=0.005)
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    @property
+    def dim(self) -> int:
+        if self._dim is None:
+            raise RuntimeError(f"dimension of {self._model} unknown until probe() or embed()")
+        return self._dim
+
+    @property
+    def max_tokens(self) -> int:
+        if self._max_tokens is None:
+            self._max_tokens = remote_max_tokens(self._model)
+        return self._max_tokens
+
+    @property
+    def embed_count(self) -> int:
+        return self._embed_count
+
+    async def probe(self) -> int:
+        """Embed a probe text to learn (and check) the dimension; not counted in embed_count."""
+        await self._embed_batch(["ping"])
+        return self.dim
+
+    async def embed(self, texts: list[str], *, query: bool = False) -> list[list[float]]:
+        if query and len(texts) <= QUERY_MAX_TEXTS:
+            # Queries go straight out: HTTP calls run concurrently, nothing to wait behind.
+            vectors = await self._embed_batch(texts) if texts else []
+        else:
+            vectors = await self.documents.submit(texts)
+        self._embed_count += len(texts)
+        return vectors
+
+    async def _embed_batch(self, batch: list[str]) -> list[list[float]]:
+        litellm = await _import_litellm_off_loop()
+        for attempt in range(1, self._tries + 1):
+            try:
+                response = await litellm.aembedding(
+                    model=self._model,
+                    input=batch,
+                    api_base=self.api_base,
+                    api_key=self._api_key,
+                    timeout=self._timeout,
+                    # One retry policy, ours: the OpenAI SDK would otherwise retry underneath.
+                    max_retries=_NO_SDK_RETRIES,
+                )
+            except Exception as err:
+                retryable = _is_retryable(err, litellm)
+                if retryable is None:
+                    raise
+                if not retryable:
+                    status = getattr(err, "status_code", None)
+                    raise InvalidInput(
+                        f"{self._model} rejected the embedding request ({status}): {err}",
+                        field=MODEL_FIELD,
+                    ) from err
+                if attempt == self._tries:
+                    raise Transient(
+                        f"{self._model} unavailable after {attempt} tries: {err}",
+                        field=MODEL_FIELD,
+                    ) from err
+                delay = self._backoff * 2 ** (attempt - 1)
+                log.warning(
+                    "embed_retry model=%s attempt=%d delay=%.2f error=%r",
+                    self._model,
+                    attempt,
+                    delay,
+                    str(err)[:200],
+                )
+                await asyncio.sleep(delay)
+            else:
+                return self._vectors(response, len(batch))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _vectors(self, response: Any, expected: int) -> list[list[float]]:
+        items = sorted(
+            response.data,
+            key=lambda d: d["index"] if isinstance(d, dict) else d.index,
+        )
+        rows = [d["embedding"] if isinstance(d, dict) else d.embedding for d in items]
+        if len(rows) != expected:
+            raise Transient(
+                f"{self._model} returned {len(rows)} vectors for {expected} inputs",
+                field=MODEL_FIELD,
+            )
+        vectors = np.asarray(rows, dtype=np.float32)
+        dim = vectors.shape[1] if vectors.ndim == 2 else 0
+        if dim == 0:
+            raise Transient(f"{self._model} returned malformed vectors", field=MODEL_FIELD)
+        if self._dim is None:
+            self._dim = dim
+        elif dim != self._dim:
+            raise InvalidInput(
+                f"{self._model} changed dimension from {self._dim} to {dim}", field=MODEL_FIELD
+            )
+        return normalise(vectors).tolist()
+
+    def tokenizer(self) -> object:
+        if self._tokenizer is None:
+            self._tokenizer = tiktoken_tokenizer(self._model)
+        return self._tokenizer
+
+    def count_tokens(self, text: str) -> int:
+        tok = self.tokenizer()
+        if isinstance(tok, str):  # chonkie's character tokenizer
+            return len(text)
+        return len(tok.encode(text))  # type: ignore[attr-defined]

@@ -1,0 +1,79 @@
+"""Tokenizers that count and chunk text as the model will see it: the local model's own
+`tokenizer.json`, or tiktoken (from the BPE files litellm ships) for remote models."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def chunking_tokenizer(model_dir: Path) -> Tokenizer:
+    """The model's tokenizer for chonkie and token counts: it must see the whole text, so no
+    cut at the model's limit and no pad tokens."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def model_input_tokenizer(model_dir: Path, max_seq_length: int) -> Tokenizer:
+    """The model's tokenizer as sentence-transformers applies it: cut at `max_seq_length`
+    tokens, special tokens included. (The packaged file says 128 with fixed padding; the
+    model's sentence-transformers config says 256 and pads per batch.) Padding is left to
+    the caller, which pads each length-sorted sub-batch to its own longest input."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.enable_truncation(max_length=max_seq_length)
+    tok.no_padding()
+    return tok
+
+
+def _bundled_tiktoken_dir() -> str | None:
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
+    return str(path) if path.is_dir() else None
+
+
+def tiktoken_tokenizer(model: str) -> object:
+    """A tiktoken encoding for counting a remote model's tokens, or chonkie's `character`.
+
+    The BPE files come from the copy litellm ships, so nothing is downloaded. Special tokens
+    are removed from the encoding: a document that contains `<|endoftext|>` is text to count,
+    not an error (tiktoken raises on special tokens by default, and chonkie calls plain
+    `encode`).
+    """
+    bundled = _bundled_tiktoken_dir()
+    if bundled and "TIKTOKEN_CACHE_DIR" not in os.environ:
+        os.environ["TIKTOKEN_CACHE_DIR"] = bundled
+    try:
+        import tiktoken
+
+        try:
+            name = tiktoken.encoding_name_for_model(model.split("/")[-1])
+        except KeyError:
+            name = "cl100k_base"
+        base = tiktoken.get_encoding(name)
+        return tiktoken.Encoding(
+            name=f"{name}_no_special",
+            pat_str=base._pat_str,
+            mergeable_ranks=base._mergeable_ranks,
+            special_tokens={},
+        )
+    except Exception as err:
+        log.warning(
+            "tiktoken_unavailable model=%s error=%r fallback=character", model, str(err)[:200]
+        )
+        return "character"

@@ -1,0 +1,98 @@
+"""The batcher that lets chunks of concurrent documents share model calls: each caller gets
+exactly its own vectors, calls never exceed the limit, and one bad input fails only the
+request that carried it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.embedders import Batcher
+from services.common.errors import InvalidInput, Transient
+
+
+class Model:
+    """Vectors that name their text; refuses any call holding a text with `poison`."""
+
+    def __init__(self, poison: str | None = None, error: type[Exception] = InvalidInput):
+        self.calls: list[list[str]] = []
+        self.poison = poison
+        self.error = error
+
+    async def __call__(self, texts: list[str]) -> list[list[float]]:
+        self.calls.append(list(texts))
+        await asyncio.sleep(0.01)
+        if self.poison and any(self.poison in t for t in texts):
+            raise self.error("refused")
+        return [[float(len(t)), float(hash(t) % 1000)] for t in texts]
+
+
+def vector(text: str) -> list[float]:
+    return [float(len(text)), float(hash(text) % 1000)]
+
+
+async def test_concurrent_requests_share_calls_and_get_their_own_vectors() -> None:
+    """Five concurrent requests of 3–20 texts run in full calls of at most 16 texts (a large
+    request is cut across calls); the first waits for company (linger) instead of going
+    alone; every request gets its vectors in order."""
+    model = Model()
+    batcher = Batcher(model, max_texts=16, linger_seconds=0.01)
+    requests = [[f"doc{d} chunk{c}" for c in range(n)] for d, n in enumerate([3, 20, 5, 4, 7])]
+    results = await asyncio.gather(*(batcher.submit(r) for r in requests))
+    for texts, vectors in zip(requests, results, strict=True):
+        assert vectors == [vector(t) for t in texts]
+    assert all(len(c) <= 16 for c in model.calls)
+    assert sum(len(c) for c in model.calls) == 39
+    # Full calls: 39 texts in calls of 16, 16 and 7.
+    assert [len(c) for c in model.calls] == [16, 16, 7]
+    assert batcher.stats.shared_calls == 2  # the last holds one request only
+
+
+async def test_a_poisoned_request_fails_alone() -> None:
+    """A refused shared call is repeated per request: the poisoned request gets the error,
+    its batch-mates their vectors."""
+    model = Model(poison="bad")
+    batcher = Batcher(model, max_texts=64, linger_seconds=0.01)
+    good = [["a1", "a2"], ["b1"], ["c1", "c2", "c3"]]
+    results = await asyncio.gather(
+        batcher.submit(good[0]),
+        batcher.submit(["x", "bad text"]),
+        batcher.submit(good[1]),
+        batcher.submit(good[2]),
+        return_exceptions=True,
+    )
+    assert isinstance(results[1], InvalidInput)
+    for texts, vectors in zip(good, [results[0], results[2], results[3]], strict=True):
+        assert vectors == [vector(t) for t in texts]
+    assert len(model.calls[0]) == 8  # they did share the first call
+    assert batcher.stats.split_retries == 1
+
+
+async def test_a_transient_error_fails_the_whole_call_without_retrying_each() -> None:
+    """Provider down is everybody's problem: every request of the call gets the transient
+    error (its message is redelivered later) and no per-request calls follow."""
+    model = Model(poison="", error=Transient)  # every call fails
+    model.poison = "a"
+    batcher = Batcher(model, max_texts=64, linger_seconds=0.01)
+    results = await asyncio.gather(
+        batcher.submit(["a1"]), batcher.submit(["a2", "a3"]), return_exceptions=True
+    )
+    assert all(isinstance(r, Transient) for r in results)
+    assert len(model.calls) == 1
+
+
+async def test_a_cancelled_caller_does_not_disturb_the_others() -> None:
+    """A caller that goes away before its call runs is skipped; the rest are answered."""
+    model = Model()
+    batcher = Batcher(model, max_texts=4)
+    first = asyncio.create_task(batcher.submit(["one", "two", "three", "four"]))
+    gone = asyncio.create_task(batcher.submit(["gone"] * 4))
+    last = asyncio.create_task(batcher.submit(["last"]))
+    await asyncio.sleep(0)
+    gone.cancel()
+    assert await first == [vector(t) for t in ["one", "two", "three", "four"]]
+    assert await last == [vector("last")]
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert ["gone"] * 4 not in model.calls
