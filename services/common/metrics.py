@@ -8,10 +8,7 @@ gateway's `/metrics`; a process started with `KBMESH_METRICS_PORT` serves its ow
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import Iterator
 from datetime import datetime
 
 from nats.js import JetStreamContext
@@ -44,7 +41,7 @@ INDEX_SECONDS = Histogram(
 )
 EMBED_BATCH_SECONDS = Histogram(
     "kbmesh_embed_batch_seconds",
-    "Time to embed one batch of chunks",
+    "Time of one embedding model call over a batch of chunks (of one or more documents)",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 SEARCH_SECONDS = Histogram(
@@ -63,15 +60,6 @@ DEAD_LETTERS = Gauge("kbmesh_dead_letters", "Messages in the dead-letter stream"
 def index_latency(accepted_at: datetime | None) -> None:
     if accepted_at is not None:
         INDEX_SECONDS.observe(max((utcnow() - accepted_at).total_seconds(), 0.0))
-
-
-@contextlib.contextmanager
-def embed_batch(size: int) -> Iterator[None]:
-    """Times one embedder call and counts what it encoded (only when it succeeds)."""
-    started = time.perf_counter()
-    yield
-    EMBED_BATCH_SECONDS.observe(time.perf_counter() - started)
-    CHUNKS_EMBEDDED.inc(size)
 
 
 async def refresh_bus_gauges(js: JetStreamContext) -> None:

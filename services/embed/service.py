@@ -224,8 +224,8 @@ class EmbedService:
         chunks, indexed, sparse = await asyncio.to_thread(prepare)
         with _tracer.start_as_current_span("kbmesh.embed.embed") as span:
             span.set_attribute("kbmesh.model", kb.embedding_model)
-            with metrics.embed_batch(len(indexed)):
-                dense = await embedder.embed(indexed) if indexed else []
+            dense = await embedder.embed(indexed) if indexed else []
+            metrics.CHUNKS_EMBEDDED.inc(len(indexed))
         base = document_payload(record)
         points = [
             ChunkPoint(
