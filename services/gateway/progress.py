@@ -125,17 +125,20 @@ class ProgressFeed:
         for queue in self._listeners.get(kb_id, ()):
             queue.put_nowait(item)
 
-    @contextlib.asynccontextmanager
-    async def listen(self, kb_id: str) -> AsyncIterator[asyncio.Queue[Item]]:
+    # Plain functions, not a context manager: a stream left suspended when its client went
+    # away is finalised by the event loop later, where only synchronous clean-up is safe.
+    def subscribe(self, kb_id: str) -> asyncio.Queue[Item]:
         queue: asyncio.Queue[Item] = asyncio.Queue()
         if self._closed:
             queue.put_nowait(CLOSED)
         self._listeners[kb_id].add(queue)
-        try:
-            yield queue
-        finally:
-            self._listeners[kb_id].discard(queue)
-            if not self._listeners[kb_id]:
+        return queue
+
+    def unsubscribe(self, kb_id: str, queue: asyncio.Queue[Item]) -> None:
+        listeners = self._listeners.get(kb_id)
+        if listeners is not None:
+            listeners.discard(queue)
+            if not listeners:
                 del self._listeners[kb_id]
 
 
@@ -147,7 +150,8 @@ async def event_stream(
 ) -> AsyncIterator[str]:
     """Server-sent events for one KB: `progress` (a snapshot, whenever it changed) and
     `document` (one per status change); `deleted` ends the stream when the KB goes."""
-    async with feed.listen(kb_id) as queue:
+    queue = feed.subscribe(kb_id)
+    try:
         last = await snapshot()
         if last is None:
             yield _sse("deleted", {"kb_id": kb_id})
@@ -179,6 +183,8 @@ async def event_stream(
             if document is not None and document["kb_id"] == kb_id:
                 yield _sse("document", document)
             dirty = True
+    finally:
+        feed.unsubscribe(kb_id, queue)
 
 
 def _document_event(item: Item) -> dict[str, Any] | None:
