@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: up test lint bench contracts clean
+.PHONY: up test lint bench contracts clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -23,8 +23,23 @@ $(STAMP): $(BIN)/python pyproject.toml
 up: $(STAMP)
 	$(BIN)/kbmesh up
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
+
+# The console's browser tests drive Debian's chromium (Playwright cannot download its own
+# here). As root it is installed when missing; otherwise those tests skip and say why.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium for the browser tests"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q chromium >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || \
+	      echo "chromium could not be installed: the browser tests will say so"; \
+	  else \
+	    echo "chromium is missing (not root: run 'apt-get install -y chromium'); browser tests skip"; \
+	  fi; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check services tests benchmarks

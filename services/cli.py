@@ -182,6 +182,7 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
             tasks.append(asyncio.create_task(server.serve()))
             base = f"http://{settings.host}:{settings.port}"
             print(f"kbmesh {' '.join(rt.services)} on {rt.bus.url}", flush=True)
+            print(f"  console  {base}/", flush=True)
             print(f"  REST     {base}/v1", flush=True)
             print(f"  docs     {base}/docs", flush=True)
             print(f"  MCP      {base}/mcp", flush=True)

@@ -3,8 +3,11 @@ the cause is fixed (a missing KB created, a provider back, a bug deployed away).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -30,6 +33,16 @@ class DeadLetter:
     data: bytes
     headers: dict[str, str]
 
+    @property
+    def event(self) -> dict[str, Any]:
+        """The original event's JSON object; empty when the message was not one (malformed
+        input is dead-lettered too)."""
+        try:
+            value = json.loads(self.data)
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
     def summary(self) -> dict[str, object]:
         return {
             "sequence": self.sequence,
@@ -43,9 +56,13 @@ class DeadLetter:
 
 
 async def list_dead_letters(
-    js: JetStreamContext, subject: str | None = None, limit: int = 100
+    js: JetStreamContext,
+    subject: str | None = None,
+    limit: int = 100,
+    where: Callable[[DeadLetter], bool] | None = None,
 ) -> list[DeadLetter]:
-    """Dead letters oldest first, optionally only those of one original subject."""
+    """Dead letters oldest first, optionally only those of one original subject and those
+    `where` accepts."""
     info = await js.stream_info(DLQ_STREAM)
     found: list[DeadLetter] = []
     if not info.state.messages:
@@ -53,6 +70,8 @@ async def list_dead_letters(
     for sequence in range(info.state.first_seq, info.state.last_seq + 1):
         letter = await get_dead_letter(js, sequence)
         if letter is None or (subject and letter.subject != subject):
+            continue
+        if where is not None and not where(letter):
             continue
         found.append(letter)
         if len(found) >= limit:

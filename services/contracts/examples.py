@@ -8,6 +8,7 @@ pydantic instances so a changed model breaks them here, at import, rather than i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -39,6 +40,8 @@ from services.common.settings import DEFAULT_MODEL
 from services.common.store.base import Mode
 from services.gateway.schemas import (
     Ack,
+    DeadLetterList,
+    DeadLetterView,
     DeleteResult,
     DocumentPatch,
     DocumentView,
@@ -104,7 +107,7 @@ class RestExample:
     path: str
     status: int
     response: BaseModel | dict[str, Any]
-    path_params: dict[str, str] = field(default_factory=dict)
+    path_params: Mapping[str, str | int] = field(default_factory=dict)
     query: dict[str, Any] = field(default_factory=dict)
     body: BaseModel | None = None
 
@@ -624,6 +627,18 @@ KB_DOCUMENT = KbDocumentView(
     revision=1,
 )
 
+DEAD_LETTER = DeadLetterView(
+    sequence=7,
+    subject="doc.uploaded",
+    error_type="ValidationError",
+    error="knowledge base 'benefits' not found",
+    delivered=1,
+    time=INDEXED,
+    document_id=DOC_ID,
+    kb_id="benefits",
+    name=DOC_NAME,
+)
+
 # GET /api/v1/tools and POST /api/v1/tools/{name} are derived from the tools registry and the
 # tool examples by the export (services/contracts/export.py).
 REST_EXAMPLES: list[RestExample] = [
@@ -757,5 +772,19 @@ REST_EXAMPLES: list[RestExample] = [
         CHUNK_ANSWER,
         path_params={"chunk_id": chunk_id(1)},
         query={"kb": KB_NAME, "neighbors": 1},
+    ),
+    RestExample(
+        "GET",
+        "/v1/dead-letters",
+        200,
+        DeadLetterList(items=[DEAD_LETTER], total=1),
+        query={"subject": "doc.uploaded"},
+    ),
+    RestExample(
+        "POST",
+        "/v1/dead-letters/{sequence}/replay",
+        202,
+        DEAD_LETTER,
+        path_params={"sequence": DEAD_LETTER.sequence},
     ),
 ]

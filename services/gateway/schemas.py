@@ -182,3 +182,20 @@ class Ack(BaseModel):
     status: str
     kb_id: str | None = None
     documents: int | None = None
+
+
+class DeadLetterView(BaseModel):
+    sequence: int = Field(description="the dead letter's id: pass it to replay")
+    subject: str = Field(description="the subject the message was published on")
+    error_type: str
+    error: str = Field(description="why it could not be processed")
+    delivered: int = Field(description="delivery attempts before it was set aside")
+    time: datetime | None = Field(description="when it was dead-lettered")
+    document_id: str | None = None
+    kb_id: str | None = None
+    name: str | None = Field(None, description="the document's name, for uploads")
+
+
+class DeadLetterList(BaseModel):
+    items: list[DeadLetterView]
+    total: int

@@ -13,7 +13,7 @@ from services.contracts.export import Contracts, OpKey, schema_errors, validator
 async def send_example(client: httpx.AsyncClient, example: dict[str, Any]) -> httpx.Response:
     """The request of a `contracts/rest/examples/*.json` fixture, as a client would send it."""
     request = example["request"]
-    path = example["path"].format(**{k: quote(v, safe="") for k, v in request["path"].items()})
+    path = example["path"].format(**{k: quote(str(v), safe="") for k, v in request["path"].items()})
     kwargs: dict[str, Any] = {"params": request["query"]}
     if "body" in request:
         kwargs["json"] = request["body"]

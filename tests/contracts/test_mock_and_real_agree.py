@@ -114,6 +114,36 @@ async def _delete_document(w: World) -> httpx.Response:
     return await w.http.delete(f"/v1/documents/{await w.upload('draft.md', CHUNKS[2])}")
 
 
+async def _dead_letter(w: World) -> int:
+    """An upstream upload naming a KB that does not exist: dead-lettered at once."""
+    from services.common.events import DocUploaded
+
+    event = DocUploaded(org_id="local", name="early.md", content="x", kb_id=uid("missing"))
+    nc = await nats.connect(w.nats_url)
+    try:
+        await nc.jetstream().publish(
+            "doc.uploaded", event.model_dump_json().encode(), headers={"Nats-Msg-Id": uid("e")}
+        )
+    finally:
+        await nc.close()
+    for _ in range(600):
+        items = (await w.ok(w.http.get("/v1/dead-letters")))["items"]
+        found = [d["sequence"] for d in items if d["kb_id"] == event.kb_id]
+        if found:
+            return int(found[0])
+        await asyncio.sleep(0.05)
+    raise AssertionError("the upload was not dead-lettered")
+
+
+async def _list_dead_letters(w: World) -> httpx.Response:
+    await _dead_letter(w)
+    return await w.http.get("/v1/dead-letters")
+
+
+async def _replay_dead_letter(w: World) -> httpx.Response:
+    return await w.http.post(f"/v1/dead-letters/{await _dead_letter(w)}/replay")
+
+
 REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
     ("GET", "/healthz"): lambda w: w.http.get("/healthz"),
     ("GET", "/readyz"): lambda w: w.http.get("/readyz"),
@@ -152,6 +182,8 @@ REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
     ("GET", "/v1/chunks/{chunk_id}"): lambda w: w.http.get(
         f"/v1/chunks/{w.chunk_id}", params={"kb": w.kb, "neighbors": 1}
     ),
+    ("GET", "/v1/dead-letters"): _list_dead_letters,
+    ("POST", "/v1/dead-letters/{sequence}/replay"): _replay_dead_letter,
     LIST_TOOLS: lambda w: w.http.get(TOOLS_PATH),
     CALL_TOOL: lambda w: w.tool("kb_search", {"query": QUERY, "kb": w.kb}),
 }

@@ -57,3 +57,55 @@ async def test_dead_letter_replayed_after_the_cause_is_fixed(tmp_path, embedders
         view = await wait_until(indexed, timeout=60, what="the replayed upload indexed")
         assert kb_id in view["kb_ids"]
         assert await list_dead_letters(rt.bus.js, "doc.uploaded") == []
+
+
+async def test_dead_letters_over_rest_stay_in_their_org_and_scope(tmp_path, embedders):
+    """GET /v1/dead-letters shows a caller only its org's dead letters (and, with a KB-scoped
+    key, only those naming its KBs); replay needs a writable key that sees the letter; a
+    replayed letter is gone from the list and its upload is indexed."""
+    from services.gateway.auth import KeyResolver
+
+    async with running_stack(tmp_path, embedders=embedders) as (rt, client):
+        resolver = KeyResolver(rt.registries.keys, rt.settings.default_org)
+        a = await resolver.create("org-a")
+        b = await resolver.create("org-b")
+        a_reader = await resolver.create("org-a", read_only=True)
+        a_other_kb = await resolver.create("org-a", kb_ids=["someone-else"])
+
+        def auth(key: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {key}"}
+
+        await rt.bus.publish(
+            "doc.uploaded",
+            DocUploaded(org_id="org-a", name="early.txt", content="too early", kb_id="soon"),
+        )
+
+        async def listed(key: str) -> list[dict]:
+            r = await client.get("/v1/dead-letters", headers=auth(key))
+            assert r.status_code == 200, r.text
+            return r.json()["items"]
+
+        (letter,) = await wait_until(lambda: listed(a), timeout=30, what="org A's dead letter")
+        assert letter["subject"] == "doc.uploaded" and letter["name"] == "early.txt"
+        assert "soon" in letter["error"] and letter["kb_id"] == "soon"
+        assert await listed(b) == []
+        assert await listed(a_other_kb) == []
+        assert (await client.get("/v1/dead-letters")).status_code == 401
+
+        replay_path = f"/v1/dead-letters/{letter['sequence']}/replay"
+        assert (await client.post(replay_path, headers=auth(b))).status_code == 404
+        assert (await client.post(replay_path, headers=auth(a_other_kb))).status_code == 404
+        assert (await client.post(replay_path, headers=auth(a_reader))).status_code == 403
+        assert await listed(a) == [letter]
+
+        kb = await client.post("/v1/kbs", json={"name": "soon"}, headers=auth(a))
+        r = await client.post(replay_path, headers=auth(a))
+        assert r.status_code == 202 and r.json()["sequence"] == letter["sequence"]
+        assert await listed(a) == []
+
+        async def indexed() -> bool:
+            r = await client.get(f"/v1/kbs/{kb.json()['kb_id']}/documents", headers=auth(a))
+            return [d["status"] for d in r.json()["items"]] == ["complete"]
+
+        await wait_until(indexed, timeout=60, what="the replayed upload indexed")
+        assert (await client.post(replay_path, headers=auth(a))).status_code == 404

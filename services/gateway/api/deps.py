@@ -8,7 +8,13 @@ from fastapi import Depends, Header, Request
 
 from services.gateway.auth import KeyResolver, Principal
 from services.gateway.schemas import UploadResult
-from services.gateway.service import Documents, GatewayService, KnowledgeBases, Search
+from services.gateway.service import (
+    DeadLetters,
+    Documents,
+    GatewayService,
+    KnowledgeBases,
+    Search,
+)
 
 
 def get_service(request: Request) -> GatewayService:
@@ -28,6 +34,10 @@ def get_search(request: Request) -> Search:
     return get_service(request).search
 
 
+def get_dead_letters(request: Request) -> DeadLetters:
+    return get_service(request).dead_letters
+
+
 async def get_principal(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
@@ -40,6 +50,7 @@ Gateway = Annotated[GatewayService, Depends(get_service)]
 Kbs = Annotated[KnowledgeBases, Depends(get_kbs)]
 Docs = Annotated[Documents, Depends(get_documents)]
 Searcher = Annotated[Search, Depends(get_search)]
+Letters = Annotated[DeadLetters, Depends(get_dead_letters)]
 Caller = Annotated[Principal, Depends(get_principal)]
 
 # With wait=true an upload that finished answers 200 instead of 202.

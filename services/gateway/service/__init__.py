@@ -10,12 +10,13 @@ from services.common.bus import Bus
 from services.common.registry import Registries
 from services.common.settings import Settings
 from services.gateway.progress import ProgressFeed
+from services.gateway.service.deadletters import DeadLetters
 from services.gateway.service.documents import Documents
 from services.gateway.service.kbs import KnowledgeBases, validate_kb
 from services.gateway.service.search import Search
 from services.gateway.service.waiting import Waiting
 
-__all__ = ["Documents", "GatewayService", "KnowledgeBases", "Search", "validate_kb"]
+__all__ = ["DeadLetters", "Documents", "GatewayService", "KnowledgeBases", "Search", "validate_kb"]
 
 
 class GatewayService:
@@ -30,6 +31,7 @@ class GatewayService:
         self.documents = Documents(bus, registries, settings, self.kbs, self.waiting)
         self.search = Search(bus, settings, self.kbs)
         self.progress = ProgressFeed()
+        self.dead_letters = DeadLetters(bus)
 
     async def start(self) -> None:
         """Subscribe to index notifications and make sure the default org has its KB."""

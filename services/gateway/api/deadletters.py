@@ -1,0 +1,29 @@
+"""REST: messages that could not be processed, and replaying them once the cause is fixed."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from services.gateway.api.deps import Caller, Letters
+from services.gateway.schemas import DeadLetterList, DeadLetterView
+
+router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"])
+
+
+@router.get("")
+async def list_dead_letters(
+    letters: Letters,
+    caller: Caller,
+    subject: Annotated[str | None, Query(description="only this original subject")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> DeadLetterList:
+    """The caller's dead letters, oldest first: the original subject and why it failed."""
+    return await letters.list(caller, subject, limit)
+
+
+@router.post("/{sequence}/replay", status_code=202)
+async def replay_dead_letter(sequence: int, letters: Letters, caller: Caller) -> DeadLetterView:
+    """Publish the message again on its original subject and remove the dead letter."""
+    return await letters.replay(caller, sequence)

@@ -1,0 +1,222 @@
+// The Documents tab: the KB's documents with their per-KB status, uploads (picker or drag and
+// drop, each file's progress and outcome), tags / collection editing and deletion.
+import { api, query, upload } from "./api.js";
+import { clear, h } from "./dom.js";
+import { confirmDialog, docBadge, emptyState, errorBox, modal, nameSearch, num, pager, splitList, table, tagList, toast, when } from "./ui.js";
+
+const PAGE = 20;
+const MIME = {
+  md: "text/markdown", markdown: "text/markdown", txt: "text/plain", text: "text/plain",
+  html: "text/html", htm: "text/html", pdf: "application/pdf",
+  docx: "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+  png: "image/png", jpg: "image/jpeg", jpeg: "image/jpeg", tif: "image/tiff", tiff: "image/tiff",
+  csv: "text/plain", json: "text/plain", rst: "text/plain",
+};
+
+function mimeOf(file) {
+  const ext = (file.name.split(".").pop() || "").toLowerCase();
+  return MIME[ext] || file.type || "text/plain";
+}
+
+async function base64(file) {
+  const bytes = new Uint8Array(await file.arrayBuffer());
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(binary);
+}
+
+export function renderDocuments(panel, getKb, onChange) {
+  const kbPath = () => encodeURIComponent(getKb().kb_id);
+  const state = { skip: 0, search: "", page: null };
+  const list = h("div.doc-list");
+  const uploads = h("ul.uploads", { "aria-label": "Uploads" });
+  const fileInput = h("input#upload-files.visually-hidden", {
+    type: "file",
+    multiple: true,
+    onchange: () => {
+      startUploads([...fileInput.files]);
+      fileInput.value = "";
+    },
+  });
+  const search = nameSearch("doc-search", state, () => {
+    clearTimeout(debounce);
+    debounce = setTimeout(load, 250);
+  });
+  let debounce = null;
+
+  const drop = h(
+    "div.dropzone",
+    h("div.dropzone-text",
+      h("strong", "Drop files here"),
+      h("span.muted", " or "),
+      h("label.btn.btn-primary.upload-label", { for: "upload-files" }, "Upload files")),
+    h("p.help", "Text, Markdown, HTML, PDF with a text layer, DOCX; images wait for OCR. Up to 10 MB each."),
+    fileInput,
+  );
+  for (const type of ["dragenter", "dragover"]) {
+    drop.addEventListener(type, (e) => {
+      e.preventDefault();
+      drop.classList.add("dragging");
+    });
+  }
+  drop.addEventListener("dragleave", () => drop.classList.remove("dragging"));
+  drop.addEventListener("drop", (e) => {
+    e.preventDefault();
+    drop.classList.remove("dragging");
+    startUploads([...e.dataTransfer.files]);
+  });
+
+  clear(panel).append(
+    drop,
+    uploads,
+    h("div.toolbar", search),
+    list,
+  );
+
+  function startUploads(files) {
+    for (const file of files) uploadOne(file);
+  }
+
+  async function uploadOne(file) {
+    const bar = h("progress", { max: "1", value: "0", "aria-label": `Upload of ${file.name}` });
+    const status = h("span.upload-status", "Uploading…");
+    const row = h("li.upload", h("span.upload-name", file.name), bar, status);
+    uploads.prepend(row);
+    const setStatus = (text, kind) => {
+      status.textContent = text;
+      row.dataset.state = kind;
+    };
+    try {
+      const mime = mimeOf(file);
+      const textual = mime.startsWith("text/");
+      const body = {
+        name: file.name,
+        mime_type: mime,
+        content: textual ? await file.text() : await base64(file),
+        content_encoding: textual ? "text" : "base64",
+      };
+      const result = await upload(`/v1/kbs/${kbPath()}/documents?wait=true`, body, (f) => {
+        bar.value = f;
+        if (f >= 1) setStatus("Indexing…", "indexing");
+      });
+      bar.value = 1;
+      if (result.status === "complete") setStatus(`Indexed · ${num(result.chunk_count)} chunk${result.chunk_count === 1 ? "" : "s"}`, "ok");
+      else if (result.status === "failed") setStatus(`Failed: ${result.error || "unknown reason"}`, "error");
+      else if (result.status === "awaiting_ocr") setStatus("Awaiting OCR", "waiting");
+      else if (result.status === "stored") setStatus("Stored (no knowledge base indexes it)", "waiting");
+      else setStatus("Indexing…", "indexing");
+    } catch (err) {
+      setStatus(`Failed: ${err.message}`, "error");
+    }
+    load();
+    onChange();
+  }
+
+  async function load() {
+    const params = { skip: state.skip, limit: PAGE, name_search: state.search.trim() };
+    let kbDocs;
+    let details;
+    try {
+      // The KB's list has its own status and chunk counts; the documents list has tags,
+      // collection and reasons. Both are ordered by creation, so one page matches the other.
+      [kbDocs, details] = await Promise.all([
+        api("GET", `/v1/kbs/${kbPath()}/documents${query(params)}`),
+        api("GET", `/v1/documents${query({ ...params, kb: getKb().kb_id })}`),
+      ]);
+    } catch (err) {
+      clear(list).append(errorBox(err));
+      return;
+    }
+    const byId = new Map(details.items.map((d) => [d.document_id, d]));
+    state.page = kbDocs.items.map((d) => ({ ...d, detail: byId.get(d.document_id) || null }));
+    draw(kbDocs.total);
+    clearTimeout(timer);
+    if (state.page.some((d) => d.status === "processing" || d.status === "pending_reindex")) {
+      timer = setTimeout(load, 1500);
+    }
+  }
+  let timer = null;
+
+  function draw(total) {
+    clear(list);
+    if (!total) {
+      list.append(
+        state.search
+          ? emptyState("No matching documents", "No document name contains that text.")
+          : emptyState("No documents yet", "Upload files above; they are chunked, embedded and searchable in seconds."),
+      );
+      return;
+    }
+    list.append(
+      table(
+        [
+          { label: "Name", cell: (d) => h("span.doc-name", d.name), className: "col-name" },
+          {
+            label: "Status",
+            cell: (d) => {
+              const reason = d.status === "failed" && d.detail && d.detail.error;
+              return h("span.status-cell", docBadge(d.status), reason ? h("span.reason", reason) : null);
+            },
+          },
+          { label: "Chunks", cell: (d) => num(d.chunk_count), className: "num" },
+          { label: "Indexed", cell: (d) => when(d.indexed_at), className: "nowrap" },
+          { label: "Tags", cell: (d) => tagList(d.detail ? d.detail.tags.filter((t) => !t.startsWith("kb:")) : []) },
+          { label: "Collection", cell: (d) => (d.detail && d.detail.collection) || h("span.muted", "—") },
+          {
+            label: "Actions",
+            className: "col-actions",
+            cell: (d) => h("span.row-actions",
+              h("button.btn.btn-small", { type: "button", onclick: () => editDoc(d), "aria-label": `Edit ${d.name}` }, "Edit"),
+              h("button.btn.btn-small.btn-danger-ghost", { type: "button", onclick: () => deleteDoc(d), "aria-label": `Delete ${d.name}` }, "Delete")),
+          },
+        ],
+        state.page,
+        { caption: "Documents", rowAttrs: (d) => ({ "data-document": d.document_id }) },
+      ),
+      pager({ skip: state.skip, limit: PAGE, total, onPage: (skip) => { state.skip = skip; load(); } }),
+    );
+  }
+
+  async function editDoc(d) {
+    const detail = d.detail || (await api("GET", `/v1/documents/${encodeURIComponent(d.document_id)}`));
+    const implicit = detail.tags.filter((t) => t.startsWith("kb:"));
+    const tags = h("input#doc-tags", { type: "text", value: detail.tags.filter((t) => !t.startsWith("kb:")).join(", "), autocomplete: "off" });
+    const collection = h("input#doc-collection", { type: "text", value: detail.collection || "", autocomplete: "off" });
+    const saved = await modal({
+      title: `Edit “${d.name}”`,
+      confirm: "Save",
+      body: h("div.form-grid.one",
+        h("div.field", h("label", { for: "doc-tags" }, "Tags"), tags,
+          h("p.help", "Comma-separated. Knowledge bases listing one of these tags include the document.")),
+        h("div.field", h("label", { for: "doc-collection" }, "Collection"), collection,
+          h("p.help", "At most one per document; empty removes it."))),
+      onSubmit: () => {
+        const value = collection.value.trim();
+        return api("PATCH", `/v1/documents/${encodeURIComponent(d.document_id)}`, {
+          tags: [...implicit, ...splitList(tags.value)],
+          ...(value ? { collection: value } : { clear_collection: true }),
+        });
+      },
+    });
+    if (saved) {
+      toast(`Saved “${d.name}”`);
+      load();
+    }
+  }
+
+  async function deleteDoc(d) {
+    const done = await confirmDialog(
+      `Delete “${d.name}”?`,
+      "The document is deleted everywhere: from this and every other knowledge base, and from search results.",
+      "Delete",
+      () => api("DELETE", `/v1/documents/${encodeURIComponent(d.document_id)}`),
+    );
+    if (!done) return;
+    toast(`Deleted “${d.name}”`);
+    load();
+    onChange();
+  }
+
+  load();
+  return () => clearTimeout(timer);
+}

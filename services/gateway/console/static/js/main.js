@@ -1,0 +1,102 @@
+// The console's router: #/kbs, #/kbs/new, #/kbs/<id>/<tab>, #/dead-letters.
+import { apiKey } from "./api.js";
+import { clear, h } from "./dom.js";
+import { renderDeadLetters } from "./deadletters.js";
+import { renderKb } from "./kb.js";
+import { renderKbNew } from "./kbform.js";
+import { renderKbList } from "./kbs.js";
+import { toast } from "./ui.js";
+
+const main = document.getElementById("main");
+let cleanup = null;
+
+const routes = [
+  [/^#\/kbs\/?$/, "kbs", () => renderKbList],
+  [/^#\/kbs\/new$/, "kbs", () => renderKbNew],
+  [/^#\/kbs\/([^/]+)(?:\/(overview|documents|search|settings))?$/, "kbs", () => renderKb],
+  [/^#\/dead-letters$/, "dead-letters", () => renderDeadLetters],
+];
+
+async function route() {
+  if (cleanup) {
+    cleanup();
+    cleanup = null;
+  }
+  const hash = location.hash || "#/kbs";
+  for (const [re, nav, page] of routes) {
+    const m = re.exec(hash);
+    if (!m) continue;
+    for (const a of document.querySelectorAll("[data-nav]")) {
+      if (a.dataset.nav === nav) a.setAttribute("aria-current", "page");
+      else a.removeAttribute("aria-current");
+    }
+    const params = m.slice(1).map((p) => (p === undefined ? undefined : decodeURIComponent(p)));
+    const token = {};
+    current = token;
+    const done = await page()(main, ...params);
+    if (current === token) cleanup = typeof done === "function" ? done : null;
+    else if (typeof done === "function") done();
+    return;
+  }
+  location.replace("#/kbs");
+}
+let current = null;
+
+export function navigate(hash) {
+  if (location.hash === hash) route();
+  else location.hash = hash;
+}
+
+function renderKeySlot() {
+  const slot = clear(document.getElementById("keyslot"));
+  if (apiKey.get()) {
+    slot.append(
+      h("span.keystate", "API key set"),
+      h("button.btn.btn-small.btn-ghost", {
+        type: "button",
+        onclick: () => {
+          apiKey.set("");
+          renderKeySlot();
+          route();
+        },
+      }, "Forget key"),
+    );
+  }
+}
+
+function askForKey(message) {
+  const bar = document.getElementById("keybar");
+  if (!bar.hidden) return;
+  const input = h("input#api-key", { type: "password", autocomplete: "off", required: true, placeholder: "kbm_…" });
+  bar.hidden = false;
+  clear(bar).append(
+    h(
+      "form.keyform",
+      {
+        onsubmit: (e) => {
+          e.preventDefault();
+          apiKey.set(input.value.trim());
+          bar.hidden = true;
+          renderKeySlot();
+          toast("API key saved for this browser tab");
+          route();
+        },
+      },
+      h("p", h("strong", "This server needs an API key. "), message || ""),
+      h("div.keyform-row",
+        h("label", { for: "api-key" }, "API key"),
+        input,
+        h("button.btn.btn-primary", { type: "submit" }, "Use key")),
+      h("p.help", "Kept in this tab's session storage only and sent as a bearer token."),
+    ),
+  );
+  input.focus();
+}
+
+window.addEventListener("kbmesh:unauthorized", (e) => {
+  // A key that was sent and refused says why; without one the request is enough.
+  askForKey(apiKey.get() && e.detail ? `The key in use was refused: ${e.detail.message}.` : "");
+});
+window.addEventListener("hashchange", route);
+renderKeySlot();
+route();

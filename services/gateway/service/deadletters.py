@@ -1,0 +1,59 @@
+"""Dead letters as a caller sees them: only its org's, and with a KB-scoped key only those
+naming one of its KBs. A message that is not a kbmesh event (no org to tell) is left to the
+operators' `kbmesh dlq`."""
+
+from __future__ import annotations
+
+from services.common import deadletters
+from services.common.bus import Bus
+from services.common.deadletters import DeadLetter
+from services.common.errors import NotFound
+from services.gateway.auth import Principal
+from services.gateway.schemas import DeadLetterList, DeadLetterView
+
+
+class DeadLetters:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def list(self, p: Principal, subject: str | None, limit: int) -> DeadLetterList:
+        letters = await deadletters.list_dead_letters(
+            self.bus.js, subject, limit, where=lambda d: _visible(p, d)
+        )
+        return DeadLetterList(items=[_view(d) for d in letters], total=len(letters))
+
+    async def replay(self, p: Principal, sequence: int) -> DeadLetterView:
+        """Republish one dead letter onto its original subject and remove it."""
+        p.check_write()
+        letter = await deadletters.get_dead_letter(self.bus.js, sequence)
+        if letter is None or not _visible(p, letter):
+            raise NotFound(f"dead letter {sequence} not found", field="sequence")
+        await deadletters.replay(self.bus.js, letter)
+        return _view(letter)
+
+
+def _visible(p: Principal, letter: DeadLetter) -> bool:
+    event = letter.event
+    if event.get("org_id") != p.org_id:
+        return False
+    return p.kb_ids is None or event.get("kb_id") in p.kb_ids
+
+
+def _view(letter: DeadLetter) -> DeadLetterView:
+    event = letter.event
+
+    def text(key: str) -> str | None:
+        value = event.get(key)
+        return value if isinstance(value, str) else None
+
+    return DeadLetterView(
+        sequence=letter.sequence,
+        subject=letter.subject,
+        error_type=letter.error_type,
+        error=letter.error,
+        delivered=letter.delivered,
+        time=letter.time,
+        document_id=text("document_id"),
+        kb_id=text("kb_id"),
+        name=text("name"),
+    )

@@ -1,0 +1,299 @@
+"""The web console driven through headless Chromium, as a person would: every action below
+goes through the page (clicks, typing, file picker); the REST API is only read to check
+that the page told the truth."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from playwright.async_api import expect
+
+from services.common.events import DocUploaded
+from tests.browser.conftest import shoot
+
+XSS = "<img src=x onerror=alert(1)>"
+ETNA = (
+    "Mount Etna is an active stratovolcano on the east coast of Sicily. It erupts often: "
+    "lava flows down its slopes and ash closes the airport of Catania.\n\n"
+    "The volcano is one of the most active in the world and is in an almost constant state "
+    "of activity. Its fertile volcanic soils support extensive agriculture, with vineyards "
+    "and orchards spread across the lower slopes.\n\n"
+    "Etna was added to the list of UNESCO World Heritage Sites in 2013."
+)
+GLACIER = "Glaciers are slow rivers of ice that carve valleys as they move downhill."
+LEDGER = "Quarterly ledger: invoices are paid within thirty days of receipt by the accounts team."
+
+
+async def test_console_serves_a_strict_page(page, stack):
+    """`/` is the console: its title names kbmesh and its Content-Security-Policy allows
+    scripts from this origin only (no inline code)."""
+    response = await page.goto("/")
+    assert response is not None and response.status == 200
+    csp = response.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+    await expect(page).to_have_title(re.compile("kbmesh"))
+    await expect(page.get_by_role("heading", name="Knowledge bases")).to_be_visible()
+    assert "<script>" not in (await response.text()).replace(" ", "")
+
+
+async def test_knowledge_base_lifecycle(page, stack, screenshots):
+    """Create (an over-long chunk size refused with the server's message next to the field,
+    nothing created), upload in Documents until Indexed, find it in Search, Active badge,
+    change the chunk size in Settings and watch the reindex reach the end, delete a
+    document, delete the knowledge base. A document named like markup shows as text."""
+    name = f"volcanoes-{uuid.uuid4().hex[:6]}"
+    await page.goto("/")
+    await expect(page.get_by_role("heading", name="Knowledge bases")).to_be_visible()
+    await shoot(page, screenshots, "01-kb-list")
+
+    # ---- create, first refused ---------------------------------------------------------
+    await page.get_by_role("link", name="New knowledge base").first.click()
+    await page.get_by_label("Name").fill(name)
+    await page.get_by_label("Description").fill("Volcano facts for the geology agents.")
+    await page.get_by_label("Tags").fill("geology, volcanoes")
+    await page.get_by_label("Chunk size").fill("300")
+    page.watch.expect("POST", "/v1/kbs", 422)
+    await page.get_by_role("button", name="Create").click()
+    error = page.locator("#kb-chunk_size-error")
+    await expect(error).to_contain_text("exceeds the input limit")
+    await expect(page.get_by_label("Chunk size")).to_have_attribute("aria-invalid", "true")
+    await shoot(page, screenshots, "02-kb-create-refused")
+    listed = (await stack.client.get("/v1/kbs", params={"name_search": name})).json()
+    assert listed["total"] == 0, "a refused create must create nothing"
+
+    await page.get_by_label("Chunk size").fill("120")
+    await page.get_by_label("Chunk overlap").fill("10")
+    await page.get_by_role("button", name="Create").click()
+    await expect(page.get_by_role("heading", name=name)).to_be_visible()
+    await expect(page.get_by_role("tab", name="Overview")).to_have_attribute(
+        "aria-selected", "true"
+    )
+
+    # ---- upload ------------------------------------------------------------------------
+    await page.get_by_role("tab", name="Documents").click()
+    await expect(page.get_by_text("No documents yet")).to_be_visible()
+    await page.get_by_label("Upload files").set_input_files(
+        [
+            {"name": "etna.md", "mimeType": "text/markdown", "buffer": ETNA.encode()},
+            {"name": XSS, "mimeType": "text/plain", "buffer": LEDGER.encode()},
+        ]
+    )
+    # And one dragged in: a drop of a file onto the drop zone.
+    dropped = await page.evaluate_handle(
+        """(text) => {
+            const data = new DataTransfer();
+            data.items.add(new File([text], "dropped.txt", {type: "text/plain"}));
+            return data;
+        }""",
+        GLACIER,
+    )
+    await page.locator(".dropzone").dispatch_event("drop", {"dataTransfer": dropped})
+    uploads = page.get_by_role("list", name="Uploads")
+    await expect(uploads.get_by_text(re.compile(r"^Indexed · \d+ chunks?$"))).to_have_count(
+        3, timeout=60_000
+    )
+    rows = page.locator("table.data tbody tr")
+    await expect(rows).to_have_count(3)
+    await expect(rows.filter(has_text="etna.md").get_by_text("Indexed")).to_be_visible()
+    # Markup in a name is text: the characters show, no <img> element exists, no alert ran.
+    await expect(rows.filter(has_text=XSS)).to_have_count(1)
+    assert await page.locator("img[src='x']").count() == 0
+    # Tags and collection, edited in place.
+    await page.get_by_role("button", name="Edit etna.md").click()
+    dialog = page.get_by_role("dialog")
+    await dialog.get_by_label("Tags").fill("sicily, eruptions")
+    await dialog.get_by_label("Collection").fill("europe")
+    await dialog.get_by_role("button", name="Save").click()
+    etna_row = rows.filter(has_text="etna.md")
+    await expect(etna_row).to_contain_text("eruptions")
+    await expect(etna_row).to_contain_text("europe")
+    await shoot(page, screenshots, "03-kb-documents")
+
+    # ---- search ------------------------------------------------------------------------
+    await page.get_by_role("tab", name="Search").click()
+    await page.get_by_label("Query").fill("volcano lava eruptions in Sicily")
+    await page.get_by_label("Neighbours").fill("1")
+    await page.get_by_role("button", name="Search", exact=True).click()
+    first = page.locator("li.hit").first
+    await expect(first.locator(".hit-doc")).to_have_text("etna.md")
+    await expect(first.locator(".chunk.matched mark").first).to_be_visible()
+    await expect(first.locator(".score").first).to_contain_text("score")
+    await shoot(page, screenshots, "04-kb-search")
+    # A tag filter leaves only the tagged document.
+    search = page.get_by_role("tabpanel", name="Search")
+    await search.get_by_text("Filters").click()
+    await search.get_by_label("Tags").fill("eruptions")
+    await page.get_by_label("Query").fill("ice and ledgers and volcanoes")
+    await page.get_by_role("button", name="Search", exact=True).click()
+    await expect(page.locator("li.hit .hit-doc")).to_have_text(["etna.md"])
+
+    # ---- Active ------------------------------------------------------------------------
+    await page.get_by_role("tab", name="Overview").click()
+    await expect(page.locator(".title-badge")).to_have_text("Active")
+    await expect(page.locator(".stat").first).to_contain_text("3")
+    await shoot(page, screenshots, "05-kb-overview")
+
+    # ---- settings → reindex --------------------------------------------------------------
+    await page.get_by_role("tab", name="Settings").click()
+    settings = page.get_by_role("tabpanel", name="Settings")
+    await expect(settings.get_by_label("Name")).to_have_value(name)
+    warning = settings.locator(".alert-warning")
+    await expect(warning).to_be_hidden()
+    await settings.get_by_label("Chunk size").fill("60")
+    await settings.get_by_label("Chunk overlap").fill("5")
+    await expect(warning).to_contain_text("reindexes all 3 documents")
+    await shoot(page, screenshots, "06-kb-settings")
+    await page.get_by_role("button", name="Save").click()
+    progress = page.locator(".progress-box")
+    await expect(progress).to_be_visible()
+    await expect(progress).to_contain_text("Reindex complete", timeout=60_000)
+    await expect(progress).to_contain_text("3 of 3 documents")
+    await expect(page.locator(".title-badge")).to_have_text("Active")
+    await shoot(page, screenshots, "07-kb-reindexed")
+
+    # Smaller chunks now: a match comes with its neighbour, set apart from it.
+    await page.get_by_role("tab", name="Search").click()
+    await search.get_by_label("Tags").fill("")
+    await page.get_by_label("Query").fill("UNESCO World Heritage list")
+    await page.get_by_label("Top k").fill("1")
+    await page.get_by_role("button", name="Search", exact=True).click()
+    etna = page.locator("li.hit", has_text="etna.md")
+    await expect(etna.locator(".chunk.matched mark").first).to_be_visible()
+    await expect(etna.locator(".chunk.neighbour").first).to_contain_text("neighbour")
+    await shoot(page, screenshots, "07b-kb-search-neighbours")
+    kb = (await stack.client.get(f"/v1/kbs/{name}")).json()
+    assert kb["chunk_size"] == 60 and kb["status"] == "active"
+
+    # ---- delete a document -------------------------------------------------------------
+    await page.get_by_role("tab", name="Documents").click()
+    await page.get_by_role("button", name=f"Delete {XSS}").click()
+    await expect(page.get_by_role("dialog")).to_contain_text("deleted everywhere")
+    await page.get_by_role("dialog").get_by_role("button", name="Delete").click()
+    await expect(page.locator("table.data tbody tr")).to_have_count(2)
+    await expect(page.locator("table.data")).not_to_contain_text(XSS)
+
+    # ---- delete the knowledge base -------------------------------------------------------
+    await page.get_by_role("tab", name="Overview").click()
+    await page.locator(".overview-actions").get_by_role("button", name="Delete").click()
+    await shoot(page, screenshots, "08-kb-delete-confirm")
+    await page.get_by_role("dialog").get_by_role("button", name="Delete").click()
+    await expect(page.get_by_role("heading", name="Knowledge bases")).to_be_visible()
+    await expect(page.get_by_role("link", name=name)).to_have_count(0)
+    assert (await stack.client.get(f"/v1/kbs/{name}")).status_code == 404
+
+
+async def test_list_filters_sorts_and_shows_names_as_text(page, stack, screenshots):
+    """The list searches by name, filters by status, sorts by documents; a knowledge base
+    named like markup shows as those characters in the list and on its page."""
+    prefix = f"list-{uuid.uuid4().hex[:6]}"
+    for suffix, docs in (("alpha", 0), ("beta", 2)):
+        r = await stack.client.post("/v1/kbs", json={"name": f"{prefix}-{suffix}"})
+        for i in range(docs):
+            await stack.client.post(
+                f"/v1/kbs/{r.json()['kb_id']}/documents",
+                params={"wait": "true"},
+                json={"name": f"note-{i}.txt", "content": f"note number {i} about {suffix}"},
+            )
+    r = await stack.client.post("/v1/kbs", json={"name": XSS, "description": XSS})
+    xss_id = r.json()["kb_id"]
+
+    await page.goto("/")
+    await page.get_by_role("searchbox", name="Name").fill(prefix)
+    rows = page.locator("table.data tbody tr")
+    await expect(rows).to_have_count(2)
+    await page.get_by_role("button", name="Sort by documents").click()
+    await expect(rows.first).to_contain_text(f"{prefix}-beta")
+    await page.get_by_role("button", name="Sort by documents").click()
+    await expect(rows.first).to_contain_text(f"{prefix}-alpha")
+    await page.get_by_label("Status").select_option("error")
+    await expect(page.get_by_text("No matching knowledge bases")).to_be_visible()
+    await page.get_by_label("Status").select_option("active")
+    await expect(rows).to_have_count(2)
+
+    await page.get_by_role("searchbox", name="Name").fill("<img")
+    await expect(rows).to_have_count(1)
+    await expect(rows.first.get_by_role("link", name=XSS)).to_be_visible()
+    await shoot(page, screenshots, "09-kb-list-filtered")
+    await rows.first.get_by_role("link", name=XSS).click()
+    await expect(page.get_by_role("heading", name=XSS)).to_be_visible()
+    assert await page.locator("img[src='x']").count() == 0
+    await page.get_by_role("link", name="Knowledge bases").first.click()
+    await expect(page.get_by_role("heading", name="Knowledge bases")).to_be_visible()
+    await stack.client.delete(f"/v1/kbs/{xss_id}")
+
+
+async def test_dead_letters_listed_and_replayed(page, stack, screenshots):
+    """An upload naming a knowledge base that does not exist yet is listed with its reason;
+    once the knowledge base exists, Replay indexes it and the row goes away."""
+    kb_name = f"late-{uuid.uuid4().hex[:6]}"
+    event = DocUploaded(
+        org_id="local", name="late-notes.txt", content="written too early", kb_id=kb_name
+    )
+    await stack.rt.bus.publish("doc.uploaded", event)
+
+    await page.goto("/#/dead-letters")
+    row = page.locator("tr", has_text="late-notes.txt")
+    for _ in range(60):
+        if await row.count():
+            break
+        await page.get_by_role("button", name="Refresh").click()
+        await page.wait_for_timeout(500)
+    await expect(row).to_contain_text(kb_name)
+    await shoot(page, screenshots, "10-dead-letters")
+
+    kb_id = (await stack.client.post("/v1/kbs", json={"name": kb_name})).json()["kb_id"]
+    await row.get_by_role("button", name=re.compile("^Replay")).click()
+    await expect(row).to_have_count(0)
+    await page.goto(f"/#/kbs/{kb_id}/documents")
+    await expect(page.get_by_role("cell", name="late-notes.txt", exact=True)).to_be_visible()
+    await expect(page.locator("tr", has_text="late-notes.txt")).to_contain_text(
+        "Indexed", timeout=60_000
+    )
+
+
+async def test_api_key_asked_for_and_kept_for_the_tab(browser, tmp_path, embedders, screenshots):
+    """With API keys configured, the console asks for one (the API answered 401), keeps it
+    in the tab's session storage, and shows only what the REST API shows that key: its own
+    org's knowledge bases. Forgetting the key asks again."""
+    from services.gateway.auth import KeyResolver
+    from tests.browser.conftest import DESKTOP, Watch
+    from tests.conftest import running_stack
+    from tests.support.mcp_client import serve_http
+
+    async with (
+        running_stack(tmp_path, embedders=embedders) as (rt, client),
+        serve_http(rt) as (base, _),
+    ):
+        resolver = KeyResolver(rt.registries.keys, rt.settings.default_org)
+        key = await resolver.create("acme", name="console")
+        own = f"acme-kb-{uuid.uuid4().hex[:6]}"
+        r = await client.post(
+            "/v1/kbs", json={"name": own}, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert r.status_code == 201, r.text
+
+        context = await browser.new_context(viewport=DESKTOP, base_url=base)
+        page = await context.new_page()
+        watch = Watch()
+        watch.attach(page)
+        watch.expect("GET", "/v1/kbs", 401)
+        try:
+            await page.goto("/")
+            await expect(page.get_by_text("This server needs an API key.")).to_be_visible()
+            await shoot(page, screenshots, "11-api-key")
+            await page.get_by_label("API key").fill(key)
+            await page.get_by_role("button", name="Use key").click()
+            await expect(page.get_by_role("link", name=own)).to_be_visible()
+            # Only the key's org: the keyless default org's `default` KB is not listed.
+            await expect(page.get_by_role("link", name="default", exact=True)).to_have_count(0)
+            assert await page.evaluate("sessionStorage.getItem('kbmesh.apiKey')") == key
+            await page.reload()
+            await expect(page.get_by_role("link", name=own)).to_be_visible()
+            await expect(page.get_by_text("This server needs an API key.")).to_be_hidden()
+            await page.get_by_role("button", name="Forget key").click()
+            await expect(page.get_by_text("This server needs an API key.")).to_be_visible()
+            assert await page.evaluate("sessionStorage.getItem('kbmesh.apiKey')") is None
+        finally:
+            await context.close()
+        assert watch.errors == [], "\n".join(watch.errors)
