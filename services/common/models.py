@@ -105,6 +105,9 @@ class KnowledgeBase(BaseModel):
     embedding_model: str = DEFAULT_MODEL
     api_base: str | None = None
     coalesce_neighbors: int = 0
+    # Optional: search reranks its best candidates with this LiteLLM rerank model.
+    rerank_model: str | None = None
+    rerank_api_base: str | None = None
     # Bumped by every chunking or embedding change; index entries remember the version
     # they were built with, so unchanged (text, version) pairs are never re-embedded.
     settings_version: int = 1

@@ -25,16 +25,31 @@ class BusSettings(BaseModel):
 
 
 class SearchSettings(BaseModel):
-    # Defaults measured on the man-page known-item set (docs/benchmarks.md): k=10 with the
-    # lead lists at half weight beat the textbook k=60 by 0.02 MRR@10.
+    # Defaults measured on three sets (man pages by what they are for, man pages by a sentence
+    # from their middle, stdlib pages by one function's summary): docs/benchmarks.md.
     rrf_k: int = Field(10, ge=1, description="reciprocal rank fusion constant")
     lead_weight: float = Field(
-        0.5,
+        1.0,
         ge=0,
-        description="RRF weight of the lead-chunk candidate lists (a document's first chunk "
-        "states what it is about); 0 turns the document-position signal off",
+        description="how much a document whose opening matches the query lifts its chunks "
+        "(their score times up to 1 + this); 0 turns the document-position signal off",
     )
-    prefetch_limit: int = Field(100, ge=1, le=1000, description="candidates per prefetch")
+    lead_floor: float = Field(
+        0.7,
+        ge=0,
+        lt=1,
+        description="the lift fades to nothing when the best document opening scores this "
+        "fraction of the best chunk or less (the answer is inside a document)",
+    )
+    prefetch_limit: int = Field(
+        100, ge=1, le=1000, description="candidates per list (signal, lead or not, KB)"
+    )
+    rerank_depth: int = Field(
+        30, ge=1, le=200, description="best fused candidates handed to a rerank model"
+    )
+    # Below the gateway's wait for a search reply (timeout_seconds), so that a slow reranker
+    # still leaves time to answer in fused order.
+    rerank_timeout_seconds: float = Field(5.0, gt=0)
     hnsw_ef: int = Field(128, ge=8, description="HNSW search breadth (recall vs latency)")
     query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")
     timeout_seconds: float = Field(10.0, gt=0)

@@ -151,7 +151,13 @@ def chunk_id(index: int, kb_id: str = KB_ID, document_id: str = DOC_ID) -> str:
     return point_id(kb_id, document_id, index)
 
 
-def hit(index: int, *, score: float | None = None, rank: int | None = None) -> SearchHit:
+def hit(
+    index: int,
+    *,
+    score: float | None = None,
+    rank: int | None = None,
+    similarity: float | None = None,
+) -> SearchHit:
     matched = score is not None
     return SearchHit(
         chunk_id=chunk_id(index),
@@ -164,6 +170,7 @@ def hit(index: int, *, score: float | None = None, rank: int | None = None) -> S
         total_chunks=len(CHUNKS),
         content=CHUNKS[index],
         score=score,
+        similarity=similarity,
         rank=rank,
         match_type="hybrid" if matched else None,
         tags=[*TAGS, f"kb:{KB_ID}"],
@@ -215,10 +222,14 @@ DOC_VIEW = DocumentView(
 SEARCH_ANSWER = SearchResponse(
     query=QUERY,
     mode=Mode.hybrid,
-    score_kind="cosine",
+    score_kind="fused",
     kb_ids=[KB_ID],
     coalesced=1,
-    hits=[hit(0), hit(1, score=0.712, rank=1), hit(2, score=0.538, rank=2)],
+    hits=[
+        hit(0),
+        hit(1, score=0.942, rank=1, similarity=0.712),
+        hit(2, score=0.611, rank=2, similarity=0.538),
+    ],
 )
 CHUNK_ANSWER = ChunkResponse(
     chunk=hit(1).model_copy(update={"is_matched": True}), neighbors=[hit(0), hit(2)]

@@ -58,6 +58,16 @@ class KbSettingsFields(BaseModel):
     )
     api_base: str | None = None
     coalesce_neighbors: int | None = Field(None, ge=0, le=5)
+    rerank_model: str | None = Field(
+        None,
+        min_length=1,
+        description="a LiteLLM rerank model (cohere/rerank-v3.5, jina_ai/..., voyage/..., or "
+        "one served by TEI via rerank_api_base) that reorders the best search candidates; "
+        "null turns reranking off (the default)",
+    )
+    rerank_api_base: str | None = Field(
+        None, description="the rerank model's server, if not its provider's"
+    )
 
 
 class KbCreate(KbSettingsFields):
@@ -79,6 +89,8 @@ class KbView(BaseModel):
     embedding_model: str
     api_base: str | None
     coalesce_neighbors: int
+    rerank_model: str | None = None
+    rerank_api_base: str | None = None
     settings_version: int
     status: KBStatus
     document_count: int

@@ -137,7 +137,8 @@ class KnowledgeBases:
             others = await self.reg.kbs.list(f"{p.org_id}.")
             if any(k.name == changes["name"] for k in others):
                 raise Conflict(f"a knowledge base named {changes['name']!r} exists", field="name")
-        update = {k: v for k, v in changes.items() if v is not None or k == "api_base"}
+        nullable = ("api_base", "rerank_model", "rerank_api_base")
+        update = {k: v for k, v in changes.items() if v is not None or k in nullable}
         indexed = bool(await self.reg.index.list(f"{kb.kb_id}."))
 
         def apply(current: KnowledgeBase) -> KnowledgeBase:

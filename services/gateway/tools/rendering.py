@@ -23,17 +23,29 @@ def _hit_header(hit: SearchHit) -> str:
 
 def render_search(resp: SearchResponse) -> str:
     matched = [h for h in resp.hits if h.is_matched]
+    notes = [f"warning: {w}" for w in resp.warnings]
+    if resp.budget is not None:
+        b = resp.budget
+        notes.append(
+            f"{b.used_tokens} of {b.max_tokens} tokens used"
+            + (
+                "; left out: "
+                + ", ".join(f"#{o.rank} {o.document_name} ({o.tokens} tokens)" for o in b.omitted)
+                if b.omitted
+                else ""
+            )
+            + (f"; {b.omitted_neighbors} context chunk(s) dropped" if b.omitted_neighbors else "")
+        )
     if not matched:
-        return f'No results for "{resp.query}".'
+        return "\n".join([f'No results for "{resp.query}".', *notes])
     lines = [
         f'{len(matched)} result(s) for "{resp.query}" ({resp.mode.value} search; '
-        f"score = {resp.score_kind}):"
+        f"score = {resp.score_kind}):",
+        *notes,
     ]
-    n = 0
     for hit in resp.hits:
         if hit.is_matched:
-            n += 1
-            lines.append(f"\n[{n}] {_hit_header(hit)}\n{hit.content}")
+            lines.append(f"\n[{hit.rank}] {_hit_header(hit)}\n{hit.content}")
         else:
             lines.append(
                 f"\n    (context: chunk {hit.chunk_index + 1} of {hit.document_name})"
