@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from services.gateway.mcp import KbmeshMCP
     from services.gateway.service import GatewayService
     from services.ingest.service import IngestService
+    from services.search.ask import AskService
     from services.search.service import SearchService
 
 log = logging.getLogger("kbmesh")
@@ -53,6 +54,7 @@ class Runtime:
     ingest: IngestService | None = None
     embed: EmbedService | None = None
     search: SearchService | None = None
+    ask: AskService | None = None
     gateway: GatewayService | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -140,14 +142,21 @@ async def _wire(rt: Runtime) -> None:
             embed_router(rt.bus, rt.embed, concurrency=rt.settings.embed_concurrency)
         )
     if "search" in rt.services:
+        from services.search.ask import AskService
         from services.search.handlers import create_router as search_router
         from services.search.service import SearchService
 
         rt.search = SearchService(
             rt.registries, require_store(rt), rt.embedders, rt.settings.search
         )
+        rt.ask = AskService(rt.registries, rt.search, rt.settings.ask)
         rt.bus.broker.include_router(
-            search_router(rt.search, concurrency=rt.settings.search.concurrency)
+            search_router(
+                rt.search,
+                rt.ask,
+                concurrency=rt.settings.search.concurrency,
+                ask_concurrency=rt.settings.ask.concurrency,
+            )
         )
     if "gateway" in rt.services:
         from services.gateway.service import GatewayService

@@ -46,7 +46,7 @@ E = TypeVar("E", bound=Event)
 Handler = Callable[[Any], Awaitable[None]]
 FailureHook = Callable[[Any, Exception], Awaitable[None]]
 
-KV_BUCKETS = ("kbs", "documents", "index", "keys")
+KV_BUCKETS = ("kbs", "documents", "index", "keys", "prompts")
 OBJECT_STORE = "texts"
 # Declared by `Bus.start()`; subscribers only reference it.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)

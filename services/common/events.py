@@ -28,6 +28,7 @@ class Subject(StrEnum):
     # request/reply, not in the stream
     SEARCH_QUERY = "search.query"
     SEARCH_CHUNK = "search.chunk"
+    SEARCH_ASK = "search.ask"
 
 
 STREAM = "KBMESH"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Collection
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -241,6 +242,15 @@ class DocumentRecord(BaseModel):
     @property
     def text_object(self) -> str:
         return f"{self.org_id}/{self.document_id}/text"
+
+    def in_scope(self, kb_ids: Collection[str] | None) -> bool:
+        """Whether a caller limited to `kb_ids` (None: every KB) may see this document: it
+        is in one of them, or tagged into one."""
+        return (
+            kb_ids is None
+            or bool(set(kb_ids) & set(self.kb_ids))
+            or any(kb_tag(k) in self.tags for k in kb_ids)
+        )
 
 
 class IndexEntry(BaseModel):

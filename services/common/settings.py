@@ -56,6 +56,32 @@ class SearchSettings(BaseModel):
     concurrency: int = Field(32, ge=1, description="search requests answered at once per replica")
 
 
+class AskSettings(BaseModel):
+    """The answer loop (`search.ask`): which chat model answers when a request names none,
+    and how long a loop may take."""
+
+    model: str | None = Field(
+        None,
+        description="LiteLLM chat model used when a request names none (e.g. "
+        "openai/gpt-4o-mini; the provider's key comes from its usual variable, such as "
+        "OPENAI_API_KEY)",
+    )
+    api_base: str | None = Field(None, description="base URL for the default model")
+    timeout_seconds: float = Field(
+        180.0,
+        gt=0,
+        description="budget of one whole answer (every model call and search); the gateway "
+        "waits this long plus a margin for the reply",
+    )
+    model_timeout_seconds: float = Field(60.0, gt=0, description="one model call")
+    tries: int = Field(3, ge=1, le=10, description="tries per model call on transient errors")
+    backoff_seconds: float = Field(0.5, ge=0, description="first retry delay, doubled per try")
+    document_max_chars: int = Field(
+        100_000, ge=1000, description="a document given to the model is cut at this length"
+    )
+    concurrency: int = Field(8, ge=1, description="answers worked at once per search replica")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KBMESH_", env_nested_delimiter="__", extra="ignore"
@@ -113,6 +139,7 @@ class Settings(BaseSettings):
 
     bus: BusSettings = Field(default_factory=BusSettings)
     search: SearchSettings = Field(default_factory=SearchSettings)
+    ask: AskSettings = Field(default_factory=AskSettings)
 
     @field_validator("default_org")
     @classmethod

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.errors import KbmeshError
-from services.gateway.api import deadletters, documents, kbs, progress, search, tools
+from services.gateway.api import answers, deadletters, documents, kbs, progress, search, tools
 from services.gateway.auth import KeyResolver
 from services.gateway.console import mount_console
 from services.gateway.mcp import KbmeshMCP, MountRoot
@@ -137,6 +137,7 @@ def create_app(
     app.include_router(documents.router)
     app.include_router(search.router)
     app.include_router(progress.router)
+    app.include_router(answers.router)
     app.include_router(deadletters.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))

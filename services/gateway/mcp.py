@@ -39,8 +39,9 @@ TEST_HOSTS = ("testserver",)
 INSTRUCTIONS = {
     "core": "kbmesh holds knowledge bases of documents. To answer from them, call kb_search "
     "and cite the document names it returns; kb_get_chunk expands a hit and kb_list shows "
-    "which knowledge bases exist. kb_upload adds documents (content, a url, or a server "
-    "path); kb_delete, kb_update_document and kb_set_collection change them.",
+    "which knowledge bases exist; kb_ask has a server-side LLM search them and answer, with "
+    "citations (and JSON following a schema when asked). kb_upload adds documents (content, "
+    "a url, or a server path); kb_delete, kb_update_document and kb_set_collection change them.",
     "compat": "Search with search_docs (one project) or search_knowledge_base (everything); "
     "add documents with upload_document or manageKnowledge, remove them with "
     "delete_document.",

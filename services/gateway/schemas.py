@@ -7,6 +7,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.answers import AskOptions
 from services.common.models import DEFAULT_SOURCE, Chunker, KBStatus
 from services.common.settings import DEFAULT_MODEL
 
@@ -194,6 +195,40 @@ class Ack(BaseModel):
     status: str
     kb_id: str | None = None
     documents: int | None = None
+
+
+# ---- stored prompts -------------------------------------------------------------------------
+
+PROMPT_NAME = r"^[^\s/][^/]*$"
+
+
+class PromptCreate(AskOptions):
+    name: str = Field(
+        min_length=1, max_length=100, pattern=PROMPT_NAME, description="unique in the org"
+    )
+
+
+class PromptUpdate(AskOptions):
+    """Only the fields given change; null clears an optional field."""
+
+    name: str | None = Field(None, min_length=1, max_length=100, pattern=PROMPT_NAME)
+
+
+class PromptView(AskOptions):
+    prompt_id: str
+    name: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class PromptList(BaseModel):
+    items: list[PromptView]
+    total: int
+
+
+class PromptDeleted(BaseModel):
+    status: Literal["deleted"] = "deleted"
+    prompt_id: str
 
 
 class DeadLetterView(BaseModel):

@@ -90,9 +90,9 @@ _encoding: Any = None
 def count_tokens(text: str) -> int:
     global _encoding
     if _encoding is None:
-        from services.common.embedders.remote import _import_litellm
+        from services.common.llm import import_litellm
 
-        _encoding = _import_litellm().encoding
+        _encoding = import_litellm().encoding
     return len(_encoding.encode(text, disallowed_special=()))
 
 

@@ -11,16 +11,24 @@ from faststream.nats.annotations import NatsMessage
 from pydantic import BaseModel, ValidationError
 
 from services.common import metrics
+from services.common.answers import AskRequest
 from services.common.errors import KbmeshError
 from services.common.events import Subject
 from services.common.queries import ChunkRequest, RemoteError, SearchRequest
+from services.search.ask import AskService
 from services.search.service import SearchService
 
 log = logging.getLogger("kbmesh.search")
 QUEUE = "search"
 
 
-def create_router(service: SearchService, *, concurrency: int = 1) -> NatsRouter:
+def create_router(
+    service: SearchService,
+    ask: AskService | None = None,
+    *,
+    concurrency: int = 1,
+    ask_concurrency: int = 1,
+) -> NatsRouter:
     router = NatsRouter()
 
     # Requests are answered concurrently: a reply spends most of its time waiting on the
@@ -34,6 +42,15 @@ def create_router(service: SearchService, *, concurrency: int = 1) -> NatsRouter
     @router.subscriber(Subject.SEARCH_CHUNK, queue=QUEUE, max_workers=concurrency)
     async def on_chunk(msg: NatsMessage) -> dict[str, Any]:
         return await _answer(msg.body, ChunkRequest, service.get_chunk)
+
+    if ask is not None:
+        answerer = ask
+
+        # Answers take seconds to minutes (several model calls): their own workers, so that
+        # they never hold up searches, which answers themselves make.
+        @router.subscriber(Subject.SEARCH_ASK, queue=QUEUE, max_workers=ask_concurrency)
+        async def on_ask(msg: NatsMessage) -> dict[str, Any]:
+            return await _answer(msg.body, AskRequest, answerer.ask)
 
     return router
 

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from services.common.embedders.remote import _import_litellm
+from services.common.llm import import_litellm
 
 
 class RerankFailed(Exception):
@@ -35,7 +35,7 @@ class LiteLLMReranker:
         async def call() -> Any:
             # The first `import litellm` takes seconds: it counts against the timeout too,
             # and finishes in its thread for the next search if it runs out.
-            litellm = await asyncio.to_thread(_import_litellm)
+            litellm = await asyncio.to_thread(import_litellm)
             return await litellm.arerank(
                 model=model,
                 query=query,

@@ -24,6 +24,15 @@ from tests.conftest import running_stack
 from tests.support.asgi import serve_app
 from tests.support.corpus import DOCS, PARAPHRASES
 from tests.support.mcp_client import failed, http_session, ok, serve_http
+from tests.support.openai_chat import (
+    Reply,
+    ScriptedChat,
+    Text,
+    message_text,
+    search,
+    tool_ids,
+    tool_results,
+)
 
 CORE = {n for n, s in TOOLS.items() if "core" in s.toolsets}
 COMPAT = {n for n, s in TOOLS.items() if "compat" in s.toolsets}
@@ -483,6 +492,13 @@ async def test_compat_search_knowledge_base_with_filters_and_neighbours(stack):
 # ---- REST parity ----------------------------------------------------------------------------
 
 
+def answer_from_first_hit(body: dict[str, Any]) -> Reply:
+    """A scripted chat model: one search for the question, then an answer citing the top hit."""
+    if not tool_results(body):
+        return search(message_text(body, "user"))
+    return Text(f"See {tool_ids(body)[0]}.")
+
+
 async def test_rest_tools_answer_like_mcp_for_every_tool(stack):
     """POST /api/v1/tools/<name> takes the same arguments and returns the same JSON as the MCP
     call's structured result, for every tool (fields that must differ between two real
@@ -536,6 +552,17 @@ async def test_rest_tools_answer_like_mcp_for_every_tool(stack):
         )
         chunk_id = hits["hits"][0]["chunk_id"]
         await both("kb_get_chunk", {"chunk_id": chunk_id, "neighbors": 1})
+        chat = ScriptedChat(default=answer_from_first_hit)
+        async with serve_app(chat.app, lifespan="off") as chat_url:
+            await both(
+                "kb_ask",
+                {
+                    "question": PARAPHRASES["tcp.md"],
+                    "kb_ids": [kb],
+                    "model": "hosted_vllm/scripted",
+                    "api_base": chat_url + "/v1",
+                },
+            )
         await both("manageKnowledge", {"operation": "getChunk", "chunkId": chunk_id})
         await both(
             "search_docs", {"query": PARAPHRASES["tcp.md"], "projectId": kb, "minScore": 0.1}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.common.embedders.remote import _import_litellm
+from services.common.llm import import_litellm
 from services.search.budget import count_tokens
 from tests.conftest import running_stack
 from tests.support.rerank_server import RerankScript, rerank_server
@@ -54,7 +54,7 @@ async def reranker() -> AsyncIterator[tuple[str, RerankScript]]:
     # The first `import litellm` can take longer than the rerank timeout on a busy machine
     # (search then answers in fused order, as test_a_failing_reranker... checks): import it
     # before the tests that expect the reranker's answer.
-    await asyncio.to_thread(_import_litellm)
+    await asyncio.to_thread(import_litellm)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COHERE_API_KEY", "test")  # LiteLLM wants one; the local server ignores it
         async with rerank_server() as server:

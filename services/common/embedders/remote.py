@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
 from typing import Any
 
 import numpy as np
@@ -16,6 +14,12 @@ from services.common.embedders.base import MODEL_FIELD, QUERY_MAX_TEXTS, normali
 from services.common.embedders.batching import Batcher
 from services.common.embedders.tokenizing import tiktoken_tokenizer
 from services.common.errors import InvalidInput, Transient
+from services.common.llm import (
+    NO_SDK_RETRIES,
+    import_litellm,
+    import_litellm_off_loop,
+    is_retryable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -23,26 +27,8 @@ log = logging.getLogger(__name__)
 DEFAULT_REMOTE_MAX_TOKENS = 8191
 
 
-def _import_litellm() -> Any:
-    # Without this, `import litellm` fetches its cost map from the internet at import time.
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    # Otherwise every provider error also prints a "Give Feedback / Get Help" banner to stdout.
-    litellm.suppress_debug_info = True
-    return litellm
-
-
-async def _import_litellm_off_loop() -> Any:
-    # The first `import litellm` takes seconds; it must not stall the event loop.
-    module = sys.modules.get("litellm")
-    if module is not None and getattr(module, "suppress_debug_info", False):
-        return module
-    return await asyncio.to_thread(_import_litellm)
-
-
 def remote_max_tokens(model: str) -> int:
-    litellm = _import_litellm()
+    litellm = import_litellm()
     try:
         info = litellm.get_model_info(model)
     except Exception:
@@ -50,36 +36,6 @@ def remote_max_tokens(model: str) -> int:
         return DEFAULT_REMOTE_MAX_TOKENS
     limit = info.get("max_input_tokens") or info.get("max_tokens")
     return int(limit) if limit else DEFAULT_REMOTE_MAX_TOKENS
-
-
-class _TruthyZero(int):
-    """0 retries that survives `max_retries or DEFAULT_MAX_RETRIES`.
-
-    litellm's OpenAI embedding path does exactly that (BerriAI/litellm#7003), so a plain 0
-    becomes 2 hidden retries inside the OpenAI SDK, stacked under ours.
-    """
-
-    def __bool__(self) -> bool:
-        return True
-
-
-_NO_SDK_RETRIES = _TruthyZero(0)
-
-
-def _is_retryable(err: Exception, litellm: Any) -> bool | None:
-    """True: transient provider error. False: the request itself is wrong. None: not ours."""
-    exceptions = litellm.exceptions
-    if isinstance(err, exceptions.APIConnectionError | exceptions.Timeout):
-        return True
-    status = getattr(err, "status_code", None)
-    if isinstance(status, int):
-        if status in (408, 429) or status >= 500:
-            return True
-        if 400 <= status < 500:
-            return False
-    if isinstance(err, exceptions.APIError | exceptions.OpenAIError):
-        return True
-    return None
 
 
 class LiteLLMEmbedder:
@@ -150,7 +106,7 @@ class LiteLLMEmbedder:
         return vectors
 
     async def _embed_batch(self, batch: list[str]) -> list[list[float]]:
-        litellm = await _import_litellm_off_loop()
+        litellm = await import_litellm_off_loop()
         for attempt in range(1, self._tries + 1):
             try:
                 response = await litellm.aembedding(
@@ -160,10 +116,10 @@ class LiteLLMEmbedder:
                     api_key=self._api_key,
                     timeout=self._timeout,
                     # One retry policy, ours: the OpenAI SDK would otherwise retry underneath.
-                    max_retries=_NO_SDK_RETRIES,
+                    max_retries=NO_SDK_RETRIES,
                 )
             except Exception as err:
-                retryable = _is_retryable(err, litellm)
+                retryable = is_retryable(err, litellm)
                 if retryable is None:
                     raise
                 if not retryable:

@@ -12,11 +12,7 @@ from services.gateway.auth import Principal
 
 
 def visible(p: Principal, record: DocumentRecord) -> bool:
-    return (
-        p.kb_ids is None
-        or bool(set(p.kb_ids) & set(record.kb_ids))
-        or any(f"kb:{k}" in record.tags for k in p.kb_ids)
-    )
+    return record.in_scope(p.kb_ids)
 
 
 def check_document_write(p: Principal, record: DocumentRecord) -> None:

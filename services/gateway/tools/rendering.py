@@ -3,8 +3,10 @@ results travel as structured content too)."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
+from services.common.answers import AskResponse
 from services.common.queries import ChunkResponse, SearchHit, SearchResponse
 
 if TYPE_CHECKING:
@@ -86,3 +88,23 @@ def render_knowledge(out: SearchKnowledgeBaseOutput) -> str:
         else:
             lines.append(f"   (context, chunk {r.chunk_index} of {r.source})\n{r.content}")
     return "\n\n".join(lines)
+
+
+def render_answer(resp: AskResponse) -> str:
+    answer = (
+        resp.answer
+        if isinstance(resp.answer, str)
+        else json.dumps(resp.answer, indent=2, ensure_ascii=False)
+    )
+    lines = [answer]
+    if resp.citations:
+        lines.append("\nSources:")
+        lines.extend(
+            f"- {c.document_name}, chunk {c.chunk_index + 1} (kb: {c.kb_id} · document_id: "
+            f"{c.document_id} · chunk_id: {c.chunk_id})"
+            for c in resp.citations
+        )
+    searched = "; ".join(f'"{s.query}" ({s.hit_count})' for s in resp.searches) or "none"
+    stop = "answered" if resp.stopped == "answered" else "stopped at the iteration limit"
+    lines.append(f"\n({resp.model}, {resp.iterations} model call(s), {stop}; searches: {searched})")
+    return "\n".join(lines)
