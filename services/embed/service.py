@@ -35,6 +35,7 @@ _tracer = tracer("kbmesh.embed")
 TITLE_TOKEN_BUDGET = 24
 # How often one kb.index catches up with a document that changed while it was being indexed.
 CATCH_UP_ROUNDS = 5
+SWITCH_GRACE_SECONDS = 2.0
 
 
 def document_payload(record: DocumentRecord) -> dict[str, Any]:
@@ -99,6 +100,9 @@ class EmbedService:
             await self.reg.kbs.update(key, kb, last)
         except Conflict:
             return  # the KB changed meanwhile; the next indexed document checks again
+        # Searches read KB records from a live mirror and may have started just before the
+        # switch: give them a moment on the previous collection before it goes.
+        await asyncio.sleep(SWITCH_GRACE_SECONDS)
         await self.store.drop_collection(previous)
         log.info(
             "kb switched kb_id=%s collection=%s dropped=%s", kb_id, kb.collection_name, previous
