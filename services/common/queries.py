@@ -280,6 +280,25 @@ class SearchResponse(BaseModel):
         description="what did not go as asked, e.g. a reranker that failed (the hits are "
         "then in fused order)",
     )
+    failed_kbs: list[KbFailure] = Field(
+        default_factory=list,
+        description="KBs that could not be searched (their embedding model unreachable or "
+        "misconfigured...): the hits come from the other KBs only",
+    )
+    truncated: bool = Field(
+        False,
+        description="true when the reply was shortened to fit the message size limit: "
+        "contents cut (ending in ' …') or the lowest-ranked hits left out",
+    )
+
+
+class KbFailure(BaseModel):
+    """A KB left out of a multi-KB search, and why."""
+
+    kb_id: str
+    name: str
+    error_type: str
+    message: str
 
 
 class OmittedHit(BaseModel):

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.limits import LimitSettings
+
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
 
 
@@ -17,7 +19,12 @@ class BusSettings(BaseModel):
         default_factory=lambda: [0.5, 2.0, 5.0, 15.0],
         description="redelivery delays for transient errors, one per retry",
     )
-    ack_wait_seconds: float = Field(120.0, gt=0, description="redelivery when a worker dies")
+    ack_wait_seconds: float = Field(
+        10.0,
+        ge=3,
+        description="redelivery when a worker dies; a working handler reports progress "
+        "every third of it, so long work is never redelivered while it runs",
+    )
     stream_max_age_days: float = Field(7.0, gt=0)
     replicas: int = Field(
         1, ge=1, le=5, description="JetStream replicas of streams, buckets and the object store"
@@ -54,6 +61,20 @@ class SearchSettings(BaseModel):
     query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")
     timeout_seconds: float = Field(10.0, gt=0)
     concurrency: int = Field(32, ge=1, description="search requests answered at once per replica")
+
+
+class EgressSettings(BaseModel):
+    """Where outbound calls a client can steer (upload by URL, a KB's `api_base`) may go
+    besides public addresses."""
+
+    allowlist: list[str] = Field(
+        default_factory=list,
+        description="hosts (`*.example.com` for subdomains), addresses or CIDRs allowed even "
+        "though they are loopback, link-local or private",
+    )
+    allow_private: bool = Field(
+        False, description="allow every non-public address (self-hosted models nearby)"
+    )
 
 
 class AskSettings(BaseModel):
@@ -128,9 +149,6 @@ class Settings(BaseSettings):
 
     mcp_toolsets: str = Field("core", description="comma list of core, compat")
     upload_root: Path | None = Field(None, description="root for kb_upload by path")
-    url_allowlist: list[str] = Field(
-        default_factory=list, description="hosts/CIDRs allowed for ingest by URL"
-    )
     mcp_allowed_hosts: list[str] = Field(
         default_factory=list,
         description="Host headers accepted at /mcp besides loopback (DNS-rebinding protection); "
@@ -139,6 +157,8 @@ class Settings(BaseSettings):
 
     bus: BusSettings = Field(default_factory=BusSettings)
     search: SearchSettings = Field(default_factory=SearchSettings)
+    egress: EgressSettings = Field(default_factory=EgressSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
     ask: AskSettings = Field(default_factory=AskSettings)
 
     @field_validator("default_org")

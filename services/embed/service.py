@@ -174,8 +174,10 @@ class EmbedService:
             # follow the document's at once (its text and chunks stay as they were built).
             await self._relabel(kb.serving_collection, record)
         if entry is not None and same_build:
-            # Same text, same settings: only labels changed. Rewrite payloads, no embedding.
-            await self._relabel(kb.collection_name, record)
+            # Same text, same settings: only labels changed. Rewrite payloads, no embedding
+            # (an empty text has no points, and its KB may have no collection at all).
+            if entry.chunk_count:
+                await self._relabel(kb.collection_name, record)
             entry.revision = record.revision
             entry.indexed_at = utcnow()
             await self.reg.index.put(entry_key, entry)

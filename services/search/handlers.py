@@ -14,12 +14,14 @@ from services.common import metrics
 from services.common.answers import AskRequest
 from services.common.errors import KbmeshError
 from services.common.events import Subject
-from services.common.queries import ChunkRequest, RemoteError, SearchRequest
+from services.common.queries import ChunkRequest, RemoteError, SearchRequest, SearchResponse
+from services.search import reply
 from services.search.ask import AskService
 from services.search.service import SearchService
 
 log = logging.getLogger("kbmesh.search")
 QUEUE = "search"
+DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default
 
 
 def create_router(
@@ -28,8 +30,13 @@ def create_router(
     *,
     concurrency: int = 1,
     ask_concurrency: int = 1,
+    max_payload: Callable[[], int] = lambda: DEFAULT_MAX_PAYLOAD,
 ) -> NatsRouter:
+    """`max_payload` reads the connected server's message size limit."""
     router = NatsRouter()
+
+    async def search(request: SearchRequest) -> SearchResponse:
+        return reply.fit(await service.search(request), max_payload())
 
     # Requests are answered concurrently: a reply spends most of its time waiting on the
     # model and engine threads, and concurrent query embeddings are coalesced.
@@ -37,7 +44,7 @@ def create_router(
     async def on_search(msg: NatsMessage) -> dict[str, Any]:
         metrics.SEARCH_REQUESTS.inc()
         with metrics.SEARCH_SECONDS.time():
-            return await _answer(msg.body, SearchRequest, service.search)
+            return await _answer(msg.body, SearchRequest, search)
 
     @router.subscriber(Subject.SEARCH_CHUNK, queue=QUEUE, max_workers=concurrency)
     async def on_chunk(msg: NatsMessage) -> dict[str, Any]:

@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from services.common.egress import EgressPolicy
+from services.common.errors import KbmeshError
 from services.common.llm import import_litellm
 
 
@@ -26,8 +28,9 @@ class Reranker(Protocol):
 
 
 class LiteLLMReranker:
-    def __init__(self, timeout_seconds: float = 10.0) -> None:
+    def __init__(self, timeout_seconds: float = 10.0, egress: EgressPolicy | None = None) -> None:
         self.timeout_seconds = timeout_seconds
+        self.egress = egress
 
     async def rerank(
         self, model: str, api_base: str | None, query: str, documents: Sequence[str]
@@ -45,12 +48,24 @@ class LiteLLMReranker:
                 max_retries=0,
             )
 
+        if self.egress is not None and api_base:
+            try:
+                await self.egress.check_url(
+                    api_base, field="rerank_api_base", what="call the rerank model at"
+                )
+            except KbmeshError as err:
+                raise RerankFailed(err.message) from err
         try:
             response = await asyncio.wait_for(call(), self.timeout_seconds)
         except TimeoutError as err:
             raise RerankFailed(f"no answer within {self.timeout_seconds:g} s") from err
         except Exception as err:
-            raise RerankFailed(f"{type(err).__name__}: {str(err)[:200]}") from err
+            # The provider's body stays out: whoever runs api_base chose its words.
+            status = getattr(err, "status_code", None)
+            kind = type(err).__name__
+            raise RerankFailed(
+                f"HTTP {status}, {kind}" if isinstance(status, int) else kind
+            ) from err
         return ranked(response.results or [], len(documents))
 
 

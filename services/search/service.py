@@ -13,11 +13,12 @@ from typing import Literal
 
 from services.common import bm25
 from services.common.embedders import EmbedderPool, is_local
-from services.common.errors import Forbidden, InvalidInput, NotFound
+from services.common.errors import Forbidden, InvalidInput, KbmeshError, NotFound
 from services.common.models import KnowledgeBase, point_id
 from services.common.queries import (
     ChunkRequest,
     ChunkResponse,
+    KbFailure,
     MatchType,
     SearchHit,
     SearchRequest,
@@ -99,18 +100,38 @@ class SearchService:
                 model, api_base = kb.serving_model
                 groups[(model, None if is_local(model) else api_base)].append(kb)
             dense: dict[str, list[float] | None] = {}
+            failures: dict[str, Exception] = {}
 
             async def embed_group(model: str, api_base: str | None) -> None:
                 vector = None
                 if req.mode != Mode.keyword:
-                    vector = await self.embedders.embed_query(model, req.query, api_base)
+                    try:
+                        vector = await self.embedders.embed_query(model, req.query, api_base)
+                    except Exception as err:
+                        failures.update((kb.kb_id, err) for kb in groups[(model, api_base)])
                 for kb in groups[(model, api_base)]:
                     dense[kb.kb_id] = vector
 
             await asyncio.gather(*(embed_group(m, a) for m, a in groups))
-            found = await asyncio.gather(
-                *(self._candidates(kb, req, flt, dense[kb.kb_id], sparse) for kb in kbs)
+            searchable = [kb for kb in kbs if kb.kb_id not in failures]
+            results = await asyncio.gather(
+                *(self._candidates(kb, req, flt, dense[kb.kb_id], sparse) for kb in searchable),
+                return_exceptions=True,
             )
+            found = []
+            for kb, result in zip(searchable, results, strict=True):
+                if isinstance(result, Exception):
+                    failures[kb.kb_id] = result
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    found.append(result)
+            # One broken KB (an unreachable or misconfigured model) must not take every
+            # search down with it: the others answer and the reply names the one left out.
+            # Only when nothing could be searched is the search itself a failure.
+            if failures and len(failures) == len(kbs):
+                raise next(iter(failures.values()))
+            failed_kbs = [_failure(kb, failures[kb.kb_id]) for kb in kbs if kb.kb_id in failures]
             lists = [ranked for per_kb, _ in found for ranked in per_kb]
             points = {key: hit for _, per_kb in found for key, hit in per_kb.items()}
             fused = fuse(
@@ -169,6 +190,7 @@ class SearchService:
             hits=hits,
             budget=budget,
             warnings=warnings,
+            failed_kbs=failed_kbs,
         )
 
     async def _rerank(
@@ -372,6 +394,20 @@ def to_hit(hit: Hit, score: float | None, match_type: MatchType | None) -> Searc
         tags=p.get("tags") or [],
         collection=p.get("collection"),
         metadata=p.get("metadata") or {},
+    )
+
+
+def _failure(kb: KnowledgeBase, err: Exception) -> KbFailure:
+    if isinstance(err, KbmeshError):
+        return KbFailure(
+            kb_id=kb.kb_id, name=kb.name, error_type=err.error_type, message=err.message
+        )
+    log.warning("search_kb_failed kb_id=%s error=%r", kb.kb_id, err)
+    return KbFailure(
+        kb_id=kb.kb_id,
+        name=kb.name,
+        error_type="InternalError",
+        message=f"searching this knowledge base failed ({type(err).__name__})",
     )
 
 

@@ -92,8 +92,12 @@ async def world(tmp_path_factory, embedders):
     chat = ScriptedChat(default=vacation_answer)
     async with (
         serve_app(chat.app, lifespan="off") as chat_url,
+        # The scripted chat server listens on loopback: allowed, as a self-hosted model.
         running_stack(
-            tmp_path_factory.mktemp("contracts"), embedders=embedders, mcp_toolsets="core,compat"
+            tmp_path_factory.mktemp("contracts"),
+            embedders=embedders,
+            mcp_toolsets="core,compat",
+            egress={"allow_private": True},
         ) as (rt, client),
     ):
         w = World(client, rt.bus.url, chat_api_base=chat_url + "/v1")

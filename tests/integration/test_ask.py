@@ -69,6 +69,8 @@ async def stack(tmp_path_factory, embedders):
             embedders=embedders,
             span_processors=[SimpleSpanProcessor(EXPORTER)],
             ask={"tries": 2, "backoff_seconds": 0.01},
+            # The scripted chat server listens on loopback: allowed, as a self-hosted model.
+            egress={"allow_private": True},
         ) as (rt, client),
         serve_http(rt) as (base, _app),
     ):

@@ -553,16 +553,18 @@ async def test_rest_tools_answer_like_mcp_for_every_tool(stack):
         chunk_id = hits["hits"][0]["chunk_id"]
         await both("kb_get_chunk", {"chunk_id": chunk_id, "neighbors": 1})
         chat = ScriptedChat(default=answer_from_first_hit)
-        async with serve_app(chat.app, lifespan="off") as chat_url:
-            await both(
-                "kb_ask",
-                {
-                    "question": PARAPHRASES["tcp.md"],
-                    "kb_ids": [kb],
-                    "model": "hosted_vllm/scripted",
-                    "api_base": chat_url + "/v1",
-                },
-            )
+        # The chat server listens on loopback: allowed for this call only.
+        with allowlist(stack.rt.settings, ["127.0.0.1/32"]):
+            async with serve_app(chat.app, lifespan="off") as chat_url:
+                await both(
+                    "kb_ask",
+                    {
+                        "question": PARAPHRASES["tcp.md"],
+                        "kb_ids": [kb],
+                        "model": "hosted_vllm/scripted",
+                        "api_base": chat_url + "/v1",
+                    },
+                )
         await both("manageKnowledge", {"operation": "getChunk", "chunkId": chunk_id})
         await both(
             "search_docs", {"query": PARAPHRASES["tcp.md"], "projectId": kb, "minScore": 0.1}
@@ -656,13 +658,13 @@ async def loopback_site() -> AsyncIterator[str]:
 
 @contextlib.contextmanager
 def allowlist(settings, entries: list[str]) -> Iterator[None]:
-    """The gateway reads KBMESH_URL_ALLOWLIST per call; restored so later tests see none."""
-    before = settings.url_allowlist
-    settings.url_allowlist = entries
+    """The gateway reads KBMESH_EGRESS__ALLOWLIST per call; restored so later tests see none."""
+    before = settings.egress.allowlist
+    settings.egress.allowlist = entries
     try:
         yield
     finally:
-        settings.url_allowlist = before
+        settings.egress.allowlist = before
 
 
 async def test_url_ingest_from_allowlisted_loopback_and_refused_without(stack):
@@ -675,7 +677,9 @@ async def test_url_ingest_from_allowlisted_loopback_and_refused_without(stack):
         kb = (await new_kb(session))["name"]
         url = f"{site}/volcanoes.md"
         refused = failed(await session.call_tool("kb_upload", {"kb": kb, "url": url}), "Forbidden")
-        assert "127.0.0.1" in refused["message"] and "KBMESH_URL_ALLOWLIST" in refused["message"]
+        assert (
+            "127.0.0.1" in refused["message"] and "KBMESH_EGRESS__ALLOWLIST" in refused["message"]
+        )
         with allowlist(stack.rt.settings, ["127.0.0.1/32"]):
             got = ok(await session.call_tool("kb_upload", {"kb": kb, "url": url}))
             moved = ok(

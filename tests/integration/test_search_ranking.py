@@ -63,7 +63,10 @@ async def reranker() -> AsyncIterator[tuple[str, RerankScript]]:
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory, embedders, reranker):
-    async with running_stack(tmp_path_factory.mktemp("ranking"), embedders=embedders) as s:
+    # The rerank server listens on loopback: allowed explicitly, as for a self-hosted model.
+    async with running_stack(
+        tmp_path_factory.mktemp("ranking"), embedders=embedders, egress={"allow_private": True}
+    ) as s:
         _, client = s
         base, _ = reranker
         for kb, docs, body in (

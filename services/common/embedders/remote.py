@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from services.common.llm import (
     import_litellm_off_loop,
     is_retryable,
 )
+
+if TYPE_CHECKING:
+    from services.common.egress import EgressPolicy
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,13 @@ def remote_max_tokens(model: str) -> int:
     return int(limit) if limit else DEFAULT_REMOTE_MAX_TOKENS
 
 
+def _summary(err: Exception) -> str:
+    """What a provider error may tell a client: its HTTP status and kind, not its body."""
+    status = getattr(err, "status_code", None)
+    kind = type(err).__name__
+    return f"HTTP {status}, {kind}" if isinstance(status, int) else kind
+
+
 class LiteLLMEmbedder:
     """Any LiteLLM embedding model; dimension learnt from the first response."""
 
@@ -51,9 +61,11 @@ class LiteLLMEmbedder:
         tries: int = 3,
         backoff_seconds: float = 0.5,
         timeout_seconds: float = 60.0,
+        egress: EgressPolicy | None = None,
     ) -> None:
         self._model = model
         self.api_base = api_base
+        self._egress = egress
         self._api_key = api_key
         self._batch_size = batch_size
         self._tries = max(1, tries)
@@ -107,6 +119,12 @@ class LiteLLMEmbedder:
 
     async def _embed_batch(self, batch: list[str]) -> list[list[float]]:
         litellm = await import_litellm_off_loop()
+        if self._egress is not None and self.api_base:
+            # Checked at every call, not only when the KB was saved: a name can be re-pointed
+            # at an internal address later, and KBs saved before the policy existed remain.
+            await self._egress.check_url(
+                self.api_base, field="api_base", what="call the embedding model at"
+            )
         for attempt in range(1, self._tries + 1):
             try:
                 response = await litellm.aembedding(
@@ -122,15 +140,18 @@ class LiteLLMEmbedder:
                 retryable = is_retryable(err, litellm)
                 if retryable is None:
                     raise
+                # The provider's own words stay in the log: a response body is whatever the
+                # server at `api_base` chose to send, and must not reach API clients.
                 if not retryable:
-                    status = getattr(err, "status_code", None)
+                    log.warning("embed_rejected model=%s error=%r", self._model, str(err)[:500])
                     raise InvalidInput(
-                        f"{self._model} rejected the embedding request ({status}): {err}",
+                        f"{self._model} rejected the embedding request ({_summary(err)})",
                         field=MODEL_FIELD,
                     ) from err
                 if attempt == self._tries:
+                    log.warning("embed_unavailable model=%s error=%r", self._model, str(err)[:500])
                     raise Transient(
-                        f"{self._model} unavailable after {attempt} tries: {err}",
+                        f"{self._model} unavailable after {attempt} tries ({_summary(err)})",
                         field=MODEL_FIELD,
                     ) from err
                 delay = self._backoff * 2 ** (attempt - 1)

@@ -20,6 +20,7 @@ from services.common.queries import (
 )
 from services.common.settings import Settings
 from services.gateway.auth import Principal
+from services.gateway.service.access import visible_tags
 from services.gateway.service.kbs import KnowledgeBases
 
 
@@ -36,7 +37,10 @@ class Search:
             query = query.model_copy(update={"kb_ids": [k.kb_id for k in kbs]})
         request = SearchRequest(**query.model_dump(), org_id=p.org_id, scope_kb_ids=p.scope)
         body = await self._request(Subject.SEARCH_QUERY, request)
-        return SearchResponse.model_validate(body)
+        response = SearchResponse.model_validate(body)
+        for hit in response.hits:
+            hit.tags = visible_tags(p, hit.tags)
+        return response
 
     async def chunk(
         self, p: Principal, chunk_id: str, kb: str | None = None, neighbors: int = 0
