@@ -45,7 +45,7 @@ async def stack(tmp_path_factory, embedders) -> AsyncIterator[tuple[Any, httpx.A
             # refuses unless allow-listed.
             tmp_path_factory.mktemp("ingest-cli"),
             embedders=embedders,
-            url_allowlist=["127.0.0.1"],
+            egress={"allowlist": ["127.0.0.1"]},
         ) as (rt, client),
         serve_http(rt) as (base, _app),
     ):
