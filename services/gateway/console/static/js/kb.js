@@ -105,7 +105,7 @@ export async function renderKb(main, kbId, tab = "overview") {
         h("button.btn", { type: "button", onclick: reindexAll }, "Reindex"),
         h("button.btn", { type: "button", id: "retry-failed", onclick: retryFailed }, "Retry failed"),
         h("button.btn", { type: "button", onclick: () => { select("settings"); tabs.settings.focus(); } }, "Edit"),
-        h("button.btn.btn-danger", { type: "button", onclick: () => deleteKb(state.kb) }, "Delete"),
+        h("button.btn.btn-danger", { type: "button", onclick: () => deleteKb(state.kb, { before: pause, failed: resume }) }, "Delete"),
       ),
       overview.progress,
       h("h2.section-title", "Statistics"),
@@ -217,7 +217,44 @@ export async function renderKb(main, kbId, tab = "overview") {
   let timer = null;
   let stopped = false;
   let lastDocs = -1;
-  async function refresh() {
+  let inflight = null;
+  let again = false;
+  // One refresh at a time (timer, events and uploads all ask): a request while one runs
+  // makes exactly one more run after it, so there is only ever one timer.
+  function refresh() {
+    if (stopped) return Promise.resolve();
+    if (inflight) {
+      again = true;
+      return inflight;
+    }
+    inflight = load().finally(() => {
+      inflight = null;
+      if (again && !stopped) {
+        again = false;
+        refresh();
+      }
+    });
+    return inflight;
+  }
+
+  /** Before the KB is deleted: no request of this page may race the DELETE (and 404). */
+  async function pause() {
+    stopped = true;
+    clearTimeout(timer);
+    clearTimeout(soon);
+    if (stream) stream.close();
+    stream = null;
+    live = false;
+    if (stopDocuments) stopDocuments();
+    if (inflight) await inflight.catch(() => {});
+  }
+
+  function resume() {
+    stopped = false;
+    refresh();
+  }
+
+  async function load() {
     clearTimeout(timer);
     try {
       const [k, s] = await Promise.all([
@@ -270,8 +307,10 @@ export async function renderKb(main, kbId, tab = "overview") {
   });
 
   // ---- the other tabs ---------------------------------------------------------------------
+  let stopDocuments = null;
   function drawDocuments() {
-    cleanups.push(renderDocuments(panels.documents, () => state.kb, refresh));
+    stopDocuments = renderDocuments(panels.documents, () => state.kb, refresh);
+    cleanups.push(stopDocuments);
   }
 
   function drawSearch() {
@@ -283,6 +322,8 @@ export async function renderKb(main, kbId, tab = "overview") {
     p.append(
       h("div.card", kbForm({
         kb: state.kb,
+        pause,
+        resume,
         documents: state.stats ? state.stats.total_documents_with_tags : null,
         onSaved: (saved) => {
           const reindexing = saved.settings_version !== state.kb.settings_version;
