@@ -4,7 +4,7 @@ import { clear, h } from "./dom.js";
 import { renderDocuments } from "./documents.js";
 import { deleteKb, kbForm } from "./kbform.js";
 import { renderSearch } from "./search.js";
-import { confirmDialog, errorBox, kbBadge, num, pageHeader, setView, tagList, toast, when } from "./ui.js";
+import { ago, confirmDialog, errorBox, kbBadge, num, pageHeader, setView, tagList, toast, when } from "./ui.js";
 
 const TABS = [
   ["overview", "Overview"],
@@ -129,7 +129,7 @@ export async function renderKb(main, kbId, tab = "overview") {
       stat("Chunks", num(chunks)),
       stat("Avg chunks / document", docs ? (chunks / docs).toFixed(1) : "—"),
       stat("Failed", s ? num(s.failed_count) : "—"),
-      stat("Last indexed", state.lastIndexed ? when(state.lastIndexed) : "—", null, true),
+      stat("Last indexed", ago(state.lastIndexed), state.lastIndexed ? when(state.lastIndexed) : null),
     );
     const retry = panels.overview.querySelector("#retry-failed");
     if (retry) retry.disabled = !s || s.failed_count === 0;

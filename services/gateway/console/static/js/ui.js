@@ -46,6 +46,18 @@ export function when(value) {
   return Number.isNaN(d.getTime()) ? String(value) : dateFmt.format(d);
 }
 
+/** "just now", "5 min ago", "3 h ago", else the date; the exact time on hover. */
+export function ago(value) {
+  if (!value) return "—";
+  const d = new Date(value);
+  const seconds = (Date.now() - d.getTime()) / 1000;
+  let text = when(value);
+  if (seconds < 60) text = "just now";
+  else if (seconds < 3600) text = `${Math.floor(seconds / 60)} min ago`;
+  else if (seconds < 86400) text = `${Math.floor(seconds / 3600)} h ago`;
+  return h("span", { title: when(value) }, text);
+}
+
 export function num(value) {
   return value === null || value === undefined ? "—" : numberFmt.format(value);
 }
