@@ -51,10 +51,8 @@ async def run(base: str, data: Path, kb_id: str, queries: list[str]) -> dict[str
     torch = LocalEmbedder(MODEL, backend="torch")
     torch.load()
     nc = await nats.connect((data / "nats.url").read_text().strip())
-    times: dict[str, list[float]] = {
-        k: []
-        for k in ("rest_hybrid", "rest_keyword", "nats_hybrid", "nats_keyword", "onnx", "torch")
-    }
+    names = ("rest_hybrid", "rest_keyword", "nats_hybrid", "nats_keyword", "onnx", "torch")
+    times: dict[str, list[float]] = {k: [] for k in (*names, "torch_1_thread")}
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
 
         async def rest(query: str, mode: str) -> float:
@@ -77,21 +75,40 @@ async def run(base: str, data: Path, kb_id: str, queries: list[str]) -> dict[str
         def encode(embedder: LocalEmbedder, query: str) -> float:
             started = time.perf_counter()
             embedder.encode([query], query=True)
-            return time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            # torch's OpenMP threads spin for a while after an encode: let them stop before
+            # the next variant is timed, or that one pays for them.
+            time.sleep(0.05)
+            return elapsed
+
+        import torch as torch_module
+
+        threads = torch_module.get_num_threads()
+
+        def torch_encode(query: str, n: int) -> float:
+            torch_module.set_num_threads(n)
+            try:
+                return encode(torch, query)
+            finally:
+                torch_module.set_num_threads(threads)
 
         for i, q in enumerate(queries[:5] + queries):
-            warm = i < 5
-            got = {
-                "rest_hybrid": await rest(f"{q} r{i}", "hybrid"),
-                "nats_hybrid": await bus(f"{q} n{i}", "hybrid"),
-                "rest_keyword": await rest(f"{q} k{i}", "keyword"),
-                "nats_keyword": await bus(f"{q} b{i}", "keyword"),
-                "onnx": encode(onnx, f"{q} o{i}"),
-                "torch": encode(torch, f"{q} t{i}"),
-            }
-            if not warm:
-                for k, v in got.items():
-                    times[k].append(v)
+            variants = [
+                ("rest_hybrid", lambda q=q, i=i: rest(f"{q} r{i}", "hybrid")),
+                ("nats_hybrid", lambda q=q, i=i: bus(f"{q} n{i}", "hybrid")),
+                ("rest_keyword", lambda q=q, i=i: rest(f"{q} k{i}", "keyword")),
+                ("nats_keyword", lambda q=q, i=i: bus(f"{q} b{i}", "keyword")),
+                ("onnx", lambda q=q, i=i: encode(onnx, f"{q} o{i}")),
+                ("torch", lambda q=q, i=i: torch_encode(f"{q} t{i}", threads)),
+                ("torch_1_thread", lambda q=q, i=i: torch_encode(f"{q} s{i}", 1)),
+            ]
+            # A different variant goes first each time, so none always follows the same one.
+            shift = i % len(variants)
+            for name, measure in variants[shift:] + variants[:shift]:
+                result = measure()
+                elapsed = await result if asyncio.iscoroutine(result) else result
+                if i >= 5:  # the first five are warm-up
+                    times[name].append(elapsed)
     await nc.close()
     return times
 
@@ -138,6 +155,10 @@ def main() -> None:
         print(f"| {name} | {ms:.2f} |")
     print(
         f"\nREST hybrid p50 / torch fp32 query encode p50: {med['rest_hybrid'] / med['torch']:.2f}"
+    )
+    print(
+        "REST hybrid p50 / torch fp32 1-thread query encode p50: "
+        f"{med['rest_hybrid'] / med['torch_1_thread']:.2f}"
     )
     print(f"onnx query encode / torch query encode: {med['onnx'] / med['torch']:.2f}")
 

@@ -51,6 +51,16 @@ class Registry(Generic[M]):
         found = await self.get_versioned(key)
         return found[0] if found else None
 
+    async def lookup(self, key: str) -> M | None:
+        """`get` answered from the mirror when the key is in it (no round trip; a change made
+        elsewhere shows once the watch delivers it, within milliseconds), else from the bucket.
+        For reads on a request's hot path; decisions that write use `get_versioned`."""
+        if self._mirror is not None:
+            found = self._mirror.get(key)
+            if found is not None:
+                return found
+        return await self.get(key)
+
     async def get_versioned(self, key: str) -> tuple[M, int] | None:
         try:
             entry = await self.kv.get(key)

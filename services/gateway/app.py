@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.errors import KbmeshError
 from services.gateway.api import deadletters, documents, kbs, search, tools
@@ -35,6 +36,37 @@ def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONRes
         **extra,
     }
     return JSONResponse(body, status_code=status, media_type=PROBLEM)
+
+
+class TracedRequests:
+    """One server span per HTTP request, named after the route once routing has run.
+
+    A plain ASGI middleware: Starlette's `@app.middleware("http")` runs every request in an
+    extra task and pipes the response through a memory stream, about a millisecond of each
+    search on these machines."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method = scope.get("method", "")
+        with _tracer.start_as_current_span("kbmesh.gateway.request", kind=SpanKind.SERVER) as span:
+            span.set_attribute("http.request.method", method)
+
+            async def send_traced(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    span.set_attribute("http.response.status_code", message["status"])
+                    route = scope.get("route")
+                    if route is not None:
+                        path = getattr(route, "path", "")
+                        span.set_attribute("http.route", path)
+                        span.update_name(f"{method} {path}")
+                await send(message)
+
+            await self.app(scope, receive, send_traced)
 
 
 def create_app(
@@ -69,17 +101,7 @@ def create_app(
     app.state.service = service
     app.state.keys = keys
 
-    @app.middleware("http")
-    async def traced(request: Request, call_next: Any) -> Any:
-        with _tracer.start_as_current_span("kbmesh.gateway.request", kind=SpanKind.SERVER) as span:
-            span.set_attribute("http.request.method", request.method)
-            response = await call_next(request)
-            route = request.scope.get("route")
-            if route is not None:
-                span.set_attribute("http.route", getattr(route, "path", ""))
-                span.update_name(f"{request.method} {getattr(route, 'path', '')}")
-            span.set_attribute("http.response.status_code", response.status_code)
-            return response
+    app.add_middleware(TracedRequests)
 
     @app.exception_handler(KbmeshError)
     async def on_error(request: Request, err: KbmeshError) -> JSONResponse:

@@ -81,7 +81,10 @@ class KnowledgeBases:
 
     async def resolve(self, p: Principal, ref: str, *, write: bool = False) -> KnowledgeBase:
         """A KB id or name, within the caller's org and scope (else 404)."""
-        kb = await self.reg.kbs.get(f"{p.org_id}.{ref}") if key_safe(ref) else None
+        key = f"{p.org_id}.{ref}"
+        # Reads resolve from the live mirror (as names already do); writes from the bucket.
+        lookup = self.reg.kbs.get if write else self.reg.kbs.lookup
+        kb = await lookup(key) if key_safe(ref) else None
         if kb is None:
             kb = next((k for k in await self.reg.kbs.list(f"{p.org_id}.") if k.name == ref), None)
         if kb is None and ref == self.settings.default_kb:
