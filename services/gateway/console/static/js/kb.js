@@ -179,10 +179,14 @@ export async function renderKb(main, kbId, tab = "overview") {
     }
     const finished = !busy && p.done >= p.total;
     const verb = p.reindex ? "Reindexing" : "Indexing";
+    // Servers that report progress can also abandon a running reindex.
+    const cancel = p.reindex && !finished && state.stats.progress
+      ? h("button.btn.btn-small", { type: "button", onclick: cancelReindex }, "Cancel reindex")
+      : null;
     clear(box).append(
       h("div.progress-head",
         h("strong", finished ? (p.reindex ? "Reindex complete" : "Indexing complete") : `${verb}…`),
-        h("span.progress-count", `${num(p.done)} of ${num(p.total)} documents`)),
+        h("span.progress-side", h("span.progress-count", `${num(p.done)} of ${num(p.total)} documents`), cancel)),
       h("progress", { max: String(Math.max(p.total, 1)), value: String(finished && !p.total ? 1 : p.done), "aria-label": `${verb} progress` }),
     );
     box.classList.toggle("done", finished);
@@ -200,6 +204,20 @@ export async function renderKb(main, kbId, tab = "overview") {
     if (!ok) return;
     state.reindex = state.kb.settings_version + 1;
     toast("Reindex started");
+    refresh();
+  }
+
+  async function cancelReindex() {
+    const ok = await confirmDialog(
+      "Cancel the reindex?",
+      "The half-built index is dropped and the knowledge base returns to the settings of the index that answers searches now.",
+      "Cancel reindex",
+      () => api("POST", `/v1/kbs/${encodeURIComponent(state.kb.kb_id)}/reindex/cancel`),
+      "Keep reindexing",
+    );
+    if (!ok) return;
+    state.reindex = null;
+    toast("Reindex cancelled");
     refresh();
   }
 

@@ -129,7 +129,7 @@ export function toast(message, kind = "ok") {
 }
 
 /** A modal built from a <dialog>; resolves with the button's value or null. */
-export function modal({ title, body, confirm = "OK", danger = false, onSubmit }) {
+export function modal({ title, body, confirm = "OK", dismiss = "Cancel", danger = false, onSubmit }) {
   return new Promise((resolve) => {
     const error = h("div.alert.alert-error", { role: "alert", hidden: true });
     const dialog = h("dialog.modal", { "aria-labelledby": "modal-title" });
@@ -160,7 +160,7 @@ export function modal({ title, body, confirm = "OK", danger = false, onSubmit })
       error,
       h(
         "div.modal-actions",
-        h("button.btn", { type: "button", onclick: () => close(null) }, "Cancel"),
+        h("button.btn", { type: "button", onclick: () => close(null) }, dismiss),
         null,
       ),
     );
@@ -177,8 +177,8 @@ export function modal({ title, body, confirm = "OK", danger = false, onSubmit })
   });
 }
 
-export function confirmDialog(title, text, confirm, onSubmit) {
-  return modal({ title, body: h("p", text), confirm, danger: true, onSubmit });
+export function confirmDialog(title, text, confirm, onSubmit, dismiss = "Cancel") {
+  return modal({ title, body: h("p", text), confirm, dismiss, danger: true, onSubmit });
 }
 
 export function pageHeader(title, { crumbs, actions, sub } = {}) {
