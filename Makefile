@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: up test lint bench contracts clean browser
+.PHONY: up test test-slow lint bench contracts clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +25,10 @@ up: $(STAMP)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest
+
+# Tests longer than a few minutes (the three-node NATS cluster under failures).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
 
 # The console's browser tests drive Debian's chromium (Playwright cannot download its own
 # here). As root it is installed when missing; otherwise those tests skip and say why.

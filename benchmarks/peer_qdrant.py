@@ -76,6 +76,7 @@ async def peer_server(root: Path, data: Path):
         "FASTMCP_SERVER_HOST": "127.0.0.1",
         "FASTMCP_SERVER_PORT": str(port),
     }
+    data.parent.mkdir(parents=True, exist_ok=True)
     log = (data.parent / "peer.log").open("wb")
     proc = subprocess.Popen(
         [str(root / "venv-qdrant" / "bin" / "mcp-server-qdrant"), "--transport", "streamable-http"],
@@ -113,7 +114,7 @@ async def peer_server(root: Path, data: Path):
 
 def tool_text(result) -> str:
     text = "".join(getattr(c, "text", "") for c in result.content)
-    if result.isError:
+    if result.is_error:
         raise RuntimeError(f"peer tool error: {text[:300]}")
     return text
 
@@ -197,7 +198,9 @@ async def run(beir: Path, peers: Path, max_queries: int | None) -> None:
         ):
             kb_id = (await client.post("/v1/kbs", json={"name": "peer-bench"})).json()["kb_id"]
             kb_seconds, names, stats = await kbmesh_ingest(client, kb_id, corpus)
+            print(f"kbmesh ingest {kb_seconds:.1f}s {stats}", flush=True)
             peer_seconds = await peer_ingest(peer, corpus)
+            print(f"peer ingest {peer_seconds:.1f}s", flush=True)
             # Warm-up of both search paths, not counted.
             for q, _ in queries[:5]:
                 await kbmesh_find(client, kb_id, q + " warm", names)

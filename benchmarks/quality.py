@@ -71,7 +71,9 @@ def document_id(beir_id: str) -> str:
     return (safe[:40] + "_" + hashlib.sha1(beir_id.encode()).hexdigest()[:16])[:64]
 
 
-def ingest(client: httpx.Client, kb: str, corpus: dict, chunk_size: int) -> float:
+def ingest(
+    client: httpx.Client, kb: str, corpus: dict, chunk_size: int, id_prefix: str = ""
+) -> float:
     r = client.post("/v1/kbs", json={"name": kb, "chunk_size": chunk_size})
     if r.status_code == 409:
         stats = client.get(f"/v1/kbs/{kb}/stats").json()
@@ -85,9 +87,11 @@ def ingest(client: httpx.Client, kb: str, corpus: dict, chunk_size: int) -> floa
         body = {
             "name": doc.get("title") or beir_id,
             "content": doc["text"] or " ",
-            "document_id": document_id(beir_id),
+            "document_id": document_id(id_prefix + beir_id),
             "metadata": {"beir_id": beir_id},
         }
+        if client.get(f"/v1/documents/{body['document_id']}").status_code == 200:
+            continue  # uploaded by an earlier, interrupted run
         r = client.post(f"/v1/kbs/{kb}/documents", json=body)
         if r.status_code >= 400:
             raise SystemExit(f"upload of {beir_id!r} failed: {r.status_code} {r.text}")
@@ -105,12 +109,14 @@ def ingest(client: httpx.Client, kb: str, corpus: dict, chunk_size: int) -> floa
         time.sleep(2)
 
 
-def ranked_documents(client: httpx.Client, kb: str, query: str, mode: str, top_k: int) -> list[str]:
+def ranked_documents(
+    client: httpx.Client, kbs: list[str], query: str, mode: str, top_k: int
+) -> list[str]:
     r = client.post(
         "/v1/search",
         json={
             "query": query,
-            "kb_ids": [kb],
+            "kb_ids": kbs,
             "mode": mode,
             "top_k": top_k,
             "coalesce_neighbors": 0,
@@ -136,11 +142,11 @@ def metrics(ranked: list[str], relevant: dict[str, int]) -> tuple[float, float, 
 
 
 def evaluate(
-    client: httpx.Client, kb: str, queries: dict, qrels: dict, mode: str, top_k: int
+    client: httpx.Client, kbs: list[str], queries: dict, qrels: dict, mode: str, top_k: int
 ) -> dict[str, float]:
     def one(item: tuple[str, str]) -> tuple[float, float, float]:
         qid, text = item
-        return metrics(ranked_documents(client, kb, text, mode, top_k), qrels[qid])
+        return metrics(ranked_documents(client, kbs, text, mode, top_k), qrels[qid])
 
     started = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
@@ -185,30 +191,61 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=50, help="chunks fetched per query")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--max-queries", type=int)
+    parser.add_argument(
+        "--sample", type=int, help="use this many documents (evenly spaced) and their queries"
+    )
+    parser.add_argument(
+        "--split", type=int, default=1, help="index the corpus round-robin into this many KBs"
+    )
+    parser.add_argument(
+        "--id-prefix",
+        help="prefix of the document ids (documents exist once per org: two KBs holding the "
+        "same pages need different ids); default: none, or the KB name with --sample/--split",
+    )
+    parser.add_argument(
+        "--also-search",
+        default="",
+        help="comma-separated KBs (names) searched together with the set's, e.g. an unrelated one",
+    )
     parser.add_argument("--rrf-k", type=int, help="KBMESH_SEARCH__RRF_K for the started stack")
     parser.add_argument("--lead-weight", type=float, help="KBMESH_SEARCH__LEAD_WEIGHT")
     parser.add_argument("--prefetch-limit", type=int, help="KBMESH_SEARCH__PREFETCH_LIMIT")
     args = parser.parse_args()
 
     corpus, queries, qrels = load_beir(args.beir_dir)
+    if args.sample:
+        step = len(corpus) / args.sample
+        ids = list(corpus)
+        corpus = {ids[int(i * step)]: corpus[ids[int(i * step)]] for i in range(args.sample)}
+        queries = {q: t for q, t in queries.items() if qrels[q].keys() & corpus.keys()}
     if args.max_queries:
         queries = dict(list(queries.items())[: args.max_queries])
     kb = args.kb or f"{args.beir_dir.name}-cs{args.chunk_size}"
-    print(f"{args.beir_dir}: {len(corpus)} documents, {len(queries)} queries; KB {kb!r}")
+    parts = [kb] if args.split == 1 else [f"{kb}-part{i + 1}" for i in range(args.split)]
+    print(f"{args.beir_dir}: {len(corpus)} documents, {len(queries)} queries; KBs {parts}")
     with target(args) as base, httpx.Client(base_url=base, timeout=120) as client:
-        seconds = ingest(client, kb, corpus, args.chunk_size)
-        stats = client.get(f"/v1/kbs/{kb}/stats").json()
+        seconds = 0.0
+        items = list(corpus.items())
+        for i, part in enumerate(parts):
+            # Documents exist once per org: copies in other KBs of the same org get their own ids.
+            prefix = args.id_prefix
+            if prefix is None:
+                prefix = f"{kb}_" if args.sample or args.split > 1 else ""
+            share = dict(items[i :: len(parts)])
+            seconds += ingest(client, part, share, args.chunk_size, prefix)
+        chunks = sum(client.get(f"/v1/kbs/{p}/stats").json()["chunk_count"] for p in parts)
         if seconds:
-            print(f"ingested in {seconds:.0f}s ({stats['chunk_count'] / seconds:.1f} chunks/s)")
+            print(f"ingested in {seconds:.0f}s ({chunks / seconds:.1f} chunks/s)")
+        searched = parts + [x for x in args.also_search.split(",") if x]
         print(
-            f"date {datetime.date.today()}  chunks {stats['chunk_count']}  "
+            f"date {datetime.date.today()}  KBs searched {searched}  chunks {chunks}  "
             f"chunk_size {args.chunk_size}  top_k {args.top_k}  rrf_k {args.rrf_k}  "
             f"lead_weight {args.lead_weight}  prefetch_limit {args.prefetch_limit}"
         )
         print("| mode | MRR@10 | Recall@10 | nDCG@10 |\n| --- | --- | --- | --- |")
         results = {}
         for mode in args.modes.split(","):
-            results[mode] = evaluate(client, kb, queries, qrels, mode, args.top_k)
+            results[mode] = evaluate(client, searched, queries, qrels, mode, args.top_k)
             m = results[mode]
             print(
                 f"| {mode} | {m['MRR@10']:.3f} | {m['Recall@10']:.3f} | {m['nDCG@10']:.3f} |"

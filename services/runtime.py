@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.sdk.trace import SpanProcessor
 
 from services.common.bus import Bus
+from services.common.egress import egress_policy
 from services.common.embedders import EmbedderPool
 from services.common.natsproc import NatsServer
 from services.common.registry import Registries
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from services.gateway.mcp import KbmeshMCP
     from services.gateway.service import GatewayService
     from services.ingest.service import IngestService
+    from services.search.ask import AskService
     from services.search.service import SearchService
 
 log = logging.getLogger("kbmesh")
@@ -52,6 +54,7 @@ class Runtime:
     ingest: IngestService | None = None
     embed: EmbedService | None = None
     search: SearchService | None = None
+    ask: AskService | None = None
     gateway: GatewayService | None = None
 
     async def close(self) -> None:
@@ -93,6 +96,7 @@ async def build_runtime(
     url = settings.nats_url
     if embedded_nats or not url:
         nats_server = NatsServer(settings.data_dir / "nats").start()
+        nats_server.supervise()
         url = nats_server.url
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         (settings.data_dir / "nats.url").write_text(url)
@@ -106,6 +110,7 @@ async def build_runtime(
             query_cache_size=settings.search.query_cache_size,
             local_backend=settings.local_backend,
             cache_dir=settings.models_dir,
+            egress=egress_policy(settings),
         )
         rt = Runtime(settings, chosen, bus, registries, pool, nats=nats_server)
         if "embed" in chosen or "search" in chosen:
@@ -136,14 +141,38 @@ async def _wire(rt: Runtime) -> None:
             embed_router(rt.bus, rt.embed, concurrency=rt.settings.embed_concurrency)
         )
     if "search" in rt.services:
+        from services.search.ask import AskService
+        from services.search.handlers import DEFAULT_MAX_PAYLOAD
         from services.search.handlers import create_router as search_router
+        from services.search.rerank import LiteLLMReranker
         from services.search.service import SearchService
 
         rt.search = SearchService(
-            rt.registries, require_store(rt), rt.embedders, rt.settings.search
+            rt.registries,
+            require_store(rt),
+            rt.embedders,
+            rt.settings.search,
+            reranker=LiteLLMReranker(
+                rt.settings.search.rerank_timeout_seconds, egress=egress_policy(rt.settings)
+            ),
+        )
+        rt.ask = AskService(
+            rt.registries,
+            rt.search,
+            rt.settings.ask,
+            # Read per call: the policy is the operator's settings as they stand.
+            check_api_base=lambda url: egress_policy(rt.settings).check_url(
+                url, field="api_base", what="call the chat model at"
+            ),
         )
         rt.bus.broker.include_router(
-            search_router(rt.search, concurrency=rt.settings.search.concurrency)
+            search_router(
+                rt.search,
+                rt.ask,
+                concurrency=rt.settings.search.concurrency,
+                ask_concurrency=rt.settings.ask.concurrency,
+                max_payload=lambda: rt.bus.nc.max_payload if rt.bus.nc else DEFAULT_MAX_PAYLOAD,
+            )
         )
     if "gateway" in rt.services:
         from services.gateway.service import GatewayService
@@ -183,7 +212,9 @@ def gateway_app(rt: Runtime) -> FastAPI:
         raise RuntimeError("this runtime does not run the gateway")
     keys = api_keys(rt)
     mcp = create_mcp(rt.gateway, keys=keys) if rt.settings.toolsets else None
-    return create_app(rt.gateway, keys, mcp=mcp, ready=rt.ready, services=rt.services)
+    return create_app(
+        rt.gateway, keys, mcp=mcp, ready=rt.ready, services=rt.services, nats_server=rt.nats
+    )
 
 
 def stdio_mcp(rt: Runtime, principal: Principal) -> KbmeshMCP:

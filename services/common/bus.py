@@ -2,11 +2,15 @@
 consumer wrapper that turns every handler into an at-least-once, dead-lettering one.
 
 Delivery rules (one place, every service):
-- a message that does not parse as its event model goes to `dlq.<subject>` at once;
+- a message that does not parse as its event model, for whatever reason (invalid JSON,
+  nesting too deep for any decoder, wrong fields), goes to `dlq.<subject>` at once: the
+  framework hands the raw bytes over undecoded, so nothing can fail before this wrapper;
 - a permanent error (`InvalidInput`) goes to the dead-letter subject at once;
 - any other error is retried with backoff; after `max_deliver` tries it is dead-lettered;
 - success acks. The dead letter keeps the original bytes and headers, with the reason in
   `Kbmesh-*` headers, so it can be replayed as is.
+- while a handler works it reports progress every third of `ack_wait`, so the ack wait
+  can be short: work of a process that died is redelivered within `ack_wait` seconds.
 """
 
 from __future__ import annotations
@@ -25,11 +29,11 @@ from faststream.nats.annotations import NatsMessage
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
 
-from services.common.errors import InvalidInput, KbmeshError
+from services.common.errors import InvalidInput, KbmeshError, Transient
 from services.common.events import (
     DLQ_STREAM,
     EVENT_MODELS,
@@ -46,7 +50,30 @@ E = TypeVar("E", bound=Event)
 Handler = Callable[[Any], Awaitable[None]]
 FailureHook = Callable[[Any, Exception], Awaitable[None]]
 
-KV_BUCKETS = ("kbs", "documents", "index", "keys")
+# What a call raises while NATS (or JetStream's quorum in a cluster) is away: transient, the
+# caller answers 503 or retries.
+BUS_UNAVAILABLE: tuple[type[Exception], ...] = (
+    TimeoutError,  # nats-py's own TimeoutError derives from it
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoServersError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    nats.errors.FlushTimeoutError,
+    ServiceUnavailableError,
+)
+TOPOLOGY_RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)
+
+
+def unavailable(err: BaseException) -> Transient:
+    """What a caller is told when NATS (or JetStream's quorum) did not answer in time."""
+    return Transient(
+        f"the message bus is unavailable ({type(err).__name__}); retry in a few seconds"
+    )
+
+
+KV_BUCKETS = ("kbs", "documents", "index", "keys", "prompts")
 OBJECT_STORE = "texts"
 # Declared by `Bus.start()`; subscribers only reference it.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)
@@ -59,13 +86,19 @@ class Bus:
     def __init__(self, settings: Settings, url: str, tracer_provider: TracerProvider) -> None:
         self.settings = settings
         self.url = url
+        # A comma-separated list seeds the connection to a cluster; the client learns the other
+        # members from the servers themselves and reconnects to any of them.
+        self.servers = [u.strip() for u in url.split(",") if u.strip()]
         self.broker = NatsBroker(
-            url,
+            self.servers,
+            # NATS may be away for any time (restarted, a cluster failing over): never give up.
+            max_reconnect_attempts=-1,
             middlewares=[NatsTelemetryMiddleware(tracer_provider=tracer_provider)],
             logger=logging.getLogger("kbmesh.faststream"),
         )
         self.nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
+        self.consumers: dict[str, ConsumerConfig] = {}  # durable name → settings we own
 
     @property
     def js(self) -> JetStreamContext:
@@ -75,14 +108,40 @@ class Bus:
 
     async def connect(self) -> None:
         """Connect and declare streams, buckets and the object store (idempotent)."""
-        self.nc = await nats.connect(self.url, name="kbmesh", max_reconnect_attempts=-1)
+        self.nc = await nats.connect(self.servers, name="kbmesh", max_reconnect_attempts=-1)
         self._js = self.nc.jetstream()
-        await declare_topology(self._js, self.settings.bus)
+        attempt = 0
+        while True:
+            try:
+                await declare_topology(self._js, self.settings.bus)
+                break
+            except BUS_UNAVAILABLE as err:
+                # A cluster that is still electing its JetStream leader, or a server that
+                # is restarting: wait for it like for the connection itself.
+                delay = TOPOLOGY_RETRY_SECONDS[min(attempt, len(TOPOLOGY_RETRY_SECONDS) - 1)]
+                attempt += 1
+                log.warning("jetstream_unavailable error=%r retry_in=%.1f", err, delay)
+                await asyncio.sleep(delay)
         await self.broker.connect()
 
     async def start(self) -> None:
         """Start consuming (after every router was included)."""
+        await self._update_consumers()
         await self.broker.start()
+
+    async def _update_consumers(self) -> None:
+        """Durable consumers outlive processes and binding to one keeps its old settings:
+        apply today's ack wait and delivery limit to those that exist already."""
+        for durable, wanted in self.consumers.items():
+            try:
+                info = await self.js.consumer_info(STREAM, durable)
+            except NotFoundError:
+                continue  # created with these settings when the subscriber starts
+            current = info.config
+            if (current.ack_wait, current.max_deliver) != (wanted.ack_wait, wanted.max_deliver):
+                await self.js.add_consumer(
+                    STREAM, current.evolve(ack_wait=wanted.ack_wait, max_deliver=wanted.max_deliver)
+                )
 
     async def close(self) -> None:
         await self.broker.stop()
@@ -128,8 +187,25 @@ async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
         except BadRequestError:
             await js.update_stream(config)
     for bucket in KV_BUCKETS:
+        await _set_replicas(js, f"KV_{bucket}", bus.replicas)
         await js.create_key_value(bucket=bucket, history=1, replicas=bus.replicas)
+    await _set_replicas(js, f"OBJ_{OBJECT_STORE}", bus.replicas)
     await js.create_object_store(OBJECT_STORE, replicas=bus.replicas)
+
+
+async def _set_replicas(js: JetStreamContext, stream: str, replicas: int) -> None:
+    """A bucket created with other replicas is changed in place (JetStream moves the data),
+    so raising `KBMESH_BUS__REPLICAS` on a running cluster sticks; creating it again with a
+    different configuration would be refused."""
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        return
+    if info.config.num_replicas != replicas:
+        log.warning(
+            "stream_replicas stream=%s from=%s to=%d", stream, info.config.num_replicas, replicas
+        )
+        await js.update_stream(info.config.evolve(num_replicas=replicas))
 
 
 async def dead_letter(bus: Bus, msg: Any, reason: str, error_type: str) -> None:
@@ -139,7 +215,8 @@ async def dead_letter(bus: Bus, msg: Any, reason: str, error_type: str) -> None:
     headers.update(
         {
             "Kbmesh-Original-Subject": msg.subject,
-            "Kbmesh-Error": reason[:2000],
+            # One header line: a line break in an error message would end the header.
+            "Kbmesh-Error": " ".join(reason.split())[:2000],
             "Kbmesh-Error-Type": error_type,
             "Kbmesh-Delivered": str(meta.num_delivered),
             "Nats-Msg-Id": f"dlq-{meta.stream}-{meta.sequence.stream}",
@@ -179,6 +256,11 @@ def consume(
             await dead_letter(bus, raw, _validation_reason(err), "ValidationError")
             await msg.reject()
             return
+        except (RecursionError, ValueError, MemoryError) as err:
+            # Whatever the body is, it will not parse next time either.
+            await dead_letter(bus, raw, f"malformed event: {err!r}"[:500], "ValidationError")
+            await msg.reject()
+            return
         heartbeat = asyncio.create_task(_keep_alive(msg, settings.ack_wait_seconds))
         try:
             await handler(event)
@@ -209,23 +291,37 @@ def consume(
     kwargs: dict[str, Any] = {}
     if max_workers > 1:
         kwargs["max_workers"] = max_workers
+    config = ConsumerConfig(
+        ack_wait=settings.ack_wait_seconds,
+        # JetStream's own limit is a backstop above ours: we dead-letter first.
+        max_deliver=settings.max_deliver + 2,
+    )
+    bus.consumers[durable] = config
     router.subscriber(
         subject,
         stream=JSTREAM,
         durable=durable,
-        pull_sub=PullSub(batch_size=max(1, max_workers), timeout=2.0),
+        # One message per pull: a fetched message waits for a free worker before its
+        # progress reports start, so fetch no more than one ahead.
+        pull_sub=PullSub(batch_size=1, timeout=2.0),
         ack_policy=AckPolicy.MANUAL,
-        config=ConsumerConfig(
-            ack_wait=settings.ack_wait_seconds,
-            # JetStream's own limit is a backstop above ours: we dead-letter first.
-            max_deliver=settings.max_deliver + 2,
-        ),
+        config=config,
+        decoder=_undecoded,
         **kwargs,
     )(_on_message)
 
 
+async def _undecoded(msg: Any) -> bytes:
+    """The handler parses the body itself: the framework's JSON decoding raises on input it
+    cannot decode (e.g. 20,000 nesting levels) before any handler runs, and such a message
+    would be redelivered until JetStream gives up on it, never dead-lettered."""
+    body: bytes = msg.body
+    return body
+
+
 async def _keep_alive(msg: Any, ack_wait: float) -> None:
-    """Long work (embedding a big document) must not be redelivered to another worker."""
+    """Long work (embedding a big document) must not be redelivered to another worker, while
+    the work of a worker that died is redelivered after one (short) ack wait."""
     while True:
         await asyncio.sleep(max(ack_wait / 3, 1.0))
         with contextlib.suppress(Exception):
@@ -238,6 +334,7 @@ def _validation_reason(err: ValidationError) -> str:
 
 
 __all__ = [
+    "BUS_UNAVAILABLE",
     "JSTREAM",
     "KV_BUCKETS",
     "OBJECT_STORE",
@@ -245,4 +342,5 @@ __all__ = [
     "InvalidInput",
     "consume",
     "dead_letter",
+    "unavailable",
 ]

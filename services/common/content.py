@@ -21,7 +21,19 @@ def decode_content(content: str, encoding: str, max_bytes: int) -> bytes:
         except (binascii.Error, ValueError) as err:
             raise InvalidInput(f"content is not valid base64: {err}", field="content") from err
     else:
-        data = content.encode("utf-8")
+        if "\x00" in content:
+            raise InvalidInput(
+                "text content contains a NUL character; send binary files base64-encoded "
+                "(content_encoding=base64) with their mime_type",
+                field="content",
+            )
+        try:
+            data = content.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InvalidInput(
+                f"content is not valid Unicode: a lone surrogate at position {err.start}",
+                field="content",
+            ) from err
     check_size(len(data), max_bytes)
     return data
 
@@ -72,3 +84,8 @@ def is_supported(mime: str) -> bool:
 
 # Where the gateway stages uploads too large to travel inline; ingest deletes them once stored.
 STAGING_PREFIX = "uploads/"
+
+
+def staging_name(org_id: str, event_id: str) -> str:
+    # Under the org: ingest reads an upload's object only from the uploading org's names.
+    return f"{STAGING_PREFIX}{org_id}/{event_id}"

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from email.header import Header, decode_header
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -84,7 +85,7 @@ async def get_dead_letter(js: JetStreamContext, sequence: int) -> DeadLetter | N
         raw = await js.get_msg(DLQ_STREAM, sequence)
     except NotFoundError:
         return None
-    headers = dict(raw.headers or {})
+    headers = {name: _header_text(value) for name, value in (raw.headers or {}).items()}
     original = headers.get("Kbmesh-Original-Subject") or (raw.subject or "").removeprefix(
         DLQ_PREFIX
     )
@@ -98,6 +99,17 @@ async def get_dead_letter(js: JetStreamContext, sequence: int) -> DeadLetter | N
         data=raw.data or b"",
         headers=headers,
     )
+
+
+def _header_text(value: object) -> str:
+    """nats-py reads a stored message's headers with the e-mail parser, which hands back a
+    value with non-ASCII bytes (an error text in any language) as a `Header` object:
+    turn it back into the UTF-8 text that was written."""
+    if not isinstance(value, Header):
+        return str(value)
+    parts = decode_header(value)
+    raw = b"".join(part if isinstance(part, bytes) else part.encode() for part, _ in parts)
+    return raw.decode("utf-8", errors="replace")
 
 
 async def replay(js: JetStreamContext, letter: DeadLetter) -> None:

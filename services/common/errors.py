@@ -6,6 +6,7 @@ KbmeshError
 ├── NotFound       HTTP 404 (also anything in another org)
 ├── Forbidden      HTTP 403 (key scope, read-only keys)
 ├── Conflict       HTTP 409 (limits, duplicate names)
+├── BadModelOutput HTTP 502 (a model's answer broke the requested schema, even after repair)
 └── Transient      retried with backoff; dead letter after the last try
 """
 
@@ -50,6 +51,14 @@ class Conflict(KbmeshError):
     error_type = "Conflict"
 
 
+class BadModelOutput(KbmeshError):
+    """An upstream model answered, but not in the shape asked for: the request was fine and
+    the service worked, so neither 4xx nor 500 — the gateway in front of it got a bad reply."""
+
+    status_code = 502
+    error_type = "BadModelOutput"
+
+
 class Transient(KbmeshError):
     status_code = 503
     error_type = "Unavailable"
@@ -59,7 +68,7 @@ class Transient(KbmeshError):
 def error_class(error_type: str) -> type[KbmeshError]:
     """The class for an `error_type` received from another service (KbmeshError if unknown).
     TooLarge comes before InvalidInput so that the more specific class wins."""
-    for cls in (TooLarge, InvalidInput, NotFound, Forbidden, Conflict, Transient):
+    for cls in (TooLarge, InvalidInput, NotFound, Forbidden, Conflict, BadModelOutput, Transient):
         if cls.error_type == error_type:
             return cls
     return KbmeshError

@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.common.content import STAGING_PREFIX
 from services.common.models import DEFAULT_SOURCE, new_id, utcnow
 
 
@@ -28,6 +29,7 @@ class Subject(StrEnum):
     # request/reply, not in the stream
     SEARCH_QUERY = "search.query"
     SEARCH_CHUNK = "search.chunk"
+    SEARCH_ASK = "search.ask"
 
 
 STREAM = "KBMESH"
@@ -41,9 +43,10 @@ def dlq_subject(subject: str) -> str:
 
 
 class Event(BaseModel):
-    # Tolerant reader: a newer producer's extra fields must not dead-letter the event in an
-    # older consumer during a rolling upgrade.
-    model_config = ConfigDict(extra="ignore")
+    # Strict reader: a misspelt field is a producer's bug and must not pass silently (an
+    # ignored `colection` would store the document without its collection). Rolling upgrades
+    # update consumers first (docs/operations.md).
+    model_config = ConfigDict(extra="forbid")
 
     event_id: str = Field(default_factory=new_id, description="unique; also the Nats-Msg-Id")
     org_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
@@ -51,6 +54,25 @@ class Event(BaseModel):
 
 
 _ID = r"^[A-Za-z0-9_-]{1,64}$"
+DocumentId = Annotated[str, Field(pattern=_ID)]
+SCOPE_DESCRIPTION = (
+    "the KB scope of the key that made the change, if limited: an existing document outside "
+    "it is neither replaced nor changed (Conflict)"
+)
+
+
+def _own_object(org_id: str, object_ref: str | None) -> None:
+    """Objects are read only from the event's own org: `<org_id>/...` (upstream) or
+    `uploads/<org_id>/...` (the gateway's staging area)."""
+    if object_ref is None:
+        return
+    if not object_ref.startswith((f"{org_id}/", f"{STAGING_PREFIX}{org_id}/")) or (
+        ".." in object_ref.split("/")
+    ):
+        raise ValueError(
+            f"object_ref must name an object of org {org_id!r}: '{org_id}/...' "
+            f"(or '{STAGING_PREFIX}{org_id}/...')"
+        )
 
 
 class DocUploaded(Event):
@@ -67,23 +89,38 @@ class DocUploaded(Event):
     kb_id: str | None = Field(None, description="direct upload: adds the KB's implicit tag")
     content: str | None = Field(None, description="inline content, text or base64")
     content_encoding: Literal["text", "base64"] = "text"
-    object_ref: str | None = Field(None, description="name in the `texts` object store")
+    object_ref: str | None = Field(
+        None, description="name in the `texts` object store, under '<org_id>/'"
+    )
     needs_ocr: bool = False
+    scope_kb_ids: list[str] | None = Field(None, description=SCOPE_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _object_of_own_org(self) -> DocUploaded:
+        _own_object(self.org_id, self.object_ref)
+        return self
 
 
 class DocDeleted(Event):
     """Delete documents by id, or every document of a source."""
 
-    document_ids: list[str] = Field(default_factory=list)
-    source_id: str | None = None
+    document_ids: list[DocumentId] = Field(default_factory=list)
+    source_id: str | None = Field(None, min_length=1)
 
 
 class OcrDone(Event):
     document_id: str = Field(pattern=_ID)
     ok: bool = True
     text: str | None = None
-    object_ref: str | None = None
+    object_ref: str | None = Field(
+        None, description="name in the `texts` object store, under '<org_id>/'"
+    )
     error: str | None = None
+
+    @model_validator(mode="after")
+    def _object_of_own_org(self) -> OcrDone:
+        _own_object(self.org_id, self.object_ref)
+        return self
 
 
 class TagsChanged(Event):
@@ -95,6 +132,7 @@ class TagsChanged(Event):
     revision: int | None = Field(
         None, ge=1, description="the revision this change creates; older ones are dropped"
     )
+    scope_kb_ids: list[str] | None = Field(None, description=SCOPE_DESCRIPTION)
 
 
 class KbIndex(Event):
@@ -133,6 +171,10 @@ class DocFailed(Event):
     revision: int | None = None
     stage: Literal["ingest", "ocr", "embed"] = "ingest"
     error: str
+    error_type: str = Field(
+        "ValidationError", description="the error's class: ValidationError, Conflict, ..."
+    )
+    cause: str | None = Field(None, description="event_id of the event whose handling failed")
 
 
 EVENT_MODELS: dict[str, type[Event]] = {

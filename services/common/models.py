@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Collection
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from services.common.errors import InvalidInput
+from services.common.errors import Conflict, InvalidInput
 from services.common.settings import DEFAULT_MODEL
 
 # NATS KV keys allow [-/_=.a-zA-Z0-9]; ids become key segments, so they stay inside that set.
@@ -18,6 +19,7 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 KB_TAG_PREFIX = "kb:"
 COLLECTION_PREFIX = "collection:"
 DEFAULT_SOURCE = "user-provided"
+RECENT_EVENTS = 16
 # Namespace for deterministic point ids: the same (kb, document, chunk) always maps to one point.
 POINT_NAMESPACE = uuid.UUID("6f1d2c1e-7a43-4c8e-9a59-4f3b2e0d9a11")
 
@@ -36,6 +38,15 @@ def check_id(value: str, field: str) -> str:
             f"{field} must be 1-64 characters of letters, digits, '-' or '_'", field=field
         )
     return value
+
+
+def id_unavailable(document_id: str) -> Conflict:
+    """The one answer for a document id a caller may not use, whether another request just
+    took it or it names a document outside the caller's scope: the two must look alike, or
+    the answer would tell a scoped key which ids exist elsewhere."""
+    return Conflict(
+        f"document_id {document_id!r} is not available; choose another id", field="document_id"
+    )
 
 
 def point_id(kb_id: str, document_id: str, chunk_index: int) -> str:
@@ -100,6 +111,9 @@ class KnowledgeBase(BaseModel):
     embedding_model: str = DEFAULT_MODEL
     api_base: str | None = None
     coalesce_neighbors: int = 0
+    # Optional: search reranks its best candidates with this LiteLLM rerank model.
+    rerank_model: str | None = None
+    rerank_api_base: str | None = None
     # Bumped by every chunking or embedding change; index entries remember the version
     # they were built with, so unchanged (text, version) pairs are never re-embedded.
     settings_version: int = 1
@@ -169,6 +183,14 @@ class DocumentRecord(BaseModel):
     error: str | None = None
     kb_ids: list[str] = Field(default_factory=list, description="KBs the document belongs to")
     last_event_id: str | None = None
+    upload_event_id: str | None = Field(
+        None, description="the upload whose content the document holds"
+    )
+    recent_events: dict[str, int] = Field(
+        default_factory=dict,
+        description="event id → revision it made, for the last few changes: a waiting caller "
+        "finds its own change, and a late redelivery is recognised after newer changes",
+    )
     kb_errors: dict[str, str] = Field(
         default_factory=dict, description="KB id → why indexing this revision there failed"
     )
@@ -179,9 +201,32 @@ class DocumentRecord(BaseModel):
     def key(self) -> str:
         return f"{self.org_id}.{self.document_id}"
 
+    def applied(self, event_id: str) -> None:
+        """Record that `event_id` made the current revision."""
+        self.last_event_id = event_id
+        self.recent_events[event_id] = self.revision
+        while len(self.recent_events) > RECENT_EVENTS:
+            del self.recent_events[next(iter(self.recent_events))]
+
+    def writable_in(self, scope: list[str] | tuple[str, ...] | None) -> bool:
+        """Whether such a key may replace or change it: visible, and in no KB outside scope."""
+        if scope is None:
+            return True
+        outside = {t.removeprefix(KB_TAG_PREFIX) for t in self.tags if t.startswith(KB_TAG_PREFIX)}
+        return self.in_scope(scope) and (set(self.kb_ids) | outside) <= set(scope)
+
     @property
     def text_object(self) -> str:
         return f"{self.org_id}/{self.document_id}/text"
+
+    def in_scope(self, kb_ids: Collection[str] | None) -> bool:
+        """Whether a caller limited to `kb_ids` (None: every KB) may see this document: it
+        is in one of them, or tagged into one."""
+        return (
+            kb_ids is None
+            or bool(set(kb_ids) & set(self.kb_ids))
+            or any(kb_tag(k) in self.tags for k in kb_ids)
+        )
 
 
 class IndexEntry(BaseModel):

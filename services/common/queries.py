@@ -169,10 +169,33 @@ class SearchQuery(BaseModel):
     filters: SearchFilters | None = None
     min_score: float | None = Field(
         None,
-        description="drop matched chunks whose `score` is below this, in every mode; the "
-        "response's `score_kind` says which score: 'cosine' (hybrid, dense: similarity of "
-        "chunk and query, -1..1, typically 0.2-0.7 for relevant text with the default "
-        "model) or 'bm25_relative' (keyword: BM25 divided by the best hit's, 0..1)",
+        ge=0,
+        le=1,
+        description="drop matched chunks whose `score` is below this. `score` is the ranking "
+        "score, 0-1, on the scale the response's `score_kind` names: 'fused' (1.0 = ranked "
+        "first by every signal of the mode) or 'rerank' (the reranking model's relevance). "
+        "Scores order the hits of one response; for a floor on meaning use min_similarity",
+    )
+    min_similarity: float | None = Field(
+        None,
+        ge=-1,
+        le=1,
+        description="drop matched chunks whose `similarity` (cosine of chunk and query, "
+        "typically 0.2-0.7 for relevant text with the default model) is below this; "
+        "hybrid and dense mode only",
+    )
+    rerank: bool | None = Field(
+        None,
+        description="rerank the best candidates with the knowledge base's rerank_model "
+        "(true), or not (false); omitted: as the knowledge base is set",
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=200_000,
+        description="pack the best hits, with their neighbour chunks, into this many tokens, "
+        "in rank order and never cutting a chunk; `budget` in the response says what was "
+        "left out",
     )
     coalesce_neighbors: int | None = Field(
         None, ge=0, le=5, description="chunks added on each side of a match; KB default if unset"
@@ -184,6 +207,15 @@ class SearchQuery(BaseModel):
         if not query.strip():
             raise ValueError("query must contain text, not only whitespace")
         return query
+
+    @model_validator(mode="after")
+    def _similarity_needs_vectors(self) -> SearchQuery:
+        if self.min_similarity is not None and self.mode == Mode.keyword:
+            raise ValueError(
+                "min_similarity needs dense similarity: use mode 'hybrid' or 'dense', "
+                "or min_score in keyword mode"
+            )
+        return self
 
 
 class SearchRequest(SearchQuery):
@@ -204,7 +236,14 @@ class SearchHit(BaseModel):
     total_chunks: int
     content: str
     score: float | None = Field(
-        None, description="see SearchResponse.score_kind; None for neighbour chunks"
+        None,
+        description="the ranking score, 0-1, decreasing with rank (see SearchResponse."
+        "score_kind); None for neighbour chunks",
+    )
+    similarity: float | None = Field(
+        None,
+        description="cosine similarity of the chunk and the query (-1..1) in hybrid and "
+        "dense mode; None in keyword mode and for neighbour chunks",
     )
     rank: int | None = Field(None, description="1-based rank of a matched chunk")
     match_type: MatchType | None = Field(
@@ -222,15 +261,62 @@ class SearchHit(BaseModel):
 class SearchResponse(BaseModel):
     query: str
     mode: Mode
-    score_kind: Literal["cosine", "bm25_relative"] = Field(
-        description="what `score` and `min_score` mean: 'cosine' (similarity of the chunk to "
-        "the query, hybrid and dense) or 'bm25_relative' (BM25 relative to the best hit)"
+    score_kind: Literal["fused", "rerank"] = Field(
+        description="what `score` and `min_score` mean: 'fused' (reciprocal rank fusion of "
+        "the mode's signals across every KB searched, 0-1, 1.0 = first in every one) or "
+        "'rerank' (the rerank model's relevance score)"
     )
     kb_ids: list[str]
     coalesced: int = Field(
         0, description="neighbour chunks added on each side of matches (the widest window used)"
     )
-    hits: list[SearchHit]
+    hits: list[SearchHit] = Field(
+        description="matched chunks in rank order; with neighbours (coalesced > 0) grouped by "
+        "document, documents in the order of their best match, chunks in document order"
+    )
+    budget: Budget | None = Field(None, description="with max_tokens: what was packed")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="what did not go as asked, e.g. a reranker that failed (the hits are "
+        "then in fused order)",
+    )
+    failed_kbs: list[KbFailure] = Field(
+        default_factory=list,
+        description="KBs that could not be searched (their embedding model unreachable or "
+        "misconfigured...): the hits come from the other KBs only",
+    )
+    truncated: bool = Field(
+        False,
+        description="true when the reply was shortened to fit the message size limit: "
+        "contents cut (ending in ' …') or the lowest-ranked hits left out",
+    )
+
+
+class KbFailure(BaseModel):
+    """A KB left out of a multi-KB search, and why."""
+
+    kb_id: str
+    name: str
+    error_type: str
+    message: str
+
+
+class OmittedHit(BaseModel):
+    chunk_id: str
+    document_name: str
+    rank: int
+    tokens: int = Field(description="tokens of the hit with its neighbours")
+
+
+class Budget(BaseModel):
+    max_tokens: int
+    used_tokens: int
+    omitted: list[OmittedHit] = Field(
+        default_factory=list, description="matched hits left out because they did not fit"
+    )
+    omitted_neighbors: int = Field(
+        0, description="neighbour chunks dropped so that their matched chunk fits"
+    )
 
 
 class ChunkRequest(BaseModel):

@@ -1,5 +1,5 @@
-"""Registries on JetStream KV (`kbs`, `documents`, `index`, `keys`) and the `texts` object
-store. Values are pydantic records stored as JSON; writes that race use compare-and-set."""
+"""Registries on JetStream KV (`kbs`, `documents`, `index`, `keys`, `prompts`) and the `texts`
+object store. Values are pydantic records stored as JSON; writes that race use compare-and-set."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
 
+from services.common.answers import Prompt
 from services.common.errors import Conflict
 from services.common.models import DocumentRecord, IndexEntry, KnowledgeBase
 
@@ -196,20 +197,23 @@ class Registries:
         index: Registry[IndexEntry],
         keys: Registry[ApiKey],
         texts: TextStore,
+        prompts: Registry[Prompt],
     ) -> None:
         self.kbs = kbs
         self.documents = documents
         self.index = index
         self.keys = keys
         self.texts = texts
+        self.prompts = prompts
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> Registries:
-        kbs, documents, index, keys = await asyncio.gather(
+        kbs, documents, index, keys, prompts = await asyncio.gather(
             js.key_value("kbs"),
             js.key_value("documents"),
             js.key_value("index"),
             js.key_value("keys"),
+            js.key_value("prompts"),
         )
         texts = await js.object_store("texts")
         registries = cls(
@@ -218,10 +222,11 @@ class Registries:
             Registry(index, IndexEntry),
             Registry(keys, ApiKey),
             TextStore(texts),
+            Registry(prompts, Prompt),
         )
         await registries.kbs.mirror()
         return registries
 
     async def close(self) -> None:
-        for registry in (self.kbs, self.documents, self.index, self.keys):
+        for registry in (self.kbs, self.documents, self.index, self.keys, self.prompts):
             await registry.close()

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.limits import LimitSettings
+
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
 
 
@@ -17,7 +19,12 @@ class BusSettings(BaseModel):
         default_factory=lambda: [0.5, 2.0, 5.0, 15.0],
         description="redelivery delays for transient errors, one per retry",
     )
-    ack_wait_seconds: float = Field(120.0, gt=0, description="redelivery when a worker dies")
+    ack_wait_seconds: float = Field(
+        10.0,
+        ge=3,
+        description="redelivery when a worker dies; a working handler reports progress "
+        "every third of it, so long work is never redelivered while it runs",
+    )
     stream_max_age_days: float = Field(7.0, gt=0)
     replicas: int = Field(
         1, ge=1, le=5, description="JetStream replicas of streams, buckets and the object store"
@@ -25,20 +32,75 @@ class BusSettings(BaseModel):
 
 
 class SearchSettings(BaseModel):
-    # Defaults measured on the man-page known-item set (docs/benchmarks.md): k=10 with the
-    # lead lists at half weight beat the textbook k=60 by 0.02 MRR@10.
+    # Defaults measured on three sets (man pages by what they are for, man pages by a sentence
+    # from their middle, stdlib pages by one function's summary): docs/benchmarks.md.
     rrf_k: int = Field(10, ge=1, description="reciprocal rank fusion constant")
     lead_weight: float = Field(
-        0.5,
+        1.0,
         ge=0,
-        description="RRF weight of the lead-chunk candidate lists (a document's first chunk "
-        "states what it is about); 0 turns the document-position signal off",
+        description="how much a document whose opening matches the query lifts its chunks "
+        "(their score times up to 1 + this); 0 turns the document-position signal off",
     )
-    prefetch_limit: int = Field(100, ge=1, le=1000, description="candidates per prefetch")
+    lead_floor: float = Field(
+        0.7,
+        ge=0,
+        lt=1,
+        description="the lift fades to nothing when the best document opening scores this "
+        "fraction of the best chunk or less (the answer is inside a document)",
+    )
+    prefetch_limit: int = Field(
+        100, ge=1, le=1000, description="candidates per list (signal, lead or not, KB)"
+    )
+    rerank_depth: int = Field(
+        30, ge=1, le=200, description="best fused candidates handed to a rerank model"
+    )
+    # Below the gateway's wait for a search reply (timeout_seconds), so that a slow reranker
+    # still leaves time to answer in fused order.
+    rerank_timeout_seconds: float = Field(5.0, gt=0)
     hnsw_ef: int = Field(128, ge=8, description="HNSW search breadth (recall vs latency)")
     query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")
     timeout_seconds: float = Field(10.0, gt=0)
     concurrency: int = Field(32, ge=1, description="search requests answered at once per replica")
+
+
+class EgressSettings(BaseModel):
+    """Where outbound calls a client can steer (upload by URL, a KB's `api_base`) may go
+    besides public addresses."""
+
+    allowlist: list[str] = Field(
+        default_factory=list,
+        description="hosts (`*.example.com` for subdomains), addresses or CIDRs allowed even "
+        "though they are loopback, link-local or private",
+    )
+    allow_private: bool = Field(
+        False, description="allow every non-public address (self-hosted models nearby)"
+    )
+
+
+class AskSettings(BaseModel):
+    """The answer loop (`search.ask`): which chat model answers when a request names none,
+    and how long a loop may take."""
+
+    model: str | None = Field(
+        None,
+        description="LiteLLM chat model used when a request names none (e.g. "
+        "openai/gpt-4o-mini; the provider's key comes from its usual variable, such as "
+        "OPENAI_API_KEY)",
+    )
+    api_base: str | None = Field(None, description="base URL for the default model")
+    timeout_seconds: float = Field(
+        180.0,
+        gt=0,
+        description="budget of one whole answer (every model call and search); the gateway "
+        "waits this long plus a margin for the reply",
+    )
+    model_timeout_seconds: float = Field(60.0, gt=0, description="one model call")
+    tries: int = Field(3, ge=1, le=10, description="tries per model call on transient errors")
+    backoff_seconds: float = Field(0.5, ge=0, description="first retry delay, doubled per try")
+    document_max_chars: int = Field(
+        100_000, ge=1000, description="a document given to the model is cut at this length"
+    )
+    concurrency: int = Field(8, ge=1, description="answers worked at once per search replica")
 
 
 class Settings(BaseSettings):
@@ -80,9 +142,6 @@ class Settings(BaseSettings):
 
     mcp_toolsets: str = Field("core", description="comma list of core, compat")
     upload_root: Path | None = Field(None, description="root for kb_upload by path")
-    url_allowlist: list[str] = Field(
-        default_factory=list, description="hosts/CIDRs allowed for ingest by URL"
-    )
     mcp_allowed_hosts: list[str] = Field(
         default_factory=list,
         description="Host headers accepted at /mcp besides loopback (DNS-rebinding protection); "
@@ -91,6 +150,9 @@ class Settings(BaseSettings):
 
     bus: BusSettings = Field(default_factory=BusSettings)
     search: SearchSettings = Field(default_factory=SearchSettings)
+    egress: EgressSettings = Field(default_factory=EgressSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    ask: AskSettings = Field(default_factory=AskSettings)
 
     @field_validator("default_org")
     @classmethod

@@ -15,6 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from services.common.answers import (
+    AskQuery,
+    AskResponse,
+    AskTask,
+    Citation,
+    SearchMade,
+    Usage,
+)
 from services.common.events import (
     DocDeleted,
     DocFailed,
@@ -52,9 +60,15 @@ from services.gateway.schemas import (
     KbUpdate,
     KbView,
     Page,
+    PromptCreate,
+    PromptDeleted,
+    PromptList,
+    PromptUpdate,
+    PromptView,
     UploadBody,
     UploadResult,
 )
+from services.gateway.tools.answers import KbAskInput
 from services.gateway.tools.compat import (
     DeleteDocumentInput,
     DocResult,
@@ -150,7 +164,13 @@ def chunk_id(index: int, kb_id: str = KB_ID, document_id: str = DOC_ID) -> str:
     return point_id(kb_id, document_id, index)
 
 
-def hit(index: int, *, score: float | None = None, rank: int | None = None) -> SearchHit:
+def hit(
+    index: int,
+    *,
+    score: float | None = None,
+    rank: int | None = None,
+    similarity: float | None = None,
+) -> SearchHit:
     matched = score is not None
     return SearchHit(
         chunk_id=chunk_id(index),
@@ -163,6 +183,7 @@ def hit(index: int, *, score: float | None = None, rank: int | None = None) -> S
         total_chunks=len(CHUNKS),
         content=CHUNKS[index],
         score=score,
+        similarity=similarity,
         rank=rank,
         match_type="hybrid" if matched else None,
         tags=[*TAGS, f"kb:{KB_ID}"],
@@ -214,10 +235,14 @@ DOC_VIEW = DocumentView(
 SEARCH_ANSWER = SearchResponse(
     query=QUERY,
     mode=Mode.hybrid,
-    score_kind="cosine",
+    score_kind="fused",
     kb_ids=[KB_ID],
     coalesced=1,
-    hits=[hit(0), hit(1, score=0.712, rank=1), hit(2, score=0.538, rank=2)],
+    hits=[
+        hit(0),
+        hit(1, score=0.942, rank=1, similarity=0.712),
+        hit(2, score=0.611, rank=2, similarity=0.538),
+    ],
 )
 CHUNK_ANSWER = ChunkResponse(
     chunk=hit(1).model_copy(update={"is_matched": True}), neighbors=[hit(0), hit(2)]
@@ -233,6 +258,49 @@ UPLOAD_BODY = UploadBody(
     uri=DOC_URI,
 )
 PROCESSING = UploadResult(document_id=DOC_ID, name=DOC_NAME, status="processing")
+
+# Answers: a stored extraction prompt over the handbook, and the answer of one run.
+PROMPT_ID = "9d2e4f6a8b0c4d1ea3f5b7c9d1e3f5a7"
+CHAT_MODEL = "openai/gpt-4o-mini"
+VACATION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "days_per_year": {"type": "integer"},
+        "carry_over_days": {"type": "integer"},
+        "sources": {"type": "array", "items": {"type": "string"}, "description": "chunk ids"},
+    },
+    "required": ["days_per_year", "carry_over_days", "sources"],
+}
+PROMPT_INSTRUCTIONS = "Extract the vacation allowance. Cite the chunk ids you used in sources."
+ASK_ANSWER = AskResponse(
+    answer={"days_per_year": 30, "carry_over_days": 5, "sources": [chunk_id(1)]},
+    citations=[
+        Citation(
+            chunk_id=chunk_id(1),
+            document_id=DOC_ID,
+            document_name=DOC_NAME,
+            kb_id=KB_ID,
+            chunk_index=1,
+        )
+    ],
+    retrieved=[hit(1, score=0.712, rank=1), hit(2, score=0.538, rank=2)],
+    iterations=2,
+    searches=[SearchMade(query="vacation days per year carry over", hit_count=2)],
+    stopped="answered",
+    model=CHAT_MODEL,
+    usage=Usage(prompt_tokens=1184, completion_tokens=61),
+)
+PROMPT_VIEW = PromptView(
+    prompt_id=PROMPT_ID,
+    name="vacation-allowance",
+    instructions=PROMPT_INSTRUCTIONS,
+    kb_ids=[KB_ID],
+    model=CHAT_MODEL,
+    response_schema=VACATION_SCHEMA,
+    max_iterations=3,
+    created_at=CREATED,
+    updated_at=CREATED,
+)
 
 
 # ---- events (contracts/events) --------------------------------------------------------------
@@ -352,6 +420,19 @@ def knowledge_chunk(
 
 
 TOOL_EXAMPLES: dict[str, list[ToolExample]] = {
+    "kb_ask": [
+        ToolExample(
+            KbAskInput(
+                question="How many vacation days do employees get, and how many carry over?",
+                kb_ids=[KB_NAME],
+                model=CHAT_MODEL,
+                instructions=PROMPT_INSTRUCTIONS,
+                response_schema=VACATION_SCHEMA,
+            ),
+            ASK_ANSWER,
+        ),
+        ToolExample(KbAskInput(prompt="vacation-allowance", document_id=DOC_ID), ASK_ANSWER),
+    ],
     "kb_search": [
         ToolExample(
             KbSearchInput(
@@ -755,6 +836,58 @@ REST_EXAMPLES: list[RestExample] = [
             filters=SearchFilters(collection=COLLECTION, source_ids=[SOURCE_ID]),
             coalesce_neighbors=1,
         ),
+    ),
+    RestExample(
+        "POST",
+        "/v1/ask",
+        200,
+        ASK_ANSWER,
+        body=AskQuery(
+            question="How many vacation days do employees get, and how many carry over?",
+            kb_ids=[KB_NAME],
+            model=CHAT_MODEL,
+            instructions=PROMPT_INSTRUCTIONS,
+            response_schema=VACATION_SCHEMA,
+        ),
+    ),
+    RestExample(
+        "POST",
+        "/v1/prompts",
+        201,
+        PROMPT_VIEW,
+        body=PromptCreate(
+            name="vacation-allowance",
+            instructions=PROMPT_INSTRUCTIONS,
+            kb_ids=[KB_NAME],
+            model=CHAT_MODEL,
+            response_schema=VACATION_SCHEMA,
+            max_iterations=3,
+        ),
+    ),
+    RestExample("GET", "/v1/prompts", 200, PromptList(items=[PROMPT_VIEW], total=1)),
+    RestExample("GET", "/v1/prompts/{prompt}", 200, PROMPT_VIEW, path_params={"prompt": PROMPT_ID}),
+    RestExample(
+        "PATCH",
+        "/v1/prompts/{prompt}",
+        200,
+        PROMPT_VIEW.model_copy(update={"max_iterations": 5, "updated_at": UPDATED}),
+        path_params={"prompt": "vacation-allowance"},
+        body=PromptUpdate(max_iterations=5),
+    ),
+    RestExample(
+        "DELETE",
+        "/v1/prompts/{prompt}",
+        200,
+        PromptDeleted(prompt_id=PROMPT_ID),
+        path_params={"prompt": PROMPT_ID},
+    ),
+    RestExample(
+        "POST",
+        "/v1/prompts/{prompt}/run",
+        200,
+        ASK_ANSWER,
+        path_params={"prompt": "vacation-allowance"},
+        body=AskTask(document_id=DOC_ID),
     ),
     RestExample(
         "GET",

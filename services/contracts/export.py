@@ -27,8 +27,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from jsonschema import Draft202012Validator
-from pydantic import BaseModel, Field
-from pydantic.json_schema import models_json_schema
+from pydantic import BaseModel
 
 from services.common.events import EVENT_MODELS, Event
 from services.contracts.examples import (
@@ -38,41 +37,18 @@ from services.contracts.examples import (
     RestExample,
     ToolExample,
 )
+from services.gateway.api.problems import (
+    TOOLS_PATH,
+    ProblemFieldError,
+)
 from services.gateway.tools import TOOLS, TOOLSETS, ToolErrorResult, ToolSpec
 
-PROBLEM_MEDIA_TYPE = "application/problem+json"
-TOOLS_PATH = "/api/v1/tools"
 CALL_TOOL = ("POST", TOOLS_PATH + "/{name}")
 LIST_TOOLS = ("GET", TOOLS_PATH)
 # The tool whose example also stands for `POST /api/v1/tools/{name}` in contracts/rest.
 REST_TOOL_EXAMPLE = "kb_search"
-# Paths whose failures are described as problem details or tool errors (health checks are not).
-API_PREFIXES = ("/v1/", TOOLS_PATH)
 
 OpKey = tuple[str, str]  # (METHOD, path template)
-
-
-class ProblemFieldError(BaseModel):
-    field: str = Field(description="the request part at fault: a body field path, or a parameter")
-    message: str
-
-
-class Problem(BaseModel):
-    """Every failed REST call (outside /api/v1/tools): RFC 9457 problem details, served as
-    `application/problem+json` by the gateway's error handlers (services/gateway/app.py)."""
-
-    type: str = Field(description="urn:kbmesh:error:<error_type>")
-    title: str
-    status: int
-    detail: str = Field(description="what went wrong, for a person or an LLM to act on")
-    error_type: str = Field(
-        description="ValidationError, ContentTooLarge, NotFound, Forbidden, Unauthorized, "
-        "Conflict, Unavailable, InternalError"
-    )
-    field: str | None = Field(None, description="the input field at fault, when known")
-    errors: list[ProblemFieldError] | None = Field(
-        None, description="every invalid field (ValidationError only)"
-    )
 
 
 @dataclass(frozen=True)
@@ -229,36 +205,9 @@ def schema_only_app() -> FastAPI:
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
-    """The app's OpenAPI document, with its error answers as they are on the wire: FastAPI
-    documents a `{detail: [...]}` 422, but the gateway answers every failure of /v1 with a
-    `Problem` and every failure of /api/v1/tools with a `ToolErrorResult`."""
-    doc = copy.deepcopy(app.openapi())
-    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    _, defs = models_json_schema(
-        [(Problem, "validation"), (ToolErrorResult, "validation")],
-        ref_template="#/components/schemas/{model}",
-    )
-    for name, schema in defs["$defs"].items():
-        if schemas.get(name, schema) != schema:
-            raise RuntimeError(f"OpenAPI component {name!r} exists with another schema")
-        schemas[name] = schema
-    for path, ops in doc.get("paths", {}).items():
-        if not path.startswith(API_PREFIXES):
-            continue
-        tools = path.startswith(TOOLS_PATH)
-        media = "application/json" if tools else PROBLEM_MEDIA_TYPE
-        model = ToolErrorResult if tools else Problem
-        what = "a tool error" if tools else "problem details (RFC 9457)"
-        for op in ops.values():
-            op["responses"].pop("422", None)
-            op["responses"]["default"] = {
-                "description": f"Failure (4xx/5xx): {what}",
-                "content": {media: {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
-            }
-    for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422, referrer first
-        if f'"#/components/schemas/{unused}"' not in json.dumps(doc):
-            schemas.pop(unused, None)
-    return doc
+    """The app's OpenAPI document (its error answers as they are on the wire:
+    services/gateway/api/problems.py)."""
+    return copy.deepcopy(app.openapi())
 
 
 def _operations(doc: dict[str, Any]) -> dict[OpKey, Operation]:

@@ -32,17 +32,19 @@ from services.common.settings import Settings
 from services.contracts.examples import RestExample, ToolExample
 from services.contracts.export import (
     LIST_TOOLS,
-    PROBLEM_MEDIA_TYPE,
-    TOOLS_PATH,
     Contracts,
     Operation,
-    Problem,
-    ProblemFieldError,
     build,
     request_json,
     response_json,
     schema_errors,
     validator,
+)
+from services.gateway.api.problems import (
+    PROBLEM_MEDIA_TYPE,
+    TOOLS_PATH,
+    Problem,
+    ProblemFieldError,
 )
 from services.gateway.auth import Principal
 from services.gateway.mcp import KbmeshMCP, MountRoot

@@ -24,6 +24,11 @@ _RULES = RecursiveRules(
 )
 
 
+# Hard cap on characters per token of the chunk size: English averages about four, and a
+# chunk of long tokens only gets smaller. Every chunk fits the KB's size in characters too.
+MAX_CHARS_PER_TOKEN = 16
+
+
 @dataclass(frozen=True)
 class Chunk:
     text: str
@@ -35,7 +40,8 @@ class Chunk:
 
 def chunk_text(text: str, kb: KnowledgeBase, tokenizer: object, *, max_tokens: int) -> list[Chunk]:
     """Split `text` by `kb.chunker`; every chunk has at most min(kb.chunk_size, max_tokens)
-    tokens as `tokenizer` counts them (special tokens excluded)."""
+    tokens as `tokenizer` counts them (special tokens excluded), and at most
+    MAX_CHARS_PER_TOKEN characters per token of that size."""
     if not text.strip():
         return []
     size = max(1, min(kb.chunk_size, max_tokens))
@@ -77,21 +83,49 @@ def chunk_text(text: str, kb: KnowledgeBase, tokenizer: object, *, max_tokens: i
             Chunk(text=text[start:end], index=len(chunks), start=start, end=end, token_count=count)
         )
 
-    for span in spans:
-        start, end = _trim(text, *span)
+    max_chars = size * MAX_CHARS_PER_TOKEN
+
+    def fit(start: int, end: int) -> None:
+        start, end = _trim(text, start, end)
         if start >= end:
-            continue
+            return
+        if end - start > max_chars:
+            # A hard cut first: a tokenizer may count a huge run without separators as one
+            # token (WordPiece's [UNK] for any word over 100 characters), which would leave
+            # a megabyte in one chunk and, through search results, in one bus message.
+            for s, e in _char_spans(text, start, end, max_chars):
+                fit(s, e)
+            return
         count = counter.count_tokens(text[start:end])
         if count <= size:
             add(start, end, count)
-            continue
+            return
         # Safety net: a sentence or a word longer than the limit, or a chunker that counted
         # differently, must not hand the model a chunk it would cut.
         for sub_start, sub_end in _token_spans(text[start:end], tokenizer, counter, size, 0):
-            s, e = _trim(text, start + sub_start, start + sub_end)
-            if s < e:
-                add(s, e, counter.count_tokens(text[s:e]))
+            fit(start + sub_start, start + sub_end)
+
+    for span in spans:
+        fit(*span)
     return chunks
+
+
+def _char_spans(text: str, start: int, end: int, max_chars: int) -> list[tuple[int, int]]:
+    """Windows of at most `max_chars` characters, ended at whitespace when there is some in
+    a window's second half."""
+    out: list[tuple[int, int]] = []
+    while start < end:
+        stop = min(start + max_chars, end)
+        if stop < end:
+            cut = max(
+                text.rfind(" ", start + max_chars // 2, stop),
+                text.rfind("\n", start + max_chars // 2, stop),
+            )
+            if cut > start:
+                stop = cut
+        out.append((start, stop))
+        start = stop
+    return out
 
 
 def _protocol(tokenizer: object) -> str | TokenizerProtocol:

@@ -166,13 +166,15 @@ class EmbedService:
         if entry is not None and same_build and entry.revision >= record.revision:
             return entry, False
         if entry is not None and same_build:
-            # Same text, same settings: only labels changed. Rewrite payloads, no embedding.
-            with _tracer.start_as_current_span("kbmesh.embed.set_payload"):
-                await self.store.set_payload(
-                    kb.collection_name,
-                    Filter(must=(Match("document_id", record.document_id),)),
-                    document_payload(record),
-                )
+            # Same text, same settings: only labels changed. Rewrite payloads, no embedding
+            # (an empty text has no points, and its KB may have no collection at all).
+            if entry.chunk_count:
+                with _tracer.start_as_current_span("kbmesh.embed.set_payload"):
+                    await self.store.set_payload(
+                        kb.collection_name,
+                        Filter(must=(Match("document_id", record.document_id),)),
+                        document_payload(record),
+                    )
             entry.revision = record.revision
             entry.indexed_at = utcnow()
             await self.reg.index.put(entry_key, entry)

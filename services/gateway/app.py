@@ -12,30 +12,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common.bus import BUS_UNAVAILABLE, unavailable
 from services.common.errors import KbmeshError
-from services.gateway.api import deadletters, documents, kbs, search, tools
+from services.common.natsproc import NatsServer
+from services.gateway.api import answers, deadletters, documents, kbs, search, tools
+from services.gateway.api.problems import http_error_type, openapi_document, problem
 from services.gateway.auth import KeyResolver
+from services.gateway.bodyguard import JsonBodyGuard
 from services.gateway.console import mount_console
 from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
 
-PROBLEM = "application/problem+json"
 _tracer = trace.get_tracer("kbmesh.gateway")
-
-
-def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONResponse:
-    body = {
-        "type": f"urn:kbmesh:error:{error_type}",
-        "title": error_type,
-        "status": status,
-        "detail": message,
-        "error_type": error_type,
-        **extra,
-    }
-    return JSONResponse(body, status_code=status, media_type=PROBLEM)
 
 
 class TracedRequests:
@@ -76,10 +68,12 @@ def create_app(
     mcp: KbmeshMCP | None = None,
     ready: asyncio.Event | None = None,
     services: Sequence[str] = ("gateway",),
+    nats_server: NatsServer | None = None,
 ) -> FastAPI:
     """The gateway over its parts: the service, the API keys, and the MCP server (None: no
     /mcp and no /api/v1/tools). `ready` is set once the process's subscribers run; /readyz
-    reports it with the names of the `services` this process runs."""
+    reports it with the names of the `services` this process runs. `nats_server` is the
+    private server of `kbmesh up`, whose death /healthz reports."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,6 +92,7 @@ def create_app(
         description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
         lifespan=lifespan,
     )
+    app.add_middleware(JsonBodyGuard)
     app.state.service = service
     app.state.keys = keys
 
@@ -108,6 +103,23 @@ def create_app(
         extra = {"field": err.field} if err.field else {}
         return problem(err.status_code, err.error_type, err.message, **extra)
 
+    async def on_bus_unavailable(request: Request, err: Exception) -> JSONResponse:
+        # NATS restarting, unreachable, or a cluster without JetStream quorum: any call
+        # may time out; the client should retry, not see a server error.
+        transient = unavailable(err)
+        return problem(transient.status_code, transient.error_type, transient.message)
+
+    for error_class in BUS_UNAVAILABLE:
+        app.add_exception_handler(error_class, on_bus_unavailable)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # The framework's own refusals (a body that is not JSON, an unknown path or method)
+        # in the same problem format as every other error.
+        response = problem(err.status_code, http_error_type(err.status_code), str(err.detail))
+        response.headers.update(err.headers or {})
+        return response
+
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         errors = [
@@ -117,11 +129,21 @@ def create_app(
         message = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
         return problem(422, "ValidationError", message, errors=errors)
 
-    @app.get("/healthz", tags=["health"])
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/healthz", tags=["health"], responses={503: {"description": "NATS is down"}})
+    async def healthz() -> JSONResponse:
+        """Liveness: the process answers and, under `kbmesh up`, its private nats-server
+        runs (503 while it is down: it is being restarted, and a probe that keeps failing
+        should restart the process)."""
+        if nats_server is None:
+            return JSONResponse({"status": "ok"})
+        status = nats_server.status()
+        alive = status["running"]
+        return JSONResponse(
+            {"status": "ok" if alive else "nats-server down", "nats_server": status},
+            status_code=200 if alive else 503,
+        )
 
-    @app.get("/readyz", tags=["health"])
+    @app.get("/readyz", tags=["health"], responses={503: {"description": "not ready"}})
     async def readyz() -> JSONResponse:
         nc = service.bus.nc
         connected = nc is not None and nc.is_connected
@@ -133,9 +155,16 @@ def create_app(
         }
         return JSONResponse(body, status_code=200 if is_ready else 503)
 
+    def documented_openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app)
+        return app.openapi_schema
+
+    app.openapi = documented_openapi  # type: ignore[method-assign]
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(answers.router)
     app.include_router(deadletters.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))

@@ -1,21 +1,19 @@
 """Ingest by URL or by server-side path: turning a reference into bytes, safely, before the
 bytes become an ordinary upload.
 
-URL: http(s) only. Every address the host resolves to must be public unless the host, or a
-CIDR holding the address, is in `KBMESH_URL_ALLOWLIST`; the connection then goes to the vetted
-address (no second DNS lookup to rebind), redirects are re-checked hop by hop, and the size
-limit is enforced while streaming. Path: only regular files under `KBMESH_UPLOAD_ROOT` once
-every symlink is resolved.
+URL: http(s) only. Every address the host resolves to must be allowed by the egress policy
+(`services.common.egress`: public, or allow-listed by the operator); the connection then goes
+to the vetted address (no second DNS lookup to rebind), redirects are re-checked hop by hop,
+and the size limit is enforced while streaming. Path: only regular files under
+`KBMESH_UPLOAD_ROOT` once every symlink is resolved.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import mimetypes
 import os
 import re
-import socket
 import stat
 import zipfile
 from dataclasses import dataclass
@@ -26,14 +24,13 @@ from urllib.parse import unquote
 import httpx
 
 from services.common.content import DOCX_TYPE, PDF_TYPE
+from services.common.egress import IPAddress, egress_policy, parse_http_url
 from services.common.errors import Forbidden, InvalidInput, NotFound, TooLarge
 from services.common.settings import Settings
 
 MAX_REDIRECTS = 5
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 USER_AGENT = "kbmesh-fetch/0.1"
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class FetchFailed(InvalidInput):
@@ -54,14 +51,16 @@ class Fetched:
 
 
 async def fetch_url(url: str, settings: Settings) -> Fetched:
-    allow = Allowlist.parse(settings.url_allowlist)
+    policy = egress_policy(settings)
     limit = settings.max_content_bytes
     current = _parse_url(url)
     async with httpx.AsyncClient(
         timeout=TIMEOUT, follow_redirects=False, trust_env=False
     ) as client:
         for _ in range(MAX_REDIRECTS + 1):
-            response = await _connect(client, current, await _vetted_addresses(current, allow), url)
+            response = await _connect(
+                client, current, await policy.vet(current, field="url", what="fetch"), url
+            )
             try:
                 if response.is_redirect and "location" in response.headers:
                     current = _parse_url(str(current.join(response.headers["location"])))
@@ -115,97 +114,7 @@ async def _connect(
 
 
 def _parse_url(raw: str) -> httpx.URL:
-    try:
-        url = httpx.URL(raw)
-    except httpx.InvalidURL as err:
-        raise InvalidInput(f"invalid url {raw!r}: {err}", field="url") from err
-    if url.scheme not in ("http", "https") or not url.host:
-        raise InvalidInput("url must be an absolute http:// or https:// URL", field="url")
-    return url
-
-
-@dataclass(frozen=True)
-class Allowlist:
-    """`KBMESH_URL_ALLOWLIST` entries: host names (`*.example.com` covers subdomains), IP
-    addresses and CIDRs."""
-
-    hosts: frozenset[str]
-    suffixes: tuple[str, ...]
-    networks: tuple[IPNetwork, ...]
-
-    @classmethod
-    def parse(cls, entries: list[str]) -> Allowlist:
-        hosts: set[str] = set()
-        suffixes: list[str] = []
-        networks: list[IPNetwork] = []
-        for raw in entries:
-            entry = raw.strip().lower().strip("[]")
-            if not entry:
-                continue
-            try:
-                networks.append(ipaddress.ip_network(entry, strict=False))
-                continue
-            except ValueError:
-                pass
-            if entry.startswith("*."):
-                suffixes.append(entry[1:])
-            else:
-                hosts.add(entry)
-        return cls(frozenset(hosts), tuple(suffixes), tuple(networks))
-
-    def host_allowed(self, host: str) -> bool:
-        host = host.lower().rstrip(".")
-        return host in self.hosts or any(host.endswith(s) for s in self.suffixes)
-
-    def address_allowed(self, address: IPAddress) -> bool:
-        return any(address in net for net in self.networks if net.version == address.version)
-
-
-async def _vetted_addresses(url: httpx.URL, allow: Allowlist) -> list[IPAddress]:
-    """The addresses that may be connected to: every address of the host must be public or
-    allow-listed, so a name that resolves to both a public and a private one is refused."""
-    host = url.host
-    addresses = await _resolve(host, url.port or (443 if url.scheme == "https" else 80))
-    if allow.host_allowed(host):
-        return addresses
-    for address in addresses:
-        if not (_is_public(address) or allow.address_allowed(address)):
-            raise Forbidden(
-                f"refusing to fetch {host!r}: it resolves to the non-public address {address}; "
-                "add the host or its network to KBMESH_URL_ALLOWLIST to allow it",
-                field="url",
-            )
-    return addresses
-
-
-async def _resolve(host: str, port: int) -> list[IPAddress]:
-    try:
-        return [_normalise(ipaddress.ip_address(host))]
-    except ValueError:
-        pass
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as err:
-        raise FetchFailed(f"cannot resolve host {host!r}: {err}", field="url") from err
-    addresses: list[IPAddress] = []
-    for info in infos:
-        address = _normalise(ipaddress.ip_address(str(info[4][0]).split("%")[0]))
-        if address not in addresses:
-            addresses.append(address)
-    if not addresses:
-        raise FetchFailed(f"host {host!r} has no address", field="url")
-    return addresses
-
-
-def _normalise(address: IPAddress) -> IPAddress:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
-def _is_public(address: IPAddress) -> bool:
-    # is_global excludes private, loopback, link-local, shared (CGNAT), reserved, unspecified.
-    return address.is_global and not address.is_multicast
+    return parse_http_url(raw, "url")
 
 
 async def _read_limited(response: httpx.Response, limit: int, url: str) -> bytes:

@@ -25,8 +25,10 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.common.bus import BUS_UNAVAILABLE, unavailable
 from services.common.errors import KbmeshError, NotFound
 from services.common.settings import Settings
+from services.gateway.api.problems import RETRY_AFTER
 from services.gateway.auth import KeyResolver, Principal, Unauthorized
 from services.gateway.service import GatewayService
 from services.gateway.tools import ToolOutcome, ToolSpec, error_outcome, run_tool, tools_for
@@ -39,8 +41,9 @@ TEST_HOSTS = ("testserver",)
 INSTRUCTIONS = {
     "core": "kbmesh holds knowledge bases of documents. To answer from them, call kb_search "
     "and cite the document names it returns; kb_get_chunk expands a hit and kb_list shows "
-    "which knowledge bases exist. kb_upload adds documents (content, a url, or a server "
-    "path); kb_delete, kb_update_document and kb_set_collection change them.",
+    "which knowledge bases exist; kb_ask has a server-side LLM search them and answer, with "
+    "citations (and JSON following a schema when asked). kb_upload adds documents (content, "
+    "a url, or a server path); kb_delete, kb_update_document and kb_set_collection change them.",
     "compat": "Search with search_docs (one project) or search_knowledge_base (everything); "
     "add documents with upload_document or manageKnowledge, remove them with "
     "delete_document.",
@@ -121,6 +124,8 @@ class KbmeshMCP(MCPServer):
             principal = await self.principal_for(context)
         except KbmeshError as err:
             return error_outcome(err)
+        except BUS_UNAVAILABLE as err:
+            return error_outcome(unavailable(err))
         return await run_tool(spec, self.service, principal, arguments)
 
     async def principal_for(self, context: Context[Any, Any] | None) -> Principal:
@@ -215,6 +220,11 @@ class ApiKeyGuard:
                     body, status_code=401, headers={"WWW-Authenticate": 'Bearer realm="kbmesh"'}
                 )
                 await response(scope, receive, send)
+                return
+            except BUS_UNAVAILABLE as err:
+                down = unavailable(err)
+                body = {"status": "error", "error_type": down.error_type, "message": down.message}
+                await JSONResponse(body, status_code=503, headers=RETRY_AFTER)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

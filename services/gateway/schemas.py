@@ -7,6 +7,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.answers import AskOptions
 from services.common.models import DEFAULT_SOURCE, Chunker, KBStatus
 from services.common.settings import DEFAULT_MODEL
 
@@ -58,6 +59,16 @@ class KbSettingsFields(BaseModel):
     )
     api_base: str | None = None
     coalesce_neighbors: int | None = Field(None, ge=0, le=5)
+    rerank_model: str | None = Field(
+        None,
+        min_length=1,
+        description="a LiteLLM rerank model (cohere/rerank-v3.5, jina_ai/..., voyage/..., or "
+        "one served by TEI via rerank_api_base) that reorders the best search candidates; "
+        "null turns reranking off (the default)",
+    )
+    rerank_api_base: str | None = Field(
+        None, description="the rerank model's server, if not its provider's"
+    )
 
 
 class KbCreate(KbSettingsFields):
@@ -79,6 +90,8 @@ class KbView(BaseModel):
     embedding_model: str
     api_base: str | None
     coalesce_neighbors: int
+    rerank_model: str | None = None
+    rerank_api_base: str | None = None
     settings_version: int
     status: KBStatus
     document_count: int
@@ -159,6 +172,40 @@ class Ack(BaseModel):
     status: str
     kb_id: str | None = None
     documents: int | None = None
+
+
+# ---- stored prompts -------------------------------------------------------------------------
+
+PROMPT_NAME = r"^[^\s/][^/]*$"
+
+
+class PromptCreate(AskOptions):
+    name: str = Field(
+        min_length=1, max_length=100, pattern=PROMPT_NAME, description="unique in the org"
+    )
+
+
+class PromptUpdate(AskOptions):
+    """Only the fields given change; null clears an optional field."""
+
+    name: str | None = Field(None, min_length=1, max_length=100, pattern=PROMPT_NAME)
+
+
+class PromptView(AskOptions):
+    prompt_id: str
+    name: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class PromptList(BaseModel):
+    items: list[PromptView]
+    total: int
+
+
+class PromptDeleted(BaseModel):
+    status: Literal["deleted"] = "deleted"
+    prompt_id: str
 
 
 class DeadLetterView(BaseModel):

@@ -22,7 +22,17 @@ class NeedsOcr(Exception):
 def extract_text(data: bytes, mime: str) -> str:
     """Return the document's text, or raise NeedsOcr / InvalidInput."""
     if mime in TEXT_TYPES:
-        return _decode(data)
+        text = _decode(data)
+        if "\x00" in text:
+            raise InvalidInput(
+                f"{mime} content contains NUL characters: not a text file", field="content"
+            )
+        return text
+    # NULs that a parser passes through from a binary format carry nothing.
+    return _extract_formatted(data, mime).replace("\x00", "")
+
+
+def _extract_formatted(data: bytes, mime: str) -> str:
     if mime in HTML_TYPES:
         from bs4 import BeautifulSoup
 

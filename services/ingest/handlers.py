@@ -6,6 +6,7 @@ from faststream.nats import NatsRouter
 
 from services.common.bus import Bus, consume
 from services.common.content import STAGING_PREFIX
+from services.common.errors import KbmeshError
 from services.common.events import (
     DocDeleted,
     DocFailed,
@@ -30,6 +31,9 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
             await service.reg.texts.delete(ev.object_ref)
 
     async def upload_failed(ev: DocUploaded, err: Exception) -> None:
+        if ev.object_ref and ev.object_ref.startswith(STAGING_PREFIX):
+            # Dead-lettered for good: nothing will read the staged copy again.
+            await service.reg.texts.delete(ev.object_ref)
         document_id = ev.document_id
         if document_id:
             key = f"{ev.org_id}.{document_id}"
@@ -42,7 +46,14 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
                 await service.reg.documents.put(key, record)
         await bus.publish(
             Subject.DOC_FAILED,
-            DocFailed(org_id=ev.org_id, document_id=document_id, stage="ingest", error=str(err)),
+            DocFailed(
+                org_id=ev.org_id,
+                document_id=document_id,
+                stage="ingest",
+                error=str(err),
+                error_type=err.error_type if isinstance(err, KbmeshError) else "InternalError",
+                cause=ev.event_id,
+            ),
         )
 
     async def on_ocr(ev: OcrDone) -> None:

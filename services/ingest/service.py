@@ -31,11 +31,19 @@ from services.common.events import (
     Subject,
     TagsChanged,
 )
+from services.common.limits import (
+    check_document_fields,
+    check_extracted_text,
+    check_labels,
+    check_metadata,
+    check_text,
+)
 from services.common.models import (
     DocStatus,
     DocumentRecord,
     KnowledgeBase,
     check_id,
+    id_unavailable,
     join_tags,
     kb_tag,
     new_id,
@@ -67,10 +75,20 @@ class IngestService:
         document_id = ev.document_id or _derived_id(ev.event_id)
         key = f"{ev.org_id}.{document_id}"
         existing = await self.reg.documents.get(key)
-        if existing is not None and existing.last_event_id == ev.event_id:
+        if existing is not None and _seen(existing, ev.event_id):
             # A redelivery of an upload we already applied: re-announce, change nothing.
             await self._announce(existing, existing.kb_ids, [])
             return existing
+        limits = self.settings.limits
+        check_document_fields(
+            name=ev.name,
+            source_id=ev.source_id,
+            uri=ev.uri,
+            tags=ev.tags,
+            collection=ev.collection,
+            metadata=ev.metadata,
+            limits=limits,
+        )
 
         data = await self._content(ev)
         mime = normalise_mime(ev.mime_type, ev.name)
@@ -86,12 +104,18 @@ class IngestService:
             text: str | None = await asyncio.to_thread(extract_text, data, mime)
         except NeedsOcr:
             text = None
+        if text is not None:
+            check_extracted_text(text, limits)
+        if existing is not None and not existing.writable_in(ev.scope_kb_ids):
+            raise id_unavailable(document_id)  # before its original bytes are replaced
         await self.reg.texts.put(f"{ev.org_id}/{document_id}/original", data)
 
         async def write() -> DocumentRecord:
             existing, last = await self._get(key)
-            if existing is not None and existing.last_event_id == ev.event_id:
+            if existing is not None and _seen(existing, ev.event_id):
                 return existing  # a concurrent redelivery applied it meanwhile
+            if existing is not None and not existing.writable_in(ev.scope_kb_ids):
+                raise id_unavailable(document_id)
             record = DocumentRecord(
                 org_id=ev.org_id,
                 document_id=document_id,
@@ -102,12 +126,14 @@ class IngestService:
                 tags=join_tags(visible, ev.collection or collection),
                 metadata=ev.metadata,
                 size_bytes=len(data),
-                last_event_id=ev.event_id,
             )
             if existing is not None:
                 record.revision = existing.revision + 1
                 record.created_at = existing.created_at
                 record.kb_ids = existing.kb_ids
+                record.recent_events = dict(existing.recent_events)
+            record.applied(ev.event_id)
+            record.upload_event_id = ev.event_id
             if text is None:
                 record.status = DocStatus.awaiting_ocr
                 await self._save(record, last)
@@ -151,6 +177,8 @@ class IngestService:
                 text = found
             else:
                 raise InvalidInput("ocr.done with ok=true needs text or object_ref", field="text")
+            check_text(text, "text")
+            check_extracted_text(text, self.settings.limits)
             # The upload made this revision; OCR supplies its text, so the revision stays.
             return await self._store_text(record, text, record, last)
 
@@ -173,17 +201,23 @@ class IngestService:
 
     async def change_tags(self, ev: TagsChanged) -> DocumentRecord | None:
         key = f"{ev.org_id}.{ev.document_id}"
+        visible, collection = split_tags(ev.tags)
+        check_labels(visible, collection, self.settings.limits)
+        if ev.metadata is not None:
+            check_metadata(ev.metadata, self.settings.limits)
 
         async def write() -> DocumentRecord | None:
             record, last = await self._get(key)
             if record is None:
                 raise NotFound(f"document {ev.document_id} not found")
-            if record.last_event_id == ev.event_id:
-                # A redelivery of the change last applied (past JetStream's de-duplication
+            if _seen(record, ev.event_id):
+                # A redelivery of a change already applied (past JetStream's de-duplication
                 # window, or after a crash before the ack): re-announce, change nothing.
                 if record.status == DocStatus.ready:
                     await self._announce(record, record.kb_ids, [])
                 return record
+            if not record.writable_in(ev.scope_kb_ids):
+                raise NotFound(f"document {ev.document_id} not found", field="document_id")
             if ev.revision is not None and ev.revision <= record.revision:
                 log.info(
                     "stale tags.changed org_id=%s document_id=%s revision=%d current=%d",
@@ -198,7 +232,7 @@ class IngestService:
             if ev.metadata is not None:
                 record.metadata = ev.metadata
             record.revision = ev.revision or record.revision + 1
-            record.last_event_id = ev.event_id
+            record.applied(ev.event_id)
             if record.status in (DocStatus.awaiting_ocr, DocStatus.failed):
                 record.updated_at = utcnow()
                 await self._save(record, last)
@@ -428,6 +462,10 @@ class IngestService:
             check_size(len(data), limit)
             return data
         raise InvalidInput("doc.uploaded needs content or object_ref", field="content")
+
+
+def _seen(record: DocumentRecord, event_id: str) -> bool:
+    return record.last_event_id == event_id or event_id in record.recent_events
 
 
 class _Raced(Exception):

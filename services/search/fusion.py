@@ -1,33 +1,124 @@
-"""Pure result shaping: rank fusion across KBs and neighbour coalescing."""
+"""Pure result shaping: fusion of candidate lists (across KBs too) and neighbour coalescing.
+
+Ranking in one picture. Every KB searched contributes candidate lists: its chunks by dense
+similarity and by BM25, and the same two restricted to documents' first chunks ("lead"
+lists). Lists that share a scale are merged into one by score before anything is fused, so
+several KBs rank as one KB would: dense lists of KBs with the same embedding model (cosines
+are comparable), and BM25 lists of every KB (the same tokenizer and weighting everywhere).
+Dense lists of different models stay separate lists and meet by rank only.
+
+Chunks are fused by reciprocal rank over the chunk lists. The lead lists do not compete as
+candidates: they give each document a prior (how well its opening matches the query), which
+scales its chunks' fused scores by at most `1 + lead_weight`, and less when no opening
+matches the query nearly as well as the best chunk does (see `fuse`). A document whose
+opening matches lifts its matching chunks, wherever they are; it never lifts a chunk that
+the chunk lists did not find, nor a weak chunk match above a strong one by more than that
+factor.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from services.common.queries import SearchHit
 
-T = TypeVar("T")
 DocKey = tuple[str, str]  # (kb_id, document_id)
+ChunkKey = tuple[str, str]  # (kb_id, chunk_id)
+Signal = Literal["dense", "keyword"]
 
 
-def rrf_merge(
-    ranked_lists: Sequence[Sequence[T]],
-    k: int = 60,
-    key: Callable[[T], Hashable] = id,
-) -> list[T]:
-    """Reciprocal rank fusion of already-ranked lists: scores of different models are never
-    compared, only ranks. An item (by `key`) in several lists sums its contributions and is
-    returned once, as first seen. Ties keep first-seen order (earlier lists first)."""
-    scores: dict[Hashable, float] = {}
-    items: dict[Hashable, T] = {}
-    for ranked in ranked_lists:
-        for rank, item in enumerate(ranked, start=1):
-            ident = key(item)
-            items.setdefault(ident, item)
-            scores[ident] = scores.get(ident, 0.0) + 1.0 / (k + rank)
-    order = {ident: i for i, ident in enumerate(items)}
-    return [items[i] for i in sorted(scores, key=lambda i: (-scores[i], order[i]))]
+@dataclass(frozen=True)
+class Candidate:
+    chunk: ChunkKey
+    document: DocKey
+    score: float  # what ordered its list: cosine, or raw BM25
+
+
+@dataclass(frozen=True)
+class CandidateList:
+    """One engine search of one KB, best first."""
+
+    signal: Signal
+    lead: bool  # restricted to documents' first chunks
+    scale: str  # lists with the same signal, lead flag and scale are merged by score
+    candidates: Sequence[Candidate]
+
+
+@dataclass(frozen=True)
+class Fused:
+    chunk: ChunkKey
+    document: DocKey
+    score: float  # 0..1, see `fuse`
+
+
+def merge_by_scale(lists: Sequence[CandidateList]) -> list[CandidateList]:
+    """Lists on one scale (same signal, lead flag and scale) become one list by score."""
+    groups: dict[tuple[Signal, bool, str], list[Candidate]] = {}
+    for ranked in lists:
+        groups.setdefault((ranked.signal, ranked.lead, ranked.scale), []).extend(ranked.candidates)
+    return [
+        CandidateList(signal, lead, scale, sorted(found, key=lambda c: -c.score))
+        for (signal, lead, scale), found in groups.items()
+    ]
+
+
+def fuse(
+    lists: Sequence[CandidateList], *, k: int, lead_weight: float, lead_floor: float = 0.7
+) -> list[Fused]:
+    """Chunks ranked by reciprocal rank fusion of the chunk lists, scaled by their document's
+    lead prior; best first. Ties keep the order in which chunks were first seen.
+
+    The prior's weight adapts to the query: in full when the best document opening scores as
+    well as the best chunk (the query says what a document is about), fading to nothing when
+    it scores `lead_floor` of it or less (the answer is a passage inside a document).
+
+    The score is normalised to 0..1: 1.0 is a chunk ranked first by every signal of the mode
+    whose document's opening is ranked first by every signal too."""
+    merged = merge_by_scale(lists)
+    signals = {ranked.signal for ranked in merged if not ranked.lead}
+    chunk_score: dict[ChunkKey, float] = {}
+    document: dict[ChunkKey, DocKey] = {}
+    prior: dict[DocKey, float] = {}
+    for ranked in merged:
+        for rank, c in enumerate(ranked.candidates, start=1):
+            if ranked.lead:
+                prior[c.document] = prior.get(c.document, 0.0) + 1.0 / (k + rank)
+            else:
+                chunk_score[c.chunk] = chunk_score.get(c.chunk, 0.0) + 1.0 / (k + rank)
+                document.setdefault(c.chunk, c.document)
+    # Both normalised by their best possible value: rank 1 in each signal's list.
+    best = len(signals) / (k + 1) if signals else 1.0
+    boost = lead_weight * lead_agreement(merged, lead_floor) if prior else 0.0
+    order = {chunk: i for i, chunk in enumerate(chunk_score)}
+    fused = [
+        Fused(
+            chunk,
+            document[chunk],
+            (s / best)
+            * (1 + boost * min(1.0, prior.get(document[chunk], 0.0) / best))
+            / (1 + lead_weight),
+        )
+        for chunk, s in chunk_score.items()
+    ]
+    return sorted(fused, key=lambda f: (-f.score, order[f.chunk]))
+
+
+def lead_agreement(merged: Sequence[CandidateList], floor: float) -> float:
+    """0..1: how close the best document opening comes to the best chunk, per list of chunks
+    (best lead score / best chunk score on the same scale, mapped from floor..1 to 0..1),
+    averaged over those lists."""
+    leads = {(r.signal, r.scale): r for r in merged if r.lead and r.candidates}
+    shares = []
+    for ranked in merged:
+        if ranked.lead or not ranked.candidates:
+            continue
+        top = ranked.candidates[0].score
+        lead = leads.get((ranked.signal, ranked.scale))
+        ratio = lead.candidates[0].score / top if lead is not None and top > 0 else 0.0
+        shares.append(min(1.0, max(0.0, (ratio - floor) / (1 - floor))))
+    return sum(shares) / len(shares) if shares else 0.0
 
 
 def neighbour_windows(

@@ -1,19 +1,24 @@
-"""Search: resolves KBs, embeds the query once per model, queries each KB's collection,
-fuses across KBs by rank, applies min_score, and coalesces neighbours."""
+"""Search: resolves KBs, embeds the query once per model, collects each KB's candidate lists,
+fuses them as one candidate set (see fusion.py), applies the floors, and coalesces
+neighbours."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal
 
 from services.common import bm25
 from services.common.embedders import EmbedderPool, is_local
-from services.common.errors import Forbidden, InvalidInput, NotFound
+from services.common.errors import Forbidden, InvalidInput, KbmeshError, NotFound
 from services.common.models import KnowledgeBase, point_id
 from services.common.queries import (
     ChunkRequest,
     ChunkResponse,
+    KbFailure,
     MatchType,
     SearchHit,
     SearchRequest,
@@ -30,11 +35,23 @@ from services.common.store import (
     SparseVector,
     VectorStore,
 )
-from services.common.store.base import fusion_plan
+from services.common.store.base import lead_filter
 from services.common.telemetry import tracer
+from services.search.budget import load_counter, pack
 from services.search.filters import build_filter
-from services.search.fusion import coalesce, neighbour_windows, rrf_merge
+from services.search.fusion import (
+    Candidate,
+    CandidateList,
+    ChunkKey,
+    Fused,
+    Signal,
+    coalesce,
+    fuse,
+    neighbour_windows,
+)
+from services.search.rerank import LiteLLMReranker, Reranker, RerankFailed
 
+log = logging.getLogger(__name__)
 _tracer = tracer("kbmesh.search")
 
 
@@ -45,11 +62,13 @@ class SearchService:
         store: VectorStore,
         embedders: EmbedderPool,
         settings: SearchSettings,
+        reranker: Reranker | None = None,
     ) -> None:
         self.reg = registries
         self.store = store
         self.embedders = embedders
         self.settings = settings
+        self.reranker = reranker or LiteLLMReranker(settings.rerank_timeout_seconds)
 
     async def resolve_kbs(
         self, org_id: str, refs: list[str] | None, scope: list[str] | None
@@ -80,40 +99,75 @@ class SearchService:
                 # The model of the collection searched: during a model change, the old one.
                 model, api_base = kb.serving_model
                 groups[(model, None if is_local(model) else api_base)].append(kb)
+            dense: dict[str, list[float] | None] = {}
+            failures: dict[str, Exception] = {}
 
-            async def run_group(
-                model: str, api_base: str | None, members: list[KnowledgeBase]
-            ) -> list[list[SearchHit]]:
-                dense = None
+            async def embed_group(model: str, api_base: str | None) -> None:
+                vector = None
                 if req.mode != Mode.keyword:
-                    dense = await self.embedders.embed_query(model, req.query, api_base)
-                return list(
-                    await asyncio.gather(
-                        *(self._query_kb(kb, req, flt, dense, sparse) for kb in members)
-                    )
-                )
+                    try:
+                        vector = await self.embedders.embed_query(model, req.query, api_base)
+                    except Exception as err:
+                        failures.update((kb.kb_id, err) for kb in groups[(model, api_base)])
+                for kb in groups[(model, api_base)]:
+                    dense[kb.kb_id] = vector
 
-            per_group = await asyncio.gather(
-                *(run_group(m, a, members) for (m, a), members in groups.items())
+            await asyncio.gather(*(embed_group(m, a) for m, a in groups))
+            searchable = [kb for kb in kbs if kb.kb_id not in failures]
+            results = await asyncio.gather(
+                *(self._candidates(kb, req, flt, dense[kb.kb_id], sparse) for kb in searchable),
+                return_exceptions=True,
             )
-            ranked_lists = [hits for group in per_group for hits in group]
-            if req.min_score is not None:
-                # Before fusion, so that ranks are ranks among the hits that count.
-                floor = req.min_score
-                ranked_lists = [
-                    [h for h in hits if h.score is not None and h.score >= floor]
-                    for hits in ranked_lists
+            found = []
+            for kb, result in zip(searchable, results, strict=True):
+                if isinstance(result, Exception):
+                    failures[kb.kb_id] = result
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    found.append(result)
+            # One broken KB (an unreachable or misconfigured model) must not take every
+            # search down with it: the others answer and the reply names the one left out.
+            # Only when nothing could be searched is the search itself a failure.
+            if failures and len(failures) == len(kbs):
+                raise next(iter(failures.values()))
+            failed_kbs = [_failure(kb, failures[kb.kb_id]) for kb in kbs if kb.kb_id in failures]
+            lists = [ranked for per_kb, _ in found for ranked in per_kb]
+            points = {key: hit for _, per_kb in found for key, hit in per_kb.items()}
+            fused = fuse(
+                lists,
+                k=self.settings.rrf_k,
+                lead_weight=self.settings.lead_weight,
+                lead_floor=self.settings.lead_floor,
+            )
+            known = known_scores(lists)
+            collections = {kb.kb_id: kb.serving_collection for kb in kbs}
+            if req.min_similarity is not None:
+                # Only the candidates that can still make the cut need their cosine.
+                head = fused[: max(req.top_k * 4, self.settings.rerank_depth)]
+                await self._complete(head, known, collections, dense, None, flt)
+                fused = [
+                    f for f in fused if (known.cosine.get(f.chunk) or -1.0) >= req.min_similarity
                 ]
-            ranked_lists = [hits for hits in ranked_lists if hits]
-            # Scores of different KBs (other models, other IDF statistics) are not comparable:
-            # several KBs are fused by rank.
-            merged = (
-                ranked_lists[0]
-                if len(ranked_lists) == 1
-                else rrf_merge(ranked_lists, k=self.settings.rrf_k, key=_hit_key)
-            )
+            warnings: list[str] = []
+            score_kind: Literal["fused", "rerank"] = "fused"
+            reranker = rerank_model(kbs, req.rerank)
+            if reranker is not None and fused:
+                try:
+                    fused = await self._rerank(req.query, fused, points, reranker, req.top_k)
+                    score_kind = "rerank"
+                except RerankFailed as err:
+                    log.warning("rerank_failed model=%s error=%s", reranker[0], err)
+                    warnings.append(
+                        f"reranking with {reranker[0]} failed ({err}); hits are in fused order"
+                    )
+            if req.min_score is not None:
+                fused = [f for f in fused if f.score >= req.min_score]
+            top = fused[: req.top_k]
+            await self._complete(top, known, collections, dense, sparse, flt)
             matched = [
-                h.model_copy(update={"rank": i}) for i, h in enumerate(merged[: req.top_k], 1)
+                self._hit(f.chunk, points[f.chunk], f.score, known, req.mode, rank)
+                for rank, f in enumerate(top, 1)
             ]
             # Per KB: the query's value, else that KB's own default.
             windows = {
@@ -123,79 +177,133 @@ class SearchService:
                 for kb in kbs
             }
             hits = await self._coalesce(req.org_id, matched, windows, kbs) if matched else []
+            budget = None
+            if req.max_tokens is not None:
+                hits, budget = pack(hits, req.max_tokens, await load_counter())
             span.set_attribute("kbmesh.hits", len(matched))
         return SearchResponse(
             query=req.query,
             mode=req.mode,
-            score_kind="bm25_relative" if req.mode == Mode.keyword else "cosine",
+            score_kind=score_kind,
             kb_ids=[kb.kb_id for kb in kbs],
             coalesced=max((windows[h.kb_id] for h in matched), default=0),
             hits=hits,
+            budget=budget,
+            warnings=warnings,
+            failed_kbs=failed_kbs,
         )
 
-    async def _query_kb(
+    async def _rerank(
+        self,
+        query: str,
+        fused: list[Fused],
+        points: dict[ChunkKey, Hit],
+        model: tuple[str, str | None],
+        top_k: int,
+    ) -> list[Fused]:
+        """The best candidates in the reranker's order, scored by it; the rest are dropped
+        (they could only follow with a score on another scale)."""
+        head = fused[: max(self.settings.rerank_depth, top_k)]
+        texts = [_rerank_text(points[f.chunk]) for f in head]
+        order = await self.reranker.rerank(model[0], model[1], query, texts)
+        return [Fused(head[i].chunk, head[i].document, score) for i, score in order]
+
+    async def _candidates(
         self,
         kb: KnowledgeBase,
         req: SearchRequest,
         flt: Filter,
         dense: list[float] | None,
         sparse: SparseVector | None,
-    ) -> list[SearchHit]:
+    ) -> tuple[list[CandidateList], dict[ChunkKey, Hit]]:
+        """The KB's candidate lists for the mode: chunks by each signal, and (with a lead
+        weight) documents' first chunks by each signal."""
         name = kb.serving_collection
-        query = Query(
-            mode=req.mode,
-            limit=req.top_k,
-            filter=flt,
-            dense=dense,
-            sparse=sparse,
-            prefetch_limit=max(self.settings.prefetch_limit, req.top_k),
-            rrf_k=self.settings.rrf_k,
-            hnsw_ef=self.settings.hnsw_ef,
-            lead_weight=self.settings.lead_weight,
+        limit = max(self.settings.prefetch_limit, req.top_k)
+        model = "/".join(filter(None, kb.serving_model))
+        searches: list[tuple[Signal, bool, Query]] = []
+        leads = [False, True] if self.settings.lead_weight > 0 else [False]
+        for lead in leads:
+            where = lead_filter(flt) if lead else flt
+            if dense is not None:
+                query = Query(
+                    mode=Mode.dense,
+                    limit=limit,
+                    filter=where,
+                    dense=dense,
+                    hnsw_ef=self.settings.hnsw_ef,
+                )
+                searches.append(("dense", lead, query))
+            if sparse is not None and sparse.indices:
+                query = Query(mode=Mode.keyword, limit=limit, filter=where, sparse=sparse)
+                searches.append(("keyword", lead, query))
+        results = await asyncio.gather(*(self.store.query(name, q) for _, _, q in searches))
+        lists: list[CandidateList] = []
+        points: dict[ChunkKey, Hit] = {}
+        for (signal, lead, _), hits in zip(searches, results, strict=True):
+            found = []
+            for h in hits:
+                key = (kb.kb_id, h.id)
+                points.setdefault(key, h)
+                found.append(Candidate(key, (kb.kb_id, h.payload["document_id"]), h.score or 0.0))
+            # Cosines are comparable between KBs of one model; BM25 between all KBs.
+            scale = model if signal == "dense" else "bm25"
+            lists.append(CandidateList(signal, lead, scale, found))
+        return lists, points
+
+    async def _complete(
+        self,
+        fused: list[Fused],
+        known: KnownScores,
+        collections: dict[str, str],
+        dense: dict[str, list[float] | None],
+        sparse: SparseVector | None,
+        flt: Filter,
+    ) -> None:
+        """Look up the cosine (and BM25) of fused chunks that a candidate list did not
+        report: among these few chunks only, exact and cheap."""
+        lookups = []
+        for kb_id in {f.chunk[0] for f in fused}:
+            ids = [f.chunk[1] for f in fused if f.chunk[0] == kb_id]
+            vector = dense.get(kb_id)
+            need = tuple(i for i in ids if (kb_id, i) not in known.cosine)
+            if vector is not None and need:
+                query = Query(
+                    mode=Mode.dense,
+                    limit=len(need),
+                    dense=vector,
+                    filter=flt.and_(HasIds(need)),
+                    hnsw_ef=self.settings.hnsw_ef,
+                )
+                lookups.append((kb_id, known.cosine, query))
+            need = tuple(i for i in ids if (kb_id, i) not in known.bm25)
+            if sparse is not None and sparse.indices and need:
+                query = Query(
+                    mode=Mode.keyword, limit=len(need), sparse=sparse, filter=flt.and_(HasIds(need))
+                )
+                lookups.append((kb_id, known.bm25, query))
+        results = await asyncio.gather(
+            *(self.store.query(collections[kb_id], q) for kb_id, _, q in lookups)
         )
-        hits = await self.store.query(name, query)
-        if not hits:
-            return []
-        fused = fusion_plan(query) is not None
-        cosine: dict[str, float | None] = {h.id: h.score for h in hits}
-        lexical: dict[str, float | None] = dict(cosine)
-        if fused:
-            # Fused (RRF) scores rank but say nothing about relevance: look up each hit's
-            # cosine similarity and BM25 score among these hits alone (exact, cheap).
-            only = flt.and_(HasIds(tuple(h.id for h in hits)))
-            has_terms = sparse is not None and bool(sparse.indices)
-            dense_scores, bm25_scores = await asyncio.gather(
-                self.store.query(
-                    name,
-                    Query(
-                        mode=Mode.dense,
-                        limit=len(hits),
-                        dense=dense,
-                        filter=only,
-                        hnsw_ef=self.settings.hnsw_ef,
-                    ),
-                )
-                if dense is not None
-                else _no_hits(),
-                self.store.query(
-                    name, Query(mode=Mode.keyword, limit=len(hits), sparse=sparse, filter=only)
-                )
-                if has_terms
-                else _no_hits(),
-            )
-            cosine = {h.id: h.score for h in dense_scores}
-            lexical = {h.id: h.score for h in bm25_scores}
-        if req.mode == Mode.keyword:
-            # Raw BM25 depends on the KB's IDF statistics and the query's length; relative to
-            # the best hit it reads the same in every KB (1.0 = as good as the best match).
-            best = max((lexical.get(h.id) or 0.0) for h in hits) or 1.0
-            return [to_hit(h, (lexical.get(h.id) or 0.0) / best, "keyword") for h in hits]
-        if req.mode == Mode.dense:
-            return [to_hit(h, cosine.get(h.id), "semantic") for h in hits]
-        # Hybrid: a chunk holding none of the query's terms matched by meaning only.
-        return [
-            to_hit(h, cosine.get(h.id), "hybrid" if lexical.get(h.id) else "semantic") for h in hits
-        ]
+        for (kb_id, into, _), hits in zip(lookups, results, strict=True):
+            for h in hits:
+                into[(kb_id, h.id)] = h.score or 0.0
+
+    @staticmethod
+    def _hit(
+        key: ChunkKey, point: Hit, score: float, known: KnownScores, mode: Mode, rank: int
+    ) -> SearchHit:
+        similarity = known.cosine.get(key)
+        if mode == Mode.keyword:
+            match: MatchType = "keyword"
+        elif mode == Mode.dense:
+            match = "semantic"
+        else:
+            # Hybrid: a chunk holding none of the query's terms matched by meaning only.
+            match = "hybrid" if known.bm25.get(key) else "semantic"
+        return to_hit(point, score, match).model_copy(
+            update={"similarity": similarity, "rank": rank}
+        )
 
     async def _coalesce(
         self,
@@ -205,6 +313,8 @@ class SearchService:
         kbs: list[KnowledgeBase],
     ) -> list[SearchHit]:
         collections = {kb.kb_id: kb.serving_collection for kb in kbs}
+        if not any(windows.get(h.kb_id) for h in matched):
+            return matched  # no context asked for: plain rank order
         wanted = neighbour_windows(matched, windows)
         if not wanted:
             return coalesce(matched, [])
@@ -287,12 +397,55 @@ def to_hit(hit: Hit, score: float | None, match_type: MatchType | None) -> Searc
     )
 
 
-def _hit_key(hit: SearchHit) -> tuple[str, str]:
-    return (hit.kb_id, hit.chunk_id)
+def _failure(kb: KnowledgeBase, err: Exception) -> KbFailure:
+    if isinstance(err, KbmeshError):
+        return KbFailure(
+            kb_id=kb.kb_id, name=kb.name, error_type=err.error_type, message=err.message
+        )
+    log.warning("search_kb_failed kb_id=%s error=%r", kb.kb_id, err)
+    return KbFailure(
+        kb_id=kb.kb_id,
+        name=kb.name,
+        error_type="InternalError",
+        message=f"searching this knowledge base failed ({type(err).__name__})",
+    )
 
 
-async def _no_hits() -> list[Hit]:
-    return []
+def rerank_model(kbs: list[KnowledgeBase], wanted: bool | None) -> tuple[str, str | None] | None:
+    """The rerank model (and api_base) for a search: the first KB searched that names one,
+    when the query asks for reranking or leaves it to the KBs."""
+    if wanted is False:
+        return None
+    named = next(((kb.rerank_model, kb.rerank_api_base) for kb in kbs if kb.rerank_model), None)
+    if wanted and named is None:
+        raise InvalidInput(
+            "rerank: none of the knowledge bases searched has a rerank_model", field="rerank"
+        )
+    return named
+
+
+def _rerank_text(point: Hit) -> str:
+    # The document name says what the chunk is part of, as it does for embedding.
+    name = point.payload.get("document_name") or ""
+    content = point.payload.get("content", "")
+    return f"{name}\n\n{content}" if name else content
+
+
+@dataclass
+class KnownScores:
+    """Cosine and BM25 of candidate chunks, as the candidate lists reported them."""
+
+    cosine: dict[ChunkKey, float] = field(default_factory=dict)
+    bm25: dict[ChunkKey, float] = field(default_factory=dict)
+
+
+def known_scores(lists: list[CandidateList]) -> KnownScores:
+    known = KnownScores()
+    for ranked in lists:
+        into = known.cosine if ranked.signal == "dense" else known.bm25
+        for c in ranked.candidates:
+            into[c.chunk] = c.score
+    return known
 
 
 __all__ = ["SearchService", "to_hit"]

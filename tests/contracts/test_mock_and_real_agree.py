@@ -15,11 +15,13 @@ import httpx
 import nats
 import pytest
 
-from services.contracts.examples import CHUNKS, DOC_TEXT, METADATA, QUERY
+from services.contracts.examples import CHUNKS, DOC_TEXT, METADATA, QUERY, VACATION_SCHEMA
 from services.contracts.export import CALL_TOOL, LIST_TOOLS, TOOLS_PATH, Contracts, OpKey, build
 from services.gateway.tools import TOOLS
 from tests.conftest import running_stack
 from tests.contracts.support import errors, rest_errors, send_example
+from tests.support.asgi import serve_app
+from tests.support.openai_chat import ScriptedChat, Text, search, tool_ids, tool_results
 
 FILES = build().files()
 
@@ -38,6 +40,20 @@ class World:
     kb_id: str = ""
     doc_id: str = ""
     chunk_id: str = ""
+    prompt: str = ""
+    chat_api_base: str = ""
+
+    def ask_options(self) -> dict[str, Any]:
+        """A model (the scripted chat server) and a schema for answers."""
+        return {
+            "model": CHAT_MODEL,
+            "api_base": self.chat_api_base,
+            "response_schema": VACATION_SCHEMA,
+        }
+
+    async def new_prompt(self) -> str:
+        body = {"name": uid("prompt"), "kb_ids": [self.kb], **self.ask_options()}
+        return (await self.ok(self.http.post("/v1/prompts", json=body)))["prompt_id"]
 
     async def ok(self, response: Awaitable[httpx.Response]) -> Any:
         resp = await response
@@ -59,12 +75,32 @@ class World:
         return self.http.post(f"{TOOLS_PATH}/{name}", json=arguments)
 
 
+CHAT_MODEL = "hosted_vllm/scripted"
+
+
+def vacation_answer(body: dict[str, Any]) -> Any:
+    """A model that searches once, then answers in VACATION_SCHEMA citing what it found."""
+    if not tool_results(body):
+        return search(QUERY)
+    return Text(
+        json.dumps({"days_per_year": 30, "carry_over_days": 5, "sources": tool_ids(body)[:1]})
+    )
+
+
 @pytest.fixture(scope="module")
 async def world(tmp_path_factory, embedders):
-    async with running_stack(
-        tmp_path_factory.mktemp("contracts"), embedders=embedders, mcp_toolsets="core,compat"
-    ) as (rt, client):
-        w = World(client, rt.bus.url)
+    chat = ScriptedChat(default=vacation_answer)
+    async with (
+        serve_app(chat.app, lifespan="off") as chat_url,
+        # The scripted chat server listens on loopback: allowed, as a self-hosted model.
+        running_stack(
+            tmp_path_factory.mktemp("contracts"),
+            embedders=embedders,
+            mcp_toolsets="core,compat",
+            egress={"allow_private": True},
+        ) as (rt, client),
+    ):
+        w = World(client, rt.bus.url, chat_api_base=chat_url + "/v1")
         w.kb = await w.new_kb()
         w.kb_id = (await w.ok(client.get(f"/v1/kbs/{w.kb}")))["kb_id"]
         w.doc_id = await w.upload(
@@ -72,6 +108,7 @@ async def world(tmp_path_factory, embedders):
         )
         search = await w.ok(client.post("/v1/search", json={"query": QUERY, "kb_ids": [w.kb]}))
         w.chunk_id = search["hits"][0]["chunk_id"]
+        w.prompt = await w.new_prompt()
         yield w
 
 
@@ -94,6 +131,10 @@ async def _delete_source(w: World) -> httpx.Response:
 
 async def _delete_document(w: World) -> httpx.Response:
     return await w.http.delete(f"/v1/documents/{await w.upload('draft.md', CHUNKS[2])}")
+
+
+async def _delete_prompt(w: World) -> httpx.Response:
+    return await w.http.delete(f"/v1/prompts/{await w.new_prompt()}")
 
 
 async def _dead_letter(w: World) -> int:
@@ -162,6 +203,21 @@ REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
     ),
     ("GET", "/v1/chunks/{chunk_id}"): lambda w: w.http.get(
         f"/v1/chunks/{w.chunk_id}", params={"kb": w.kb, "neighbors": 1}
+    ),
+    ("POST", "/v1/ask"): lambda w: w.http.post(
+        "/v1/ask", json={"question": QUERY, "kb_ids": [w.kb], **w.ask_options()}
+    ),
+    ("POST", "/v1/prompts"): lambda w: w.http.post(
+        "/v1/prompts", json={"name": uid("prompt"), "instructions": "Extract the allowance."}
+    ),
+    ("GET", "/v1/prompts"): lambda w: w.http.get("/v1/prompts"),
+    ("GET", "/v1/prompts/{prompt}"): lambda w: w.http.get(f"/v1/prompts/{w.prompt}"),
+    ("PATCH", "/v1/prompts/{prompt}"): lambda w: w.http.patch(
+        f"/v1/prompts/{w.prompt}", json={"max_iterations": 3}
+    ),
+    ("DELETE", "/v1/prompts/{prompt}"): _delete_prompt,
+    ("POST", "/v1/prompts/{prompt}/run"): lambda w: w.http.post(
+        f"/v1/prompts/{w.prompt}/run", json={"document_id": w.doc_id}
     ),
     ("GET", "/v1/dead-letters"): _list_dead_letters,
     ("POST", "/v1/dead-letters/{sequence}/replay"): _replay_dead_letter,
@@ -294,7 +350,15 @@ def one(name: str, arguments: Callable[[World], dict[str, Any]]):
     return call
 
 
+async def _kb_ask(w: World) -> list[httpx.Response]:
+    return [
+        await w.tool("kb_ask", {"question": QUERY, "kb_ids": [w.kb], **w.ask_options()}),
+        await w.tool("kb_ask", {"prompt": w.prompt, "document_id": w.doc_id}),
+    ]
+
+
 TOOL_CALLS: dict[str, Callable[[World], Awaitable[list[httpx.Response]]]] = {
+    "kb_ask": _kb_ask,
     "kb_search": one("kb_search", lambda w: {"query": QUERY, "kb": w.kb, "coalesce_neighbors": 1}),
     "kb_get_chunk": one("kb_get_chunk", lambda w: {"chunk_id": w.chunk_id, "neighbors": 1}),
     "kb_upload": one(

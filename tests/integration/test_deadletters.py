@@ -59,6 +59,69 @@ async def test_dead_letter_replayed_after_the_cause_is_fixed(tmp_path, embedders
         assert await list_dead_letters(rt.bus.js, "doc.uploaded") == []
 
 
+async def test_poison_events_of_any_shape_reach_the_dead_letter_subject(tmp_path, embedders):
+    """Bodies that no decoder accepts — nesting 20,000 levels deep (too deep for Python's
+    JSON parser), bytes that are not UTF-8, JSON that is not an object — are dead-lettered
+    on their first delivery, with the original bytes, instead of being redelivered until
+    JetStream drops them."""
+    bus_settings = {"max_deliver": 3, "backoff_seconds": [0.2]}
+    async with running_stack(tmp_path, embedders=embedders, bus=bus_settings) as (rt, _):
+        deep = '{"a":' * 20_000 + "1" + "}" * 20_000
+        bodies = [
+            (
+                '{"event_id":"deep","org_id":"local","document_id":"deep","name":"deep.txt",'
+                f'"content":"x","metadata":{deep}}}'
+            ).encode(),
+            b'{"event_id":"latin1","org_id":"local","name":"caf\xe9","content":"x"}',
+            b'["not", "an", "object"]',
+        ]
+        for body in bodies:
+            await rt.bus.js.publish(
+                "doc.uploaded", body, headers={"content-type": "application/json"}
+            )
+
+        async def dead() -> list:
+            letters = await list_dead_letters(rt.bus.js, "doc.uploaded")
+            return letters if len(letters) == len(bodies) else []
+
+        letters = await wait_until(dead, timeout=30, what="three dead letters")
+        assert sorted(letter.data for letter in letters) == sorted(bodies)
+        for letter in letters:
+            assert letter.error_type == "ValidationError"
+            assert letter.error.startswith("malformed event")
+            assert 1 <= letter.delivered <= 3
+        consumer = await rt.bus.js.consumer_info("KBMESH", "ingest-doc-uploaded")
+        assert consumer.num_ack_pending == 0 and consumer.num_redelivered == 0
+
+
+async def test_dlq_list_prints_error_texts_that_are_not_ascii(tmp_path, embedders):
+    """An error naming a value in any script (here an unsupported mime type with an accent,
+    a check mark) is read back as written and `kbmesh dlq list` prints
+    it as JSON, exit 0."""
+    async with running_stack(tmp_path, embedders=embedders) as (rt, _):
+        mime = "application/x-café ✓\nzweite Zeile"
+        event = DocUploaded(org_id="local", name="odd.bin", content="x", mime_type=mime)
+        await rt.bus.publish("doc.uploaded", event)
+
+        async def dead() -> list:
+            return await list_dead_letters(rt.bus.js, "doc.uploaded")
+
+        (letter,) = await wait_until(dead, timeout=30, what="the dead letter")
+        listed = subprocess.run(
+            [sys.executable, "-m", "services.cli", "dlq", "list"],
+            cwd=ROOT,
+            env=kbmesh_env(KBMESH_NATS_URL=rt.bus.url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert listed.returncode == 0, listed.stderr[-2000:]
+        (line,) = listed.stdout.splitlines()
+        summary = json.loads(line)
+        assert summary["sequence"] == letter.sequence
+        assert "application/x-café ✓" in summary["error"] and "\n" not in summary["error"]
+
+
 async def test_dead_letters_over_rest_stay_in_their_org_and_scope(tmp_path, embedders):
     """GET /v1/dead-letters shows a caller only its org's dead letters (and, with a KB-scoped
     key, only those naming its KBs); replay needs a writable key that sees the letter; a

@@ -366,7 +366,7 @@ async def test_scanned_pdf_waits_for_ocr_then_indexes_and_ocr_failure_marks_fail
         client, "photo.png", png, content_encoding="base64", mime_type="image/png", tags=[t]
     )
     assert img["status"] == "awaiting_ocr"
-    ref = f"ocr/{uid()}"
+    ref = f"{ORG}/ocr/{uid()}"
     await rt.registries.texts.put(ref, LONG_DOCS["raft.md"].encode())
     await rt.bus.publish(
         Subject.OCR_DONE, OcrDone(org_id=ORG, document_id=img["document_id"], object_ref=ref)

@@ -92,7 +92,11 @@ async def test_a_poisoned_document_fails_alone_and_its_batch_mates_are_indexed(
     provider.delay(0.3)  # a busy provider: messages pile up while a call is out
     provider.reject_inputs_containing("tides")
     try:
-        async with running_stack(tmp_path, embedders=embedders) as (rt, client):
+        # The provider listens on loopback: allowed explicitly, as for a self-hosted model.
+        async with running_stack(tmp_path, embedders=embedders, egress={"allow_private": True}) as (
+            rt,
+            client,
+        ):
             kb = await create_kb(
                 client, name=f"poison-{uid()}", embedding_model=REMOTE, api_base=provider.base_url
             )

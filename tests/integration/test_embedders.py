@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.common.egress import EgressPolicy
 from services.common.embedders import (
     CachedQueryEmbedder,
     Embedder,
@@ -23,7 +24,7 @@ from services.common.embedders import (
     model_limits,
 )
 from services.common.embedders.local import OnnxEncoder
-from services.common.errors import InvalidInput, Transient
+from services.common.errors import Forbidden, InvalidInput, Transient
 from services.common.models import KnowledgeBase
 from services.embed.chunking import chunk_text
 from tests.conftest import MODEL_CACHE_DIR
@@ -285,12 +286,43 @@ async def test_remote_raises_transient_after_three_tries(server: OpenAIEmbedding
 
 
 async def test_remote_client_errors_are_not_retried(server: OpenAIEmbeddingsServer) -> None:
-    """A 400 is the request's fault: one request, InvalidInput naming embedding_model."""
-    server.fail_next(1, status=400, message="bad input")
+    """A 400 is the request's fault: one request, InvalidInput naming embedding_model and the
+    status, but never the provider's response body (whoever runs `api_base` chose it)."""
+    server.fail_next(1, status=400, message="SECRET-FROM-THE-PROVIDER")
     with pytest.raises(InvalidInput) as err:
         await remote(server).embed(["x"])
     assert server.requests == 1
     assert err.value.field == "embedding_model"
+    assert "400" in err.value.message
+    assert "SECRET" not in err.value.message
+
+
+async def test_transient_errors_do_not_echo_the_provider_body(
+    server: OpenAIEmbeddingsServer,
+) -> None:
+    """After the last try the Transient error names the status, not the body."""
+    server.fail_next(3, status=503, message="SECRET-FROM-THE-PROVIDER")
+    with pytest.raises(Transient) as err:
+        await remote(server).embed(["x"])
+    assert "503" in err.value.message and "SECRET" not in err.value.message
+
+
+async def test_egress_policy_refuses_a_private_api_base_before_any_request(
+    server: OpenAIEmbeddingsServer,
+) -> None:
+    """With the pool's egress policy, an `api_base` on loopback is refused at call time
+    (Forbidden naming api_base and the setting) and the server receives nothing; allowing the
+    address, or every private address, lets the same call through."""
+    refusing = EmbedderPool(api_key="test", egress=EgressPolicy())
+    with pytest.raises(Forbidden) as err:
+        await refusing.get(REMOTE, server.base_url).embed(["x"])
+    assert err.value.field == "api_base"
+    assert "127.0.0.1" in err.value.message and "KBMESH_EGRESS__ALLOWLIST" in err.value.message
+    assert server.requests == 0
+    for policy in (EgressPolicy.parse(["127.0.0.0/8"]), EgressPolicy(allow_private=True)):
+        pool = EmbedderPool(api_key="test", egress=policy)
+        assert len((await pool.get(REMOTE, server.base_url).embed(["x"]))[0]) == DIM
+    assert server.requests == 2
 
 
 async def test_unreachable_provider_is_transient() -> None:

@@ -28,7 +28,11 @@ async def test_embed_failure_is_recorded_on_the_document_and_retry_recovers(
     answers failed, kb.index is dead-lettered, GET /v1/documents/{id} says failed with the
     KB and the reason, and stats count it. Once the provider accepts again, retry-failed
     indexes the document and the error is gone."""
-    async with running_stack(tmp_path, embedders=embedders) as (rt, client):
+    # The provider listens on loopback: allowed explicitly, as for a self-hosted model.
+    async with running_stack(tmp_path, embedders=embedders, egress={"allow_private": True}) as (
+        rt,
+        client,
+    ):
         r = await client.post(
             "/v1/kbs",
             json={

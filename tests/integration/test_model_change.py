@@ -30,7 +30,11 @@ async def test_model_change_switches_collections_and_search_answers_throughout(
     """MiniLM (384 dims) → a LiteLLM model (16 dims): every search during the rebuild
     answers; afterwards the KB's points live in generation 2 (one per chunk, as before),
     generation 1 is gone, and queries are embedded by the new model."""
-    async with running_stack(tmp_path, embedders=embedders) as (rt, client):
+    # The provider listens on loopback: allowed explicitly, as for a self-hosted model.
+    async with running_stack(tmp_path, embedders=embedders, egress={"allow_private": True}) as (
+        rt,
+        client,
+    ):
         kb_id = (await client.post("/v1/kbs", json={"name": "switching"})).json()["kb_id"]
         for name, text in DOCS.items():
             r = await client.post(

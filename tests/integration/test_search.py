@@ -440,43 +440,63 @@ async def test_match_type_per_hit(stack, corpus):
 # ---- scores and min_score --------------------------------------------------------------------
 
 
-async def test_score_kind_and_min_score_in_every_mode(stack, corpus):
-    """Hybrid and dense report cosine similarity (hybrid's equals dense's for the same
-    chunk); keyword reports BM25 relative to the best hit (1.0 first). In every mode
-    min_score drops exactly the hits below it and keeps the others in order."""
+async def test_scores_in_every_mode(stack, corpus):
+    """`score` is what ranked the hits: 0-1, never increasing down the list, in every mode.
+    `similarity` is the chunk's cosine (hybrid's equals dense's for the same chunk), absent
+    in keyword mode. min_score keeps exactly the hits scoring at least that (a prefix of the
+    ranking); min_similarity keeps exactly those at least that similar, in ranking order."""
     _, client = stack
     query = "service error after a network failure"
-    scores: dict[str, dict[str, float]] = {}
-    for mode, kind in (("hybrid", "cosine"), ("dense", "cosine"), ("keyword", "bm25_relative")):
+    similarities: dict[str, dict[str, float]] = {}
+    for mode in ("hybrid", "dense", "keyword"):
         body = await rest_search(client, corpus, query=query, kb_ids=["modes"], mode=mode, top_k=10)
-        assert body["score_kind"] == kind and body["mode"] == mode
+        assert body["score_kind"] == "fused" and body["mode"] == mode
         hits = body["hits"]
         assert len(hits) >= 3, (mode, hits)
-        scores[mode] = {h["chunk_id"]: h["score"] for h in hits}
+        scores = [h["score"] for h in hits]
+        assert scores == sorted(scores, reverse=True)
+        assert all(0 < s <= 1 for s in scores)
+        assert [h["rank"] for h in hits] == list(range(1, len(hits) + 1))
         if mode == "keyword":
-            assert hits[0]["score"] == pytest.approx(1.0)
-            assert all(0 < h["score"] <= 1.0 for h in hits)
-        if mode == "dense":
-            assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
-        # A threshold between the 2nd and 3rd best scores keeps exactly those above it.
-        ranked = sorted((h["score"] for h in hits), reverse=True)
-        floor = (ranked[1] + ranked[2]) / 2
+            assert all(h["similarity"] is None for h in hits)
+        else:
+            assert all(-1 <= h["similarity"] <= 1 for h in hits)
+            similarities[mode] = {h["chunk_id"]: h["similarity"] for h in hits}
+        # A threshold between the 2nd and 3rd best scores keeps exactly the first two.
+        floor = (scores[1] + scores[2]) / 2
         kept = await rest_search(
             client, corpus, query=query, kb_ids=["modes"], mode=mode, top_k=10, min_score=floor
         )
-        assert kept["score_kind"] == kind
-        assert [h["chunk_id"] for h in kept["hits"]] == [
-            h["chunk_id"] for h in hits if h["score"] >= floor
-        ]
-        assert len(kept["hits"]) == 2
+        assert [h["chunk_id"] for h in kept["hits"]] == [h["chunk_id"] for h in hits[:2]]
         assert [h["rank"] for h in kept["hits"]] == [1, 2]
         nothing = await rest_search(
-            client, corpus, query=query, kb_ids=["modes"], mode=mode, min_score=1.01
+            client, corpus, query=query, kb_ids=["modes"], mode=mode, min_score=1.0
         )
-        assert nothing["hits"] == []
-    for chunk_id, cosine in scores["hybrid"].items():
-        if chunk_id in scores["dense"]:
-            assert cosine == pytest.approx(scores["dense"][chunk_id], abs=1e-4)
+        assert all(h["score"] == 1.0 for h in nothing["hits"])
+        if mode != "keyword":
+            ranked = sorted((h["similarity"] for h in hits), reverse=True)
+            floor = (ranked[1] + ranked[2]) / 2
+            similar = await rest_search(
+                client,
+                corpus,
+                query=query,
+                kb_ids=["modes"],
+                mode=mode,
+                top_k=10,
+                min_similarity=floor,
+            )
+            assert [h["chunk_id"] for h in similar["hits"]] == [
+                h["chunk_id"] for h in hits if h["similarity"] >= floor
+            ]
+    for chunk_id, cosine in similarities["hybrid"].items():
+        if chunk_id in similarities["dense"]:
+            assert cosine == pytest.approx(similarities["dense"][chunk_id], abs=1e-4)
+    r = await client.post(
+        "/v1/search",
+        json={"query": query, "mode": "keyword", "min_similarity": 0.3},
+        headers=corpus.auth("local"),
+    )
+    assert r.status_code == 422 and "min_similarity" in r.text
 
 
 # ---- neighbours and chunks -------------------------------------------------------------------

@@ -33,7 +33,10 @@ def remote_server() -> Iterator[OpenAIEmbeddingsServer]:
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory, embedders, remote_server):
-    async with running_stack(tmp_path_factory.mktemp("multi"), embedders=embedders) as s:
+    # The provider listens on loopback: allowed explicitly, as for a self-hosted model.
+    async with running_stack(
+        tmp_path_factory.mktemp("multi"), embedders=embedders, egress={"allow_private": True}
+    ) as s:
         yield s
 
 
@@ -97,6 +100,31 @@ async def test_query_is_embedded_once_per_distinct_model(stack, kbs, embedders, 
     await search(client, query=query, mode="dense", kb_ids=["remote"])
     assert local.embed_count - before_local == 1
     assert remote_server.requests - before_remote == 1
+
+
+async def test_a_broken_kb_leaves_a_partial_result_naming_it(stack, kbs, remote_server):
+    """The remote KB's provider rejects every request (401, as with a missing key): a search
+    over every KB still answers 200 with the MiniLM KBs' hits and names the remote KB in
+    `failed_kbs`, without the provider's response text; keyword search needs no model and
+    keeps all three. Searching only the broken KB is the error itself."""
+    _, client = stack
+    remote_server.fail_next(1000, status=401, message="SECRET-PROVIDER-TEXT")
+    try:
+        body = await search(client, query="volcano ash and broken providers", top_k=10)
+        assert {h["kb_id"] for h in body["hits"]} == {kbs["default"], kbs["local2"]}
+        [failed] = body["failed_kbs"]
+        assert failed["kb_id"] == kbs["remote"] and failed["name"] == "remote"
+        assert failed["error_type"] == "ValidationError"
+        assert "401" in failed["message"] and "SECRET" not in failed["message"]
+        keyword = await search(client, query="volcano", mode="keyword", top_k=10)
+        assert keyword["failed_kbs"] == []
+        assert {h["kb_id"] for h in keyword["hits"]} == set(kbs.values())
+        r = await client.post(
+            "/v1/search", json={"query": "volcano ash, alone", "kb_ids": ["remote"]}
+        )
+        assert r.status_code == 422 and "SECRET" not in r.text, r.text
+    finally:
+        remote_server.reset()
 
 
 async def test_search_replicas_share_the_load(stack, kbs):

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.embedders import LiteLLMEmbedder, LocalEmbedder
 from services.common.models import Chunker, KnowledgeBase
-from services.embed.chunking import Chunk, chunk_text
+from services.embed.chunking import MAX_CHARS_PER_TOKEN, Chunk, chunk_text
 
 MINILM_MAX = 254
 ALL_CHUNKERS = list(Chunker)
@@ -174,3 +174,25 @@ def test_tiktoken_tokenizer_for_remote_models(chunker: Chunker) -> None:
     assert_spans(text, chunks)
     assert max(remote.count_tokens(c.text) for c in chunks) <= 256
     assert any("<|endoftext|>" in c.text for c in chunks)
+
+
+@pytest.mark.parametrize("chunker", ALL_CHUNKERS)
+def test_text_without_separators_is_cut_hard(chunker: Chunker, minilm: LocalEmbedder) -> None:
+    """256 KiB of one character, which WordPiece counts as a single [UNK] token, still becomes
+    chunks of at most chunk_size x MAX_CHARS_PER_TOKEN characters that cover the text."""
+    text = "x" * (256 * 1024)
+    settings = kb(chunker, chunk_size=100)
+    chunks = chunk_text(text, settings, minilm.tokenizer(), max_tokens=MINILM_MAX)
+    assert_spans(text, chunks)
+    assert max(len(c.text) for c in chunks) <= 100 * MAX_CHARS_PER_TOKEN
+    assert sum(len(c.text) for c in chunks) >= len(text)
+
+
+def test_long_runs_are_cut_at_spaces_when_there_are_some(minilm: LocalEmbedder) -> None:
+    """Words of 300 characters (one [UNK] each): cuts fall between words, not inside them."""
+    words = [f"{i:03d}" + "y" * 297 for i in range(100)]
+    text = " ".join(words)
+    chunks = chunk_text(text, kb(Chunker.recursive), minilm.tokenizer(), max_tokens=MINILM_MAX)
+    assert_spans(text, chunks)
+    assert max(len(c.text) for c in chunks) <= 200 * MAX_CHARS_PER_TOKEN
+    assert [w for c in chunks for w in c.text.split()] == words

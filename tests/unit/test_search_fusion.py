@@ -4,7 +4,15 @@ coalescing, on hand-made hits."""
 from __future__ import annotations
 
 from services.common.queries import SearchHit
-from services.search.fusion import coalesce, neighbour_windows, rrf_merge
+from services.search.fusion import (
+    Candidate,
+    CandidateList,
+    Fused,
+    Signal,
+    coalesce,
+    fuse,
+    neighbour_windows,
+)
 
 
 def hit(
@@ -34,38 +42,140 @@ def neighbour(doc: str, index: int, *, kb: str = "kb1", total: int = 10) -> Sear
     return hit(doc, index, kb=kb, total=total, score=None)
 
 
-# ---- rrf_merge ---------------------------------------------------------------------------------
+# ---- fuse --------------------------------------------------------------------------------------
 
 
-def test_rrf_interleaves_lists_by_rank_not_score() -> None:
-    """Two lists of equal length: first places come before second places, whatever the raw
-    scores; ties go to the earlier list."""
-    a = [hit("a1", 0, score=0.01), hit("a2", 0, score=0.009)]
-    b = [hit("b1", 0, kb="kb2", score=0.99), hit("b2", 0, kb="kb2", score=0.98)]
-    merged = rrf_merge([a, b], k=60, key=lambda h: h.chunk_id)
-    assert [h.document_id for h in merged] == ["a1", "b1", "a2", "b2"]
+def ranked(
+    signal: Signal, kb: str, *chunks: tuple[str, float], lead: bool = False, scale: str = "m"
+) -> CandidateList:
+    """A candidate list of `kb`: chunk ids "doc:index" with their list scores, best first."""
+    return CandidateList(
+        signal,
+        lead,
+        scale if signal == "dense" else "bm25",
+        [Candidate((kb, c), (kb, c.split(":")[0]), score) for c, score in chunks],
+    )
 
 
-def test_rrf_sums_an_item_found_in_several_lists_and_returns_it_once() -> None:
-    """An item ranked second in two lists beats items ranked first in only one."""
-    shared = ["x", "shared", "y"]
-    merged = rrf_merge([["p", "shared"], ["q", "shared"], shared], k=60, key=lambda s: s)
-    assert merged[0] == "shared"
-    assert merged.count("shared") == 1
-    assert sorted(merged) == sorted({"p", "q", "x", "y", "shared"})
+def order(fused: list[Fused]) -> list[str]:
+    return [f.chunk[1] for f in fused]
 
 
-def test_rrf_k_controls_how_much_top_ranks_dominate() -> None:
-    """A first place in one list against a fourth place in both: 1/(k+1) vs 2/(k+4), so a
-    small k lets the single first place win and the default k lets agreement win."""
-    lists = [["solo", "a", "b", "z"], ["c", "d", "e", "z"]]
-    assert rrf_merge(lists, k=1, key=str)[0] == "solo"
-    assert rrf_merge(lists, k=60, key=str)[0] == "z"
+def test_kbs_of_one_model_rank_as_one_kb_by_score() -> None:
+    """Split over two KBs, the same candidates fuse as in one KB: lists on one scale are
+    merged by score, so a KB's first place is not worth more than its score."""
+    one = fuse(
+        [
+            ranked("dense", "all", ("a:0", 0.9), ("b:0", 0.8), ("c:0", 0.3)),
+            ranked("keyword", "all", ("b:0", 9.0), ("a:0", 8.0), ("c:0", 1.0)),
+        ],
+        k=10,
+        lead_weight=0,
+    )
+    split = fuse(
+        [
+            ranked("dense", "kb1", ("a:0", 0.9), ("b:0", 0.8)),
+            ranked("keyword", "kb1", ("b:0", 9.0), ("a:0", 8.0)),
+            ranked("dense", "kb2", ("c:0", 0.3)),
+            ranked("keyword", "kb2", ("c:0", 1.0)),
+        ],
+        k=10,
+        lead_weight=0,
+    )
+    assert order(one) == order(split)[: len(one)] == ["a:0", "b:0", "c:0"]
+    assert [f.score for f in one] == [f.score for f in split]
 
 
-def test_rrf_of_nothing_is_empty_and_of_one_list_keeps_its_order() -> None:
-    assert rrf_merge([], key=str) == []
-    assert rrf_merge([["c", "a", "b"]], key=str) == ["c", "a", "b"]
+def test_an_unrelated_kb_does_not_put_its_best_hit_first() -> None:
+    """An unrelated KB's best hit scores below the related KB's good ones in every signal:
+    it ranks below them, not level with the related KB's first place."""
+    fused = fuse(
+        [
+            ranked("dense", "docs", ("a:0", 0.71), ("b:2", 0.69), ("c:1", 0.65)),
+            ranked("keyword", "docs", ("b:2", 7.5), ("a:0", 7.1), ("c:1", 6.0)),
+            ranked("dense", "other", ("x:0", 0.21), ("y:3", 0.18)),
+            ranked("keyword", "other", ("x:0", 1.2)),
+        ],
+        k=10,
+        lead_weight=0,
+    )
+    assert order(fused)[:3] == ["a:0", "b:2", "c:1"]
+    assert {"x:0", "y:3"} <= set(order(fused)[3:])
+
+
+def test_different_models_meet_by_rank_with_bm25_shared() -> None:
+    """Dense lists of two models are never compared by score; BM25 (one scale everywhere)
+    decides between their first places."""
+    fused = fuse(
+        [
+            ranked("dense", "kb1", ("a:0", 0.30), scale="model-a"),
+            ranked("dense", "kb2", ("x:0", 0.95), scale="model-b"),
+            ranked("keyword", "kb1", ("a:0", 5.0)),
+            ranked("keyword", "kb2", ("x:0", 2.0)),
+        ],
+        k=10,
+        lead_weight=0,
+    )
+    assert order(fused) == ["a:0", "x:0"]
+
+
+def test_scores_are_0_to_1_and_decrease_with_rank() -> None:
+    lists = [
+        ranked("dense", "kb", ("a:0", 0.9), ("b:1", 0.8), ("c:0", 0.7)),
+        ranked("keyword", "kb", ("a:0", 5.0), ("c:0", 4.0)),
+        ranked("dense", "kb", ("a:0", 0.9), ("c:0", 0.7), lead=True),
+        ranked("keyword", "kb", ("a:0", 5.0), ("c:0", 4.0), lead=True),
+    ]
+    fused = fuse(lists, k=10, lead_weight=0.5)
+    scores = [f.score for f in fused]
+    assert scores == sorted(scores, reverse=True)
+    assert scores[0] == 1.0  # first in every list, and its document's opening too
+    assert all(0 < s <= 1 for s in scores)
+
+
+def test_lead_prior_lifts_a_documents_matching_chunks_not_its_first_chunk_alone() -> None:
+    """The prior is a document's: a document whose opening matches lifts its mid-document
+    chunk that the chunk lists found; an opening that the chunk lists did not find at all
+    is not added as a candidate."""
+    lists = [
+        ranked("dense", "kb", ("other:4", 0.61), ("doc:7", 0.60)),
+        ranked("keyword", "kb", ("other:4", 6.1), ("doc:7", 6.0)),
+        ranked("dense", "kb", ("doc:0", 0.6), lead=True),
+        ranked("keyword", "kb", ("doc:0", 6.0), lead=True),
+    ]
+    assert order(fuse(lists, k=10, lead_weight=0)) == ["other:4", "doc:7"]
+    assert order(fuse(lists, k=10, lead_weight=0.5)) == ["doc:7", "other:4"]
+
+
+def test_the_prior_fades_when_no_opening_matches_like_the_best_chunk() -> None:
+    """The best opening scores far below the best chunk (the answer is inside a document):
+    the prior steps back and the chunk lists decide."""
+    lists = [
+        ranked("dense", "kb", ("other:4", 0.61), ("doc:7", 0.60)),
+        ranked("keyword", "kb", ("other:4", 6.1), ("doc:7", 6.0)),
+        ranked("dense", "kb", ("doc:0", 0.3), lead=True),
+        ranked("keyword", "kb", ("doc:0", 2.0), lead=True),
+    ]
+    assert order(fuse(lists, k=10, lead_weight=0.5)) == ["other:4", "doc:7"]
+
+
+def test_the_prior_never_lifts_a_weak_chunk_match_over_a_strong_one() -> None:
+    """A chunk far down the lists gains at most the factor 1 + lead_weight: not enough to
+    pass a chunk ranked first by every signal."""
+    weak = [(f"w{i}:3", 0.5 - i / 100) for i in range(20)]
+    lists = [
+        ranked("dense", "kb", ("strong:5", 0.8), *weak),
+        ranked(
+            "keyword", "kb", ("strong:5", 9.0), *[(c, 8 - i / 10) for i, (c, _) in enumerate(weak)]
+        ),
+        ranked("dense", "kb", ("w19:0", 0.9), lead=True),
+        ranked("keyword", "kb", ("w19:0", 9.0), lead=True),
+    ]
+    assert order(fuse(lists, k=10, lead_weight=0.5))[0] == "strong:5"
+
+
+def test_fusing_nothing_is_empty() -> None:
+    assert fuse([], k=10, lead_weight=0.5) == []
 
 
 # ---- neighbour_windows -------------------------------------------------------------------------

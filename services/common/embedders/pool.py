@@ -7,10 +7,14 @@ import asyncio
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.embedders.base import Embedder, is_local
 from services.common.embedders.local import Backend, LocalEmbedder, local_spec
 from services.common.embedders.remote import LiteLLMEmbedder, remote_max_tokens
+
+if TYPE_CHECKING:
+    from services.common.egress import EgressPolicy
 
 
 def model_limits(model: str) -> int:
@@ -33,8 +37,12 @@ class EmbedderPool:
         query_cache_size: int = 1024,
         local_backend: Backend = "onnx",
         cache_dir: Path | None = None,
+        egress: EgressPolicy | None = None,
     ) -> None:
         self._batch_size = batch_size
+        # The composition root passes the operator's policy; None checks nothing (tests that
+        # build embedders on their own local servers).
+        self._egress = egress
         self._max_batch = max_batch
         self._api_key = api_key
         self._local_backend: Backend = local_backend
@@ -58,7 +66,9 @@ class EmbedderPool:
                         max_batch=self._max_batch,
                     )
                 else:
-                    embedder = LiteLLMEmbedder(model, api_base=api_base, api_key=self._api_key)
+                    embedder = LiteLLMEmbedder(
+                        model, api_base=api_base, api_key=self._api_key, egress=self._egress
+                    )
                 self._embedders[key] = embedder
             return embedder
 

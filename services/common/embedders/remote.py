@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,6 +13,15 @@ from services.common.embedders.base import MODEL_FIELD, QUERY_MAX_TEXTS, normali
 from services.common.embedders.batching import Batcher
 from services.common.embedders.tokenizing import tiktoken_tokenizer
 from services.common.errors import InvalidInput, Transient
+from services.common.llm import (
+    NO_SDK_RETRIES,
+    import_litellm,
+    import_litellm_off_loop,
+    is_retryable,
+)
+
+if TYPE_CHECKING:
+    from services.common.egress import EgressPolicy
 
 log = logging.getLogger(__name__)
 
@@ -22,26 +29,8 @@ log = logging.getLogger(__name__)
 DEFAULT_REMOTE_MAX_TOKENS = 8191
 
 
-def _import_litellm() -> Any:
-    # Without this, `import litellm` fetches its cost map from the internet at import time.
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    # Otherwise every provider error also prints a "Give Feedback / Get Help" banner to stdout.
-    litellm.suppress_debug_info = True
-    return litellm
-
-
-async def _import_litellm_off_loop() -> Any:
-    # The first `import litellm` takes seconds; it must not stall the event loop.
-    module = sys.modules.get("litellm")
-    if module is not None and getattr(module, "suppress_debug_info", False):
-        return module
-    return await asyncio.to_thread(_import_litellm)
-
-
 def remote_max_tokens(model: str) -> int:
-    litellm = _import_litellm()
+    litellm = import_litellm()
     try:
         info = litellm.get_model_info(model)
     except Exception:
@@ -51,34 +40,11 @@ def remote_max_tokens(model: str) -> int:
     return int(limit) if limit else DEFAULT_REMOTE_MAX_TOKENS
 
 
-class _TruthyZero(int):
-    """0 retries that survives `max_retries or DEFAULT_MAX_RETRIES`.
-
-    litellm's OpenAI embedding path does exactly that (BerriAI/litellm#7003), so a plain 0
-    becomes 2 hidden retries inside the OpenAI SDK, stacked under ours.
-    """
-
-    def __bool__(self) -> bool:
-        return True
-
-
-_NO_SDK_RETRIES = _TruthyZero(0)
-
-
-def _is_retryable(err: Exception, litellm: Any) -> bool | None:
-    """True: transient provider error. False: the request itself is wrong. None: not ours."""
-    exceptions = litellm.exceptions
-    if isinstance(err, exceptions.APIConnectionError | exceptions.Timeout):
-        return True
+def _summary(err: Exception) -> str:
+    """What a provider error may tell a client: its HTTP status and kind, not its body."""
     status = getattr(err, "status_code", None)
-    if isinstance(status, int):
-        if status in (408, 429) or status >= 500:
-            return True
-        if 400 <= status < 500:
-            return False
-    if isinstance(err, exceptions.APIError | exceptions.OpenAIError):
-        return True
-    return None
+    kind = type(err).__name__
+    return f"HTTP {status}, {kind}" if isinstance(status, int) else kind
 
 
 class LiteLLMEmbedder:
@@ -94,9 +60,11 @@ class LiteLLMEmbedder:
         tries: int = 3,
         backoff_seconds: float = 0.5,
         timeout_seconds: float = 60.0,
+        egress: EgressPolicy | None = None,
     ) -> None:
         self._model = model
         self.api_base = api_base
+        self._egress = egress
         self._api_key = api_key
         self._batch_size = batch_size
         self._tries = max(1, tries)
@@ -144,7 +112,13 @@ class LiteLLMEmbedder:
         return vectors
 
     async def _embed_batch(self, batch: list[str]) -> list[list[float]]:
-        litellm = await _import_litellm_off_loop()
+        litellm = await import_litellm_off_loop()
+        if self._egress is not None and self.api_base:
+            # Checked at every call, not only when the KB was saved: a name can be re-pointed
+            # at an internal address later, and KBs saved before the policy existed remain.
+            await self._egress.check_url(
+                self.api_base, field="api_base", what="call the embedding model at"
+            )
         for attempt in range(1, self._tries + 1):
             try:
                 response = await litellm.aembedding(
@@ -154,21 +128,24 @@ class LiteLLMEmbedder:
                     api_key=self._api_key,
                     timeout=self._timeout,
                     # One retry policy, ours: the OpenAI SDK would otherwise retry underneath.
-                    max_retries=_NO_SDK_RETRIES,
+                    max_retries=NO_SDK_RETRIES,
                 )
             except Exception as err:
-                retryable = _is_retryable(err, litellm)
+                retryable = is_retryable(err, litellm)
                 if retryable is None:
                     raise
+                # The provider's own words stay in the log: a response body is whatever the
+                # server at `api_base` chose to send, and must not reach API clients.
                 if not retryable:
-                    status = getattr(err, "status_code", None)
+                    log.warning("embed_rejected model=%s error=%r", self._model, str(err)[:500])
                     raise InvalidInput(
-                        f"{self._model} rejected the embedding request ({status}): {err}",
+                        f"{self._model} rejected the embedding request ({_summary(err)})",
                         field=MODEL_FIELD,
                     ) from err
                 if attempt == self._tries:
+                    log.warning("embed_unavailable model=%s error=%r", self._model, str(err)[:500])
                     raise Transient(
-                        f"{self._model} unavailable after {attempt} tries: {err}",
+                        f"{self._model} unavailable after {attempt} tries ({_summary(err)})",
                         field=MODEL_FIELD,
                     ) from err
                 delay = self._backoff * 2 ** (attempt - 1)

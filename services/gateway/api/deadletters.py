@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 
 from services.gateway.api.deps import Caller, Letters
 from services.gateway.schemas import DeadLetterList, DeadLetterView
@@ -23,7 +23,13 @@ async def list_dead_letters(
     return await letters.list(caller, subject, limit)
 
 
+# JetStream numbers messages from 1 with unsigned 64-bit integers.
+Sequence = Annotated[int, Path(ge=1, le=2**63 - 1, description="the dead letter's sequence")]
+
+
 @router.post("/{sequence}/replay", status_code=202)
-async def replay_dead_letter(sequence: int, letters: Letters, caller: Caller) -> DeadLetterView:
+async def replay_dead_letter(
+    sequence: Sequence, letters: Letters, caller: Caller
+) -> DeadLetterView:
     """Publish the message again on its original subject and remove the dead letter."""
     return await letters.replay(caller, sequence)

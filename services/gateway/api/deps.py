@@ -9,6 +9,7 @@ from fastapi import Depends, Header, Request
 from services.gateway.auth import KeyResolver, Principal
 from services.gateway.schemas import UploadResult
 from services.gateway.service import (
+    Answers,
     DeadLetters,
     Documents,
     GatewayService,
@@ -34,6 +35,10 @@ def get_search(request: Request) -> Search:
     return get_service(request).search
 
 
+def get_answers(request: Request) -> Answers:
+    return get_service(request).answers
+
+
 def get_dead_letters(request: Request) -> DeadLetters:
     return get_service(request).dead_letters
 
@@ -49,6 +54,7 @@ async def get_principal(
 Kbs = Annotated[KnowledgeBases, Depends(get_kbs)]
 Docs = Annotated[Documents, Depends(get_documents)]
 Searcher = Annotated[Search, Depends(get_search)]
+Answerer = Annotated[Answers, Depends(get_answers)]
 Letters = Annotated[DeadLetters, Depends(get_dead_letters)]
 Caller = Annotated[Principal, Depends(get_principal)]
 

@@ -10,8 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from services.common.bus import BUS_UNAVAILABLE, unavailable
 from services.common.errors import InvalidInput, KbmeshError, NotFound
 from services.gateway.api.deps import get_principal
+from services.gateway.api.problems import RETRY_AFTER
 from services.gateway.mcp import KbmeshMCP
 from services.gateway.tools import ToolErrorResult, error_outcome, run_tool
 
@@ -71,9 +73,12 @@ def create_router(mcp_server: KbmeshMCP) -> APIRouter:
                 arguments = await _arguments(request)
             except KbmeshError as err:
                 outcome = error_outcome(err)
+            except BUS_UNAVAILABLE as err:
+                outcome = error_outcome(unavailable(err))
             else:
                 outcome = await run_tool(spec, mcp_server.service, principal, arguments)
-        return JSONResponse(outcome.structured, status_code=outcome.status_code)
+        headers = RETRY_AFTER if outcome.status_code == 503 else None
+        return JSONResponse(outcome.structured, status_code=outcome.status_code, headers=headers)
 
     return router
 

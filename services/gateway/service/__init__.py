@@ -1,5 +1,6 @@
 """The gateway's logic, shared by REST and MCP and free of both: knowledge bases, documents,
-search, the access rules of API-key scopes, and read-your-writes waiting.
+search, answers and stored prompts, the access rules of API-key scopes, and read-your-writes
+waiting.
 
 It never writes vectors: documents change through events to ingest; KB definitions are
 written here (the gateway owns the KB API) and announced with `kb.changed`."""
@@ -9,13 +10,22 @@ from __future__ import annotations
 from services.common.bus import Bus
 from services.common.registry import Registries
 from services.common.settings import Settings
+from services.gateway.service.answers import Answers
 from services.gateway.service.deadletters import DeadLetters
 from services.gateway.service.documents import Documents
 from services.gateway.service.kbs import KnowledgeBases, validate_kb
 from services.gateway.service.search import Search
 from services.gateway.service.waiting import Waiting
 
-__all__ = ["DeadLetters", "Documents", "GatewayService", "KnowledgeBases", "Search", "validate_kb"]
+__all__ = [
+    "Answers",
+    "DeadLetters",
+    "Documents",
+    "GatewayService",
+    "KnowledgeBases",
+    "Search",
+    "validate_kb",
+]
 
 
 class GatewayService:
@@ -29,6 +39,7 @@ class GatewayService:
         self.kbs = KnowledgeBases(bus, registries, settings)
         self.documents = Documents(bus, registries, settings, self.kbs, self.waiting)
         self.search = Search(bus, settings, self.kbs)
+        self.answers = Answers(bus, registries, settings, self.kbs)
         self.dead_letters = DeadLetters(bus)
 
     async def start(self) -> None:

@@ -1,27 +1,24 @@
 """Who may see and change what: the access rules of API-key scopes over documents and tags.
 
 A KB-scoped key sees only documents in (or tagged into) its KBs, may change only documents
-wholly inside its scope, and cannot tag a document into a KB outside it. Anything outside the
-scope is reported as not found, so a scoped key never learns that it exists."""
+wholly inside its scope, cannot tag a document into a KB outside it, cannot give its KBs tags
+that pull in documents it cannot read, and sees no ids of KBs outside it. Anything outside
+the scope is reported as not found, so a scoped key never learns that it exists."""
 
 from __future__ import annotations
 
 from services.common.errors import Forbidden, InvalidInput, NotFound
-from services.common.models import DocumentRecord, KnowledgeBase, check_id
+from services.common.models import KB_TAG_PREFIX, DocumentRecord, KnowledgeBase, check_id
 from services.gateway.auth import Principal
 
 
 def visible(p: Principal, record: DocumentRecord) -> bool:
-    return (
-        p.kb_ids is None
-        or bool(set(p.kb_ids) & set(record.kb_ids))
-        or any(f"kb:{k}" in record.tags for k in p.kb_ids)
-    )
+    return record.in_scope(p.kb_ids)
 
 
 def check_document_write(p: Principal, record: DocumentRecord) -> None:
     p.check_write()
-    if p.kb_ids is not None and not set(record.kb_ids) <= set(p.kb_ids):
+    if not record.writable_in(p.kb_ids):
         raise NotFound(f"document {record.document_id!r} not found", field="document_id")
 
 
@@ -37,6 +34,52 @@ def check_tag_scope(p: Principal, kbs: list[KnowledgeBase], tags: list[str]) -> 
                 "this API key's scope",
                 field="tags",
             )
+
+
+def check_kb_tags_in_scope(
+    p: Principal, kb_id: str, tag_ids: list[str], documents: list[DocumentRecord]
+) -> None:
+    """A scoped key may give its KB only tags that pull in documents it can already read: a
+    KB's tags are membership, so `kb:<another KB>` or a tag that documents of other KBs carry
+    would make those documents searchable and readable through this KB."""
+    if p.kb_ids is None:
+        return
+    for tag in tag_ids:
+        if tag.startswith(KB_TAG_PREFIX) and tag.removeprefix(KB_TAG_PREFIX) not in p.kb_ids:
+            raise Forbidden(
+                f"tag_ids: {tag!r} names a knowledge base outside this API key's scope",
+                field="tag_ids",
+            )
+    wanted = set(tag_ids)
+    for record in documents:
+        if wanted & set(record.tags) and not record.in_scope(p.kb_ids):
+            raise Forbidden(
+                "tag_ids: these tags would add documents this API key cannot read to "
+                f"knowledge base {kb_id!r}",
+                field="tag_ids",
+            )
+
+
+def visible_kb_ids(p: Principal, kb_ids: list[str]) -> list[str]:
+    return kb_ids if p.kb_ids is None else [k for k in kb_ids if k in p.kb_ids]
+
+
+def visible_tags(p: Principal, tags: list[str]) -> list[str]:
+    """Tags without the implicit tags of KBs outside the key's scope (their ids included)."""
+    if p.kb_ids is None:
+        return tags
+    return [
+        t
+        for t in tags
+        if not t.startswith(KB_TAG_PREFIX) or t.removeprefix(KB_TAG_PREFIX) in p.kb_ids
+    ]
+
+
+def kb_rank(kbs: list[KnowledgeBase], kb_id: str) -> int:
+    """1-based position of `kb_id` among `kbs` in creation order (ties by id), so that every
+    gateway that races to create KBs agrees which ones are over the limit."""
+    ordered = sorted(kbs, key=lambda k: (k.created_at, k.kb_id))
+    return next(i for i, k in enumerate(ordered, 1) if k.kb_id == kb_id)
 
 
 def key_safe(value: str) -> bool:

@@ -4,17 +4,26 @@ only through events to ingest; with `wait`, a call returns once the index reflec
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from services.common.bus import Bus
-from services.common.content import STAGING_PREFIX, decode_content, is_supported, normalise_mime
-from services.common.errors import Conflict, InvalidInput, NotFound
+from services.common.content import (
+    TEXT_TYPES,
+    decode_content,
+    is_supported,
+    normalise_mime,
+    staging_name,
+)
+from services.common.errors import Conflict, InvalidInput, NotFound, error_class
 from services.common.events import DocDeleted, DocFailed, DocUploaded, Subject, TagsChanged
+from services.common.limits import check_document_fields, check_labels, check_metadata
 from services.common.models import (
     COLLECTION_PREFIX,
     DocStatus,
     DocumentRecord,
     KnowledgeBase,
+    id_unavailable,
     join_tags,
     new_id,
     split_tags,
@@ -35,11 +44,15 @@ from services.gateway.service.access import (
     check_tag_scope,
     key_safe,
     visible,
+    visible_kb_ids,
+    visible_tags,
 )
 from services.gateway.service.kbs import KnowledgeBases
 from services.gateway.service.waiting import Events, Waiting
 
 PATCH_ATTEMPTS = 10
+# How long a PATCH without `wait` waits for ingest to apply (or drop) its change.
+VERDICT_SECONDS = 10.0
 
 
 class Documents:
@@ -68,9 +81,28 @@ class Documents:
         if not is_supported(mime):
             raise InvalidInput(f"unsupported mime_type {mime!r}", field="mime_type")
         data = decode_content(body.content, body.content_encoding, self.settings.max_content_bytes)
-        _check_labels(body.tags, body.collection)
+        check_document_fields(
+            name=body.name,
+            source_id=body.source_id,
+            uri=body.uri,
+            tags=body.tags,
+            collection=body.collection,
+            metadata=body.metadata,
+            limits=self.settings.limits,
+        )
+        _check_label_prefixes(body.tags)
+        if mime in TEXT_TYPES and not data.strip():
+            raise InvalidInput(
+                "the document has no text (empty or whitespace only)", field="content"
+            )
         await self._check_tag_scope(p, body.tags)
         document_id = body.document_id or new_id()
+        if body.document_id:
+            # Checked here for a quick answer; ingest checks again when it writes (the event
+            # carries the scope), so a document moved meanwhile is safe too.
+            existing = await self.reg.documents.get(f"{p.org_id}.{document_id}")
+            if existing is not None and not existing.writable_in(p.scope):
+                raise id_unavailable(document_id)
         event = DocUploaded(
             org_id=p.org_id,
             document_id=document_id,
@@ -82,19 +114,28 @@ class Documents:
             collection=body.collection,
             metadata=body.metadata,
             kb_id=kb.kb_id if kb else None,
+            scope_kb_ids=p.scope,
         )
         if len(data) <= self.settings.inline_content_bytes:
             event.content, event.content_encoding = body.content, body.content_encoding
         else:
-            event.object_ref = f"{STAGING_PREFIX}{event.event_id}"
+            event.object_ref = staging_name(p.org_id, event.event_id)
             await self.reg.texts.put(event.object_ref, data)
         result = UploadResult(document_id=document_id, name=body.name, status="processing")
         if not wait:
-            await self.bus.publish(Subject.DOC_UPLOADED, event)
+            await self._publish_upload(event)
             return result
         async with self.waiting.watch([document_id]) as events:
-            await self.bus.publish(Subject.DOC_UPLOADED, event)
+            await self._publish_upload(event)
             return await self._await_upload(event, events, kb, result)
+
+    async def _publish_upload(self, event: DocUploaded) -> None:
+        try:
+            await self.bus.publish(Subject.DOC_UPLOADED, event)
+        except BaseException:
+            if event.object_ref:  # staged for an event that was never sent
+                await self.reg.texts.delete(event.object_ref)
+            raise
 
     async def _await_upload(
         self,
@@ -106,27 +147,38 @@ class Documents:
         deadline = self.waiting.deadline()
         found = await self.waiting.record(
             f"{event.org_id}.{event.document_id}",
-            lambda r: r.last_event_id == event.event_id,
+            lambda r: (
+                _revision_of(r, event.event_id) is not None or r.upload_event_id == event.event_id
+            ),
             deadline,
             events,
-            event.org_id,
+            event,
         )
         if isinstance(found, DocFailed):
-            return result.model_copy(update={"status": "failed", "error": found.error})
+            # Refused by ingest: the upload itself is at fault, and nothing was stored.
+            raise error_class(found.error_type)(found.error)
         if found is None:
             return result
         record = found
+        revision = _revision_of(record, event.event_id) or record.revision
+        if record.upload_event_id != event.event_id:
+            # Another upload replaced ours before it was indexed: ours will never be
+            # searchable. Said plainly, not waited for until the timeout.
+            raise _overtaken(record.document_id, revision, record.revision)
         result.revision = record.revision
         result.kb_ids = record.kb_ids
         if record.status == DocStatus.awaiting_ocr:
             return result.model_copy(update={"status": "awaiting_ocr"})
         if record.status == DocStatus.failed:
-            return result.model_copy(update={"status": "failed", "error": record.error})
+            raise InvalidInput(record.error or "the upload failed", field="content")
         if not record.kb_ids:
             return result.model_copy(update={"status": "stored", "chunk_count": 0})
         outcome = await self.waiting.indexed(
-            events, event.org_id, set(record.kb_ids), set(), record.revision, deadline
+            events, event.org_id, set(record.kb_ids), set(), revision, deadline
         )
+        current = await self.reg.documents.get(record.key)
+        if current is not None and current.upload_event_id != event.event_id:
+            raise _overtaken(record.document_id, revision, current.revision)
         if isinstance(outcome, DocFailed):
             return result.model_copy(update={"status": "failed", "error": outcome.error})
         if outcome is None:
@@ -137,7 +189,7 @@ class Documents:
 
     async def get(self, p: Principal, document_id: str) -> DocumentView:
         record = await self._record(p, document_id)
-        return await self._view(record)
+        return await self._view(record, p)
 
     async def page(
         self,
@@ -165,34 +217,41 @@ class Documents:
         if name_search:
             records = [r for r in records if name_search.lower() in r.name.lower()]
         records.sort(key=lambda r: r.created_at)
-        views = await asyncio.gather(*(self._view(r) for r in records[skip : skip + limit]))
+        views = await asyncio.gather(*(self._view(r, p) for r in records[skip : skip + limit]))
         return Page[DocumentView](items=list(views), total=len(records), skip=skip, limit=limit)
 
     async def patch(
         self, p: Principal, document_id: str, patch: DocumentPatch, *, wait: bool = True
     ) -> DocumentView:
         """Set tags, collection and/or metadata. The change is sent as the next revision of
-        the record read here; if another change took that revision first, ingest drops ours
-        as stale, so with `wait` it is applied again on the newer record (what the caller
-        asked to set is set, whatever happened meanwhile)."""
+        the record read here, and ingest applies changes in revision order: one that another
+        change overtook is dropped as stale. So every call waits for ingest's verdict (not
+        for indexing, unless `wait`): a dropped change is applied again on the newer record
+        (what the caller asked to set is set); one applied and then overwritten by a later
+        change of the same field answers 409. Nothing is lost silently."""
         record = await self._record(p, document_id)
         check_document_write(p, record)
+        if patch.metadata is not None:
+            check_metadata(patch.metadata, self.settings.limits)
         deadline = self.waiting.deadline()
+        if not wait:
+            deadline = min(deadline, time.monotonic() + VERDICT_SECONDS)
         for _ in range(PATCH_ATTEMPTS):
-            visible_tags, collection = split_tags(record.tags)
+            labels, collection = split_tags(record.tags)
             if patch.tags is not None:
                 # Implicit KB tags stay: they are membership, not labels the caller manages.
-                visible_tags = [t for t in visible_tags if t.startswith("kb:")] + patch.tags
+                labels = [t for t in labels if t.startswith("kb:")] + patch.tags
             if patch.clear_collection:
                 collection = None
             elif patch.collection is not None:
                 collection = patch.collection
-            _check_labels(visible_tags, collection)
-            tags = join_tags(visible_tags, collection)
+            check_labels(labels, collection, self.settings.limits)
+            _check_label_prefixes(patch.tags or [])
+            tags = join_tags(labels, collection)
             await self._check_tag_scope(p, tags)
             metadata = patch.metadata if patch.metadata is not None else record.metadata
             if tags == record.tags and metadata == record.metadata:
-                return await self._view(record)
+                return await self._view(record, p)
             revision = record.revision + 1
             event = TagsChanged(
                 org_id=p.org_id,
@@ -200,25 +259,35 @@ class Documents:
                 tags=tags,
                 metadata=patch.metadata,
                 revision=revision,
+                scope_kb_ids=p.scope,
             )
-            if not wait:
-                await self.bus.publish(Subject.TAGS_CHANGED, event)
-                return await self._view(record)
             async with self.waiting.watch([document_id]) as events:
                 await self.bus.publish(Subject.TAGS_CHANGED, event)
                 updated = await self.waiting.record(record.key, _at_least(revision), deadline)
                 if not isinstance(updated, DocumentRecord):
-                    break  # timed out, or deleted meanwhile
-                if updated.last_event_id != event.event_id and not _patched(patch, updated):
+                    if wait:
+                        break  # timed out, or deleted meanwhile
+                    return await self._view(record, p)  # accepted, not applied yet
+                mine = _revision_of(updated, event.event_id)
+                if mine is None:
+                    if _patched(patch, updated):
+                        break  # another change set the same: nothing of ours is lost
                     record = updated  # ours was dropped as stale: again, on the newer record
                     check_document_write(p, record)
                     continue
-                if updated.status == DocStatus.ready:
+                if wait and updated.status == DocStatus.ready:
                     lost = set(record.kb_ids) - set(updated.kb_ids)
                     await self.waiting.indexed(
-                        events, p.org_id, set(updated.kb_ids), lost, updated.revision, deadline
+                        events, p.org_id, set(updated.kb_ids), lost, mine, deadline
                     )
-                break
+                # Applied in order; later changes build on it. The answer is the document
+                # now, as long as it still holds what this call set: a later change of the
+                # same field won (last writer wins), and this call says so instead of
+                # showing another request's value as its own.
+                current = await self.reg.documents.get(record.key) or updated
+                if not _patched(patch, current):
+                    raise _overtaken(document_id, mine, current.revision)
+                return await self._view(current, p)
         else:
             raise Conflict(
                 f"document {document_id!r} keeps changing; try again", field="document_id"
@@ -299,7 +368,7 @@ class Documents:
         if p.kb_ids is not None and tags:
             check_tag_scope(p, await self.reg.kbs.list(f"{p.org_id}."), tags)
 
-    async def _view(self, record: DocumentRecord) -> DocumentView:
+    async def _view(self, record: DocumentRecord, p: Principal) -> DocumentView:
         tags, collection = split_tags(record.tags)
         status = record.status.value
         if record.status == DocStatus.ready:
@@ -316,7 +385,7 @@ class Documents:
             mime_type=record.mime_type,
             source_id=record.source_id,
             uri=record.uri,
-            tags=tags,
+            tags=visible_tags(p, tags),
             collection=collection,
             metadata=record.metadata,
             revision=record.revision,
@@ -324,7 +393,7 @@ class Documents:
             error=record.error
             or "; ".join(f"KB {k}: {why}" for k, why in sorted(record.kb_errors.items()))
             or None,
-            kb_ids=record.kb_ids,
+            kb_ids=visible_kb_ids(p, record.kb_ids),
             size_bytes=record.size_bytes,
             created_at=record.created_at,
             updated_at=record.updated_at,
@@ -335,27 +404,37 @@ def _at_least(revision: int) -> Callable[[DocumentRecord], bool]:
     return lambda record: record.revision >= revision
 
 
-def _check_labels(tags: list[str], collection: str | None) -> None:
+def _check_label_prefixes(tags: list[str]) -> None:
     for tag in tags:
-        if not tag.strip() or len(tag) > 200:
-            raise InvalidInput(f"invalid tag {tag!r}: 1-200 characters", field="tags")
         if tag.startswith(COLLECTION_PREFIX):
             raise InvalidInput(
                 "set collections with `collection`, not a 'collection:' tag", field="tags"
             )
-    if collection is not None and (not collection.strip() or len(collection) > 200):
-        raise InvalidInput("collection must be 1-200 characters", field="collection")
+
+
+def _revision_of(record: DocumentRecord, event_id: str) -> int | None:
+    """The revision that `event_id` made, if it is one of the record's recent changes."""
+    if record.last_event_id == event_id:
+        return record.recent_events.get(event_id, record.revision)
+    return record.recent_events.get(event_id)
+
+
+def _overtaken(document_id: str, mine: int, newer: int) -> Conflict:
+    return Conflict(
+        f"document {document_id!r}: this change (revision {mine}) was overwritten by another "
+        f"request's (revision {newer}) before it could be confirmed; read the document for "
+        "its state",
+        field="document_id",
+    )
 
 
 def _patched(patch: DocumentPatch, record: DocumentRecord) -> bool:
     """Whether `record` already has what `patch` sets (by this or another change)."""
-    visible_tags, collection = split_tags(record.tags)
+    shown, collection = split_tags(record.tags)
     if patch.tags is not None:
-        labels = {t for t in visible_tags if not t.startswith("kb:")}
+        labels = {t for t in shown if not t.startswith("kb:")}
         wanted = set(patch.tags)
-        if labels != {t for t in wanted if not t.startswith("kb:")} or not wanted <= set(
-            visible_tags
-        ):
+        if labels != {t for t in wanted if not t.startswith("kb:")} or not wanted <= set(shown):
             return False
     if patch.clear_collection and collection is not None:
         return False

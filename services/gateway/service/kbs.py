@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 
 from services.common.bus import Bus
+from services.common.egress import egress_policy
 from services.common.embedders import model_limits
 from services.common.errors import Conflict, InvalidInput, NotFound, Transient
 from services.common.events import KbChanged, Subject
@@ -25,6 +26,7 @@ from services.common.models import (
 from services.common.registry import Registries
 from services.common.settings import Settings
 from services.gateway.auth import Principal
+from services.gateway.modelcheck import check_model
 from services.gateway.schemas import (
     Ack,
     KbCreate,
@@ -35,7 +37,7 @@ from services.gateway.schemas import (
     KbView,
     Page,
 )
-from services.gateway.service.access import key_safe
+from services.gateway.service.access import check_kb_tags_in_scope, kb_rank, key_safe
 
 # Derives other orgs' default KB ids (see `KnowledgeBases.default_id`).
 DEFAULT_KB_NAMESPACE = uuid.UUID("0b3f6c52-2d7e-4f0a-9a43-5c1e8d7b6a29")
@@ -48,6 +50,7 @@ class KnowledgeBases:
         self.bus = bus
         self.reg = registries
         self.settings = settings
+        self._locks: dict[str, asyncio.Lock] = {}
 
     def default_id(self, org_id: str) -> str:
         """The id of an org's default KB. KB ids must be unique across orgs: collections,
@@ -87,7 +90,9 @@ class KnowledgeBases:
         kb = await lookup(key) if key_safe(ref) else None
         if kb is None:
             kb = next((k for k in await self.reg.kbs.list(f"{p.org_id}.") if k.name == ref), None)
-        if kb is None and ref == self.settings.default_kb:
+        if kb is None and ref == self.settings.default_kb and p.kb_ids is None:
+            if p.read_only:  # a read must not create anything
+                raise NotFound(f"knowledge base {ref!r} not found", field="kb_id")
             kb = await self.ensure_default(p.org_id)
         if kb is None or not p.can_see(kb.kb_id):
             raise NotFound(f"knowledge base {ref!r} not found", field="kb_id")
@@ -96,22 +101,39 @@ class KnowledgeBases:
 
     async def create(self, p: Principal, body: KbCreate) -> KbView:
         p.check_org_wide_write()
-        existing = await self.reg.kbs.list(f"{p.org_id}.")
-        if len(existing) >= self.settings.kb_limit:
-            raise Conflict(
-                f"this org already has {self.settings.kb_limit} knowledge bases (KBMESH_KB_LIMIT)"
-            )
-        if any(k.name == body.name for k in existing):
-            raise Conflict(f"a knowledge base named {body.name!r} exists", field="name")
         fields = body.model_dump(exclude_none=True)
         fields.setdefault("embedding_model", self.settings.default_model)
         kb = KnowledgeBase(org_id=p.org_id, kb_id=new_id(), **fields)
+        self._check_count(await self.reg.kbs.list(f"{p.org_id}."), body.name)
         await asyncio.to_thread(validate_kb, kb)
-        await self.reg.kbs.create(f"{p.org_id}.{kb.kb_id}", kb)
+        await check_model(kb.embedding_model, kb.api_base, egress_policy(self.settings))
+        if kb.rerank_api_base:
+            await egress_policy(self.settings).check_url(
+                kb.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
+            )
+        # Check and create under the org's lock (one gateway), then check the rank among
+        # what exists (gateways racing each other agree on who is over the limit).
+        async with self._locks.setdefault(p.org_id, asyncio.Lock()):
+            self._check_count(await self.reg.kbs.list(f"{p.org_id}."), body.name)
+            await self.reg.kbs.create(f"{p.org_id}.{kb.kb_id}", kb)
+        if kb_rank(await self.reg.kbs.list(f"{p.org_id}."), kb.kb_id) > self.settings.kb_limit:
+            await self.reg.kbs.delete(f"{p.org_id}.{kb.kb_id}")
+            raise self._limit_reached()
         await self.bus.publish(
             Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="created")
         )
         return await self.view(kb)
+
+    def _check_count(self, existing: list[KnowledgeBase], name: str) -> None:
+        if len(existing) >= self.settings.kb_limit:
+            raise self._limit_reached()
+        if any(k.name == name for k in existing):
+            raise Conflict(f"a knowledge base named {name!r} exists", field="name")
+
+    def _limit_reached(self) -> Conflict:
+        return Conflict(
+            f"this org already has {self.settings.kb_limit} knowledge bases (KBMESH_KB_LIMIT)"
+        )
 
     async def page(
         self, p: Principal, skip: int = 0, limit: int = 50, name_search: str | None = None
@@ -136,7 +158,13 @@ class KnowledgeBases:
             others = await self.reg.kbs.list(f"{p.org_id}.")
             if any(k.name == changes["name"] for k in others):
                 raise Conflict(f"a knowledge base named {changes['name']!r} exists", field="name")
-        update = {k: v for k, v in changes.items() if v is not None or k == "api_base"}
+        nullable = ("api_base", "rerank_model", "rerank_api_base")
+        update = {k: v for k, v in changes.items() if v is not None or k in nullable}
+        added = sorted(set(update.get("tag_ids", kb.tag_ids)) - set(kb.tag_ids))
+        if added:
+            check_kb_tags_in_scope(
+                p, kb.kb_id, added, await self.reg.documents.list(f"{p.org_id}.")
+            )
         indexed = bool(await self.reg.index.list(f"{kb.kb_id}."))
 
         def apply(current: KnowledgeBase) -> KnowledgeBase:
@@ -162,7 +190,15 @@ class KnowledgeBases:
             return updated
 
         # Off the loop: the first remote model lookup imports litellm (seconds).
-        await asyncio.to_thread(apply, kb)
+        checked = await asyncio.to_thread(apply, kb)
+        if (checked.embedding_model, checked.api_base) != (kb.embedding_model, kb.api_base):
+            await check_model(
+                checked.embedding_model, checked.api_base, egress_policy(self.settings)
+            )
+        if checked.rerank_api_base and checked.rerank_api_base != kb.rerank_api_base:
+            await egress_policy(self.settings).check_url(
+                checked.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
+            )
         old, updated = await self._change(p.org_id, kb.kb_id, apply)
         if set(updated.tag_ids) != set(old.tag_ids):
             await self.bus.publish(

@@ -20,6 +20,7 @@ from services.common.queries import (
 )
 from services.common.settings import Settings
 from services.gateway.auth import Principal
+from services.gateway.service.access import visible_tags
 from services.gateway.service.kbs import KnowledgeBases
 
 
@@ -36,7 +37,10 @@ class Search:
             query = query.model_copy(update={"kb_ids": [k.kb_id for k in kbs]})
         request = SearchRequest(**query.model_dump(), org_id=p.org_id, scope_kb_ids=p.scope)
         body = await self._request(Subject.SEARCH_QUERY, request)
-        return SearchResponse.model_validate(body)
+        response = SearchResponse.model_validate(body)
+        for hit in response.hits:
+            hit.tags = visible_tags(p, hit.tags)
+        return response
 
     async def chunk(
         self, p: Principal, chunk_id: str, kb: str | None = None, neighbors: int = 0
@@ -52,18 +56,24 @@ class Search:
         return ChunkResponse.model_validate(await self._request(Subject.SEARCH_CHUNK, request))
 
     async def _request(self, subject: str, request: BaseModel) -> dict[str, Any]:
-        try:
-            reply = await self.bus.request(
-                subject, request, timeout=self.settings.search.timeout_seconds
-            )
-        except TimeoutError as err:
-            raise Transient("search service did not answer in time") from err
-        except Exception as err:
-            if "no responders" in str(err).lower() or type(err).__name__ == "NoRespondersError":
-                raise Transient("no search service is running") from err
-            raise
-        if "error" in reply:
-            error = RemoteError.model_validate(reply["error"])
-            raise error_class(error.error_type)(error.message, field=error.field)
-        result: dict[str, Any] = reply["result"]
-        return result
+        return await request_reply(self.bus, subject, request, self.settings.search.timeout_seconds)
+
+
+async def request_reply(
+    bus: Bus, subject: str, request: BaseModel, timeout: float
+) -> dict[str, Any]:
+    """Ask the search service; its errors come back as `RemoteError` bodies and are raised
+    here as the same kbmesh errors."""
+    try:
+        reply = await bus.request(subject, request, timeout=timeout)
+    except TimeoutError as err:
+        raise Transient("search service did not answer in time") from err
+    except Exception as err:
+        if "no responders" in str(err).lower() or type(err).__name__ == "NoRespondersError":
+            raise Transient("no search service is running") from err
+        raise
+    if "error" in reply:
+        error = RemoteError.model_validate(reply["error"])
+        raise error_class(error.error_type)(error.message, field=error.field)
+    result: dict[str, Any] = reply["result"]
+    return result

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
-from services.common.events import DocFailed, DocIndexed, Subject
+from services.common.events import DocFailed, DocIndexed, Event, Subject
 from services.common.models import DocumentRecord
 from services.common.registry import Registries
 
@@ -89,14 +89,14 @@ class Waiting:
         predicate: Callable[[DocumentRecord], bool] | None,
         deadline: float,
         events: Events | None = None,
-        org_id: str | None = None,
+        cause: Event | None = None,
     ) -> DocumentRecord | DocFailed | None:
         """The document record once it satisfies `predicate` (None: once it is gone; then
-        None is returned), an ingest failure reported meanwhile on `events`, or None on
-        timeout."""
+        None is returned), ingest's failure to handle `cause` reported meanwhile on
+        `events`, or None on timeout."""
         while time.monotonic() < deadline:
-            if events is not None and org_id is not None:
-                failed = drain_failure(events, org_id, stage="ingest")
+            if events is not None and cause is not None:
+                failed = drain_failure(events, cause)
                 if failed is not None:
                     return failed
             record = await self.reg.documents.get(key)
@@ -161,15 +161,18 @@ class Waiting:
             await self.record(r.key, None, deadline)
 
 
-def drain_failure(events: Events, org_id: str, stage: str) -> DocFailed | None:
+def drain_failure(events: Events, cause: Event) -> DocFailed | None:
+    """Ingest's failure to handle `cause` among the queued events (the others stay queued;
+    a concurrent write's failure is not ours)."""
     pending: list[DocIndexed | DocFailed] = []
     failure = None
     while not events.empty():
         ev = events.get_nowait()
         if (
             isinstance(ev, DocFailed)
-            and ev.stage == stage
-            and ev.org_id == org_id
+            and ev.stage == "ingest"
+            and ev.org_id == cause.org_id
+            and ev.cause == cause.event_id
             and failure is None
         ):
             failure = ev

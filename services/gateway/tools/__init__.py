@@ -1,7 +1,7 @@
 """The agent tools: the registry (`registry.py`), their text rendering (`rendering.py`), and
-the `core` and `compat` toolsets, registered on import."""
+the `core` (with `answers`) and `compat` toolsets, registered on import."""
 
-from services.gateway.tools import compat, core
+from services.gateway.tools import answers, compat, core
 from services.gateway.tools.registry import (
     TOOLS,
     TOOLSETS,
@@ -19,6 +19,7 @@ __all__ = [
     "ToolErrorResult",
     "ToolOutcome",
     "ToolSpec",
+    "answers",
     "compat",
     "core",
     "error_outcome",

@@ -75,17 +75,18 @@ async def search_docs(
             query=inp.query,
             kb_ids=[kb_id],
             top_k=inp.topK,
-            min_score=inp.minScore,
+            min_similarity=inp.minScore,
             coalesce_neighbors=0,
         ),
     )
+    # The contract's score is similarity (0-1), as minScore is; the order is the ranking.
     return SearchDocsOutput(
         results=[
             DocResult(
                 content=h.content,
                 documentTitle=h.document_name,
                 chunkIndex=h.chunk_index,
-                score=h.score or 0.0,
+                score=h.similarity or 0.0,
             )
             for h in resp.hits
             if h.is_matched

@@ -78,8 +78,28 @@ class KbSearchInput(BaseModel):
     )
     min_score: float | None = Field(
         None,
-        description="drop matches scoring below this (cosine similarity 0-1 in hybrid "
-        "and dense mode, BM25 relative to the best match in keyword mode)",
+        description="drop matches whose score (0-1, the ranking score shown with each "
+        "hit: 1.0 = best by every signal) is below this",
+    )
+    min_similarity: float | None = Field(
+        None,
+        ge=-1,
+        le=1,
+        description="drop matches less similar in meaning than this (cosine, typically "
+        "0.2-0.7 for relevant text; hybrid and dense mode)",
+    )
+    rerank: bool | None = Field(
+        None,
+        description="rerank with the knowledge base's rerank model (true) or not (false); "
+        "omitted: as the knowledge base is set",
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=200_000,
+        description="return no more than this many tokens of content: the best matches "
+        "(with their neighbours) that fit, whole chunks only; the answer lists what was "
+        "left out",
     )
 
 
@@ -88,8 +108,9 @@ async def kb_search(service: GatewayService, p: Principal, inp: KbSearchInput) -
     """Search the knowledge bases for passages relevant to a question. Use this first whenever
     an answer may depend on documents stored in kbmesh. Returns a numbered, source-attributed
     list (document, chunk, score, uri) and the structured hits; cite the document names.
-    Use filters to restrict by tags, collection, source, document or metadata, and
-    coalesce_neighbors to get surrounding context. Call kb_get_chunk to expand one hit."""
+    Use filters to restrict by tags, collection, source, document or metadata,
+    coalesce_neighbors to get surrounding context, and max_tokens to bound the answer's size.
+    Call kb_get_chunk to expand one hit."""
     query = SearchQuery(
         query=inp.query,
         kb_ids=[inp.kb] if inp.kb else None,
@@ -97,6 +118,9 @@ async def kb_search(service: GatewayService, p: Principal, inp: KbSearchInput) -
         mode=inp.mode,
         filters=inp.filters,
         min_score=inp.min_score,
+        min_similarity=inp.min_similarity,
+        rerank=inp.rerank,
+        max_tokens=inp.max_tokens,
         coalesce_neighbors=inp.coalesce_neighbors,
     )
     return await service.search.query(p, query)

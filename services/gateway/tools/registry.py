@@ -22,6 +22,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, Field, ValidationError
 
+from services.common.bus import BUS_UNAVAILABLE, unavailable
 from services.common.errors import InvalidInput, KbmeshError
 from services.gateway.auth import Principal
 from services.gateway.service import GatewayService
@@ -146,6 +147,8 @@ async def run_tool(
         return error_outcome(_invalid(err))
     except KbmeshError as err:
         return error_outcome(err)
+    except BUS_UNAVAILABLE as err:
+        return error_outcome(unavailable(err))
     except Exception:
         # Recorded here with its traceback; the caller sees only that it happened.
         log.exception("tool_failed tool=%s org_id=%s", spec.name, principal.org_id)

@@ -3,8 +3,10 @@ results travel as structured content too)."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
+from services.common.answers import AskResponse
 from services.common.queries import ChunkResponse, SearchHit, SearchResponse
 
 if TYPE_CHECKING:
@@ -23,17 +25,29 @@ def _hit_header(hit: SearchHit) -> str:
 
 def render_search(resp: SearchResponse) -> str:
     matched = [h for h in resp.hits if h.is_matched]
+    notes = [f"warning: {w}" for w in resp.warnings]
+    if resp.budget is not None:
+        b = resp.budget
+        notes.append(
+            f"{b.used_tokens} of {b.max_tokens} tokens used"
+            + (
+                "; left out: "
+                + ", ".join(f"#{o.rank} {o.document_name} ({o.tokens} tokens)" for o in b.omitted)
+                if b.omitted
+                else ""
+            )
+            + (f"; {b.omitted_neighbors} context chunk(s) dropped" if b.omitted_neighbors else "")
+        )
     if not matched:
-        return f'No results for "{resp.query}".'
+        return "\n".join([f'No results for "{resp.query}".', *notes])
     lines = [
         f'{len(matched)} result(s) for "{resp.query}" ({resp.mode.value} search; '
-        f"score = {resp.score_kind}):"
+        f"score = {resp.score_kind}):",
+        *notes,
     ]
-    n = 0
     for hit in resp.hits:
         if hit.is_matched:
-            n += 1
-            lines.append(f"\n[{n}] {_hit_header(hit)}\n{hit.content}")
+            lines.append(f"\n[{hit.rank}] {_hit_header(hit)}\n{hit.content}")
         else:
             lines.append(
                 f"\n    (context: chunk {hit.chunk_index + 1} of {hit.document_name})"
@@ -74,3 +88,23 @@ def render_knowledge(out: SearchKnowledgeBaseOutput) -> str:
         else:
             lines.append(f"   (context, chunk {r.chunk_index} of {r.source})\n{r.content}")
     return "\n\n".join(lines)
+
+
+def render_answer(resp: AskResponse) -> str:
+    answer = (
+        resp.answer
+        if isinstance(resp.answer, str)
+        else json.dumps(resp.answer, indent=2, ensure_ascii=False)
+    )
+    lines = [answer]
+    if resp.citations:
+        lines.append("\nSources:")
+        lines.extend(
+            f"- {c.document_name}, chunk {c.chunk_index + 1} (kb: {c.kb_id} · document_id: "
+            f"{c.document_id} · chunk_id: {c.chunk_id})"
+            for c in resp.citations
+        )
+    searched = "; ".join(f'"{s.query}" ({s.hit_count})' for s in resp.searches) or "none"
+    stop = "answered" if resp.stopped == "answered" else "stopped at the iteration limit"
+    lines.append(f"\n({resp.model}, {resp.iterations} model call(s), {stop}; searches: {searched})")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""Limits on what a document may carry besides its content: checked by the gateway before
+anything is stored (413/422), and by ingest for events that upstream systems publish
+(dead letter). One function, so both edges enforce the same rules.
+
+Sizes over a limit are `TooLarge` (413); malformed values (NUL bytes, lone surrogates,
+nesting too deep, too many or too long labels) are `InvalidInput` (422).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from services.common.errors import InvalidInput, TooLarge
+
+SETTING = "KBMESH_LIMITS__"
+
+
+class LimitSettings(BaseModel):
+    tags_per_document: int = Field(100, ge=1, description="tags on one document")
+    tag_length: int = Field(200, ge=1, description="characters per tag or collection")
+    metadata_bytes: int = Field(64 * 1024, ge=2, description="a document's metadata as JSON")
+    metadata_depth: int = Field(8, ge=1, description="nesting of objects and lists in metadata")
+    uri_length: int = Field(2048, ge=1, description="characters of a document's uri")
+    text_bytes: int = Field(
+        10 * 1024 * 1024, ge=1, description="a document's text after extraction (UTF-8)"
+    )
+
+
+def check_labels(tags: Iterable[str], collection: str | None, limits: LimitSettings) -> None:
+    tags = list(tags)
+    if len(tags) > limits.tags_per_document:
+        raise InvalidInput(
+            f"a document may have at most {limits.tags_per_document} tags, got {len(tags)} "
+            f"({SETTING}TAGS_PER_DOCUMENT)",
+            field="tags",
+        )
+    for tag in tags:
+        if not tag.strip() or len(tag) > limits.tag_length:
+            raise InvalidInput(
+                f"invalid tag {tag[:40]!r}: 1-{limits.tag_length} characters, not only "
+                f"whitespace ({SETTING}TAG_LENGTH)",
+                field="tags",
+            )
+        check_text(tag, "tags")
+    if collection is not None:
+        if not collection.strip() or len(collection) > limits.tag_length:
+            raise InvalidInput(
+                f"collection must be 1-{limits.tag_length} characters", field="collection"
+            )
+        check_text(collection, "collection")
+
+
+def check_document_fields(
+    *,
+    name: str,
+    source_id: str,
+    uri: str | None,
+    tags: Iterable[str],
+    collection: str | None,
+    metadata: dict[str, Any] | None,
+    limits: LimitSettings,
+) -> None:
+    """Every field of an upload or a change besides its content."""
+    check_text(name, "name")
+    check_text(source_id, "source_id")
+    if uri is not None:
+        if len(uri) > limits.uri_length:
+            raise InvalidInput(
+                f"uri has {len(uri)} characters, over the limit of {limits.uri_length} "
+                f"({SETTING}URI_LENGTH)",
+                field="uri",
+            )
+        check_text(uri, "uri")
+    check_labels(tags, collection, limits)
+    if metadata is not None:
+        check_metadata(metadata, limits)
+
+
+def check_metadata(metadata: dict[str, Any], limits: LimitSettings) -> None:
+    # Depth first, without recursion: the size check below serialises, and serialising a
+    # structure thousands of levels deep is what must not happen.
+    stack: list[tuple[Any, int]] = [(metadata, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > limits.metadata_depth:
+                raise InvalidInput(
+                    f"metadata is nested more than {limits.metadata_depth} levels deep "
+                    f"({SETTING}METADATA_DEPTH)",
+                    field="metadata",
+                )
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    check_text(key, "metadata")
+                stack.append((item, depth + 1))
+        elif isinstance(value, str):
+            check_text(value, "metadata")
+    size = len(json.dumps(metadata, ensure_ascii=False).encode("utf-8"))
+    if size > limits.metadata_bytes:
+        raise TooLarge(
+            f"metadata has {size} bytes as JSON, over the limit of {limits.metadata_bytes} "
+            f"({SETTING}METADATA_BYTES)",
+            field="metadata",
+        )
+
+
+def check_text(value: str, field: str) -> None:
+    """Text that every store and every JSON encoder can keep: no NUL characters, and valid
+    Unicode (a lone surrogate such as "\\ud800" cannot be encoded as UTF-8)."""
+    if "\x00" in value:
+        raise InvalidInput(f"{field} contains a NUL character", field=field)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidInput(
+            f"{field} is not valid Unicode: a lone surrogate at position {err.start}",
+            field=field,
+        ) from err
+
+
+def check_extracted_text(text: str, limits: LimitSettings) -> None:
+    """The text a document yields: not empty, within the size limit."""
+    if not text.strip():
+        raise InvalidInput("the document has no text (empty or whitespace only)", field="content")
+    size = len(text.encode("utf-8"))
+    if size > limits.text_bytes:
+        raise TooLarge(
+            f"the document's text has {size} bytes after extraction, over the limit of "
+            f"{limits.text_bytes} ({SETTING}TEXT_BYTES)",
+            field="content",
+        )

@@ -1,0 +1,44 @@
+"""Checking a KB's embedding model before the KB is saved: a local model must be bundled, a
+remote one must answer. A misspelt model id or a dead `api_base` is then a 4xx naming the
+field on the request that set it, not a failure of every later search and upload."""
+
+from __future__ import annotations
+
+from services.common.egress import EgressPolicy
+from services.common.embedders import LiteLLMEmbedder, is_local, model_limits
+from services.common.errors import InvalidInput, Transient
+
+PROBE_TIMEOUT_SECONDS = 15.0
+
+
+async def check_model(model: str, api_base: str | None, egress: EgressPolicy) -> None:
+    """InvalidInput (field `embedding_model` or `api_base`) unless `model` can embed; Forbidden
+    when `api_base` points where the egress policy does not allow."""
+    if is_local(model):
+        model_limits(model)  # raises for a model that is not bundled
+        return
+    if api_base is not None:
+        await egress.check_url(api_base, field="api_base", what="call the embedding model at")
+    # One real request, no retries: the caller is waiting, and a provider that cannot answer
+    # one embedding now is not one to index with.
+    embedder = LiteLLMEmbedder(
+        model, api_base=api_base, tries=1, timeout_seconds=PROBE_TIMEOUT_SECONDS, egress=egress
+    )
+    try:
+        await embedder.probe()
+    except InvalidInput as err:
+        raise InvalidInput(
+            f"embedding_model {model!r} cannot embed: {err.message}", field="embedding_model"
+        ) from err
+    except Transient as err:
+        where = f"at {api_base}" if api_base else "at its provider"
+        raise InvalidInput(
+            f"embedding_model {model!r} did not answer {where}: {err.message}",
+            field="api_base" if api_base else "embedding_model",
+        ) from err
+    except Exception as err:
+        # LiteLLM's own refusals (unknown provider prefix, missing key) come as other types.
+        raise InvalidInput(
+            f"embedding_model {model!r} is not usable ({type(err).__name__})",
+            field="embedding_model",
+        ) from err
