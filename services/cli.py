@@ -1,4 +1,4 @@
-"""The `kbmesh` command: up, serve, keys, mcp, mock, contracts."""
+"""The `kbmesh` command: up, serve, keys, mcp, ingest, mock, contracts, dlq."""
 
 from __future__ import annotations
 
@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
         "default: the default org, unscoped",
     )
 
+    from services.cli_ingest import add_parser as add_ingest_parser
+
+    add_ingest_parser(sub)
+
     mock = sub.add_parser(
         "mock", help="serve the contract examples (REST, /api/v1/tools, MCP); no NATS, no model"
     )
@@ -128,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(asyncio.run(_dlq(args)))
     elif args.command == "contracts":
         sys.exit(_contracts(args.contracts_command, args.dir))
+    elif args.command == "ingest":
+        from services.cli_ingest import run as run_ingest
+
+        sys.exit(run_ingest(args))
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
@@ -194,6 +202,8 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
         if tasks[0].done() and not tasks[0].cancelled() and tasks[0].exception() is not None:
             failure = tasks[0].exception()
         if server is not None:
+            if rt.gateway is not None:  # open event streams: the server would wait for them
+                rt.gateway.progress.close_streams()
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await tasks[1]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import SpanProcessor
 
+from services.common import metrics
 from services.common.bus import Bus
 from services.common.egress import egress_policy
 from services.common.embedders import EmbedderPool
@@ -56,8 +57,11 @@ class Runtime:
     search: SearchService | None = None
     ask: AskService | None = None
     gateway: GatewayService | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
         with contextlib.suppress(Exception):
             await self.registries.close()
         with contextlib.suppress(Exception):
@@ -194,6 +198,9 @@ async def start_consuming(rt: Runtime) -> None:
         if load is not None:
             await asyncio.to_thread(load)
     await rt.bus.start()
+    if rt.settings.metrics_port:
+        metrics.serve(rt.settings.metrics_port)
+        rt.tasks.append(asyncio.create_task(metrics.follow_bus(rt.bus.js)))
     rt.ready.set()
 
 

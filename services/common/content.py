@@ -52,7 +52,12 @@ def _too_large(max_bytes: int, size: int | None = None) -> str:
 
 
 def checksum(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return content_checksum(text.encode("utf-8"))
+
+
+def content_checksum(data: bytes) -> str:
+    """What clients compare with a local file to skip uploading it again."""
+    return hashlib.sha256(data).hexdigest()
 
 
 TEXT_TYPES = {"text/plain", "text/markdown", "text/x-markdown", "text/csv", "application/json"}

@@ -150,10 +150,13 @@ class KbRemove(Event):
 
 class KbChanged(Event):
     kb_id: str = Field(pattern=_ID)
-    change: Literal["created", "tags", "settings", "reindex", "retry_failed", "deleted"]
+    change: Literal[
+        "created", "tags", "settings", "reindex", "retry_failed", "cancelled", "deleted"
+    ]
     old_tag_ids: list[str] = Field(default_factory=list)
     collections: list[str] = Field(
-        default_factory=list, description="on deletion: the KB's collections to drop"
+        default_factory=list,
+        description="on deletion: the KB's collections to drop; on cancel: the abandoned ones",
     )
 
 

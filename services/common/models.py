@@ -71,11 +71,16 @@ class KBStatus(StrEnum):
 
 
 class ServingIndex(BaseModel):
-    """The previous generation, still answering searches while the next one is built."""
+    """The previous generation, still answering searches while the next one is built, with
+    the settings it was built with (a cancelled rebuild returns to them)."""
 
     generation: int
     embedding_model: str
     api_base: str | None = None
+    settings_version: int | None = None
+    chunker: Chunker | None = None
+    chunk_size: int | None = None
+    chunk_overlap: int | None = None
 
 
 class KnowledgeBase(BaseModel):
@@ -107,6 +112,55 @@ class KnowledgeBase(BaseModel):
     # in it, search keeps reading `serving` (the previous collection, with its model).
     index_generation: int = 1
     serving: ServingIndex | None = None
+    # The highest generation ever started: a cancelled one's number is never used again
+    # (a worker that was still writing to it may have left points behind).
+    generations: int = 1
+
+    def rebuild_from(self, current: KnowledgeBase) -> None:
+        """Build these (changed) settings into a new generation while `current`'s serving
+        collection keeps answering searches."""
+        self.generations = max(current.generations, current.index_generation) + 1
+        self.index_generation = self.generations
+        self.serving = current.serving or ServingIndex(
+            generation=current.index_generation,
+            embedding_model=current.embedding_model,
+            api_base=current.api_base,
+            settings_version=current.settings_version,
+            chunker=current.chunker,
+            chunk_size=current.chunk_size,
+            chunk_overlap=current.chunk_overlap,
+        )
+
+    def cancel_rebuild(self) -> str | None:
+        """Back to the serving generation and its settings; returns the collection of the
+        abandoned one (None when no rebuild is running)."""
+        if self.serving is None:
+            return None
+        abandoned = self.collection_name
+        serving = self.serving
+        self.generations = max(self.generations, self.index_generation)
+        self.index_generation = serving.generation
+        self.embedding_model, self.api_base = serving.embedding_model, serving.api_base
+        self.chunker = serving.chunker or self.chunker
+        self.chunk_size = serving.chunk_size or self.chunk_size
+        self.chunk_overlap = (
+            serving.chunk_overlap if serving.chunk_overlap is not None else self.chunk_overlap
+        )
+        if serving.settings_version is not None:
+            self.settings_version = serving.settings_version
+        self.serving = None
+        self.status = KBStatus.active
+        return abandoned
+
+    @property
+    def abandoned_collections(self) -> list[str]:
+        """Generations started after the serving one and replaced before they were built."""
+        if self.serving is None:
+            return []
+        return [
+            self.collection_for(g)
+            for g in range(self.serving.generation + 1, self.index_generation)
+        ]
 
     @field_validator("chunk_size")
     @classmethod
@@ -199,7 +253,9 @@ class DocumentRecord(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     revision: int = 1
     text_revision: int = 1
-    checksum: str | None = None
+    checksum: str | None = Field(None, description="sha256 of the extracted text")
+    content_checksum: str | None = Field(None, description="sha256 of the bytes as uploaded")
+    accepted_at: datetime | None = Field(None, description="when this revision's upload was sent")
     size_bytes: int = 0
     status: DocStatus = DocStatus.processing
     error: str | None = None

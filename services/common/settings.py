@@ -115,6 +115,13 @@ class Settings(BaseSettings):
     qdrant_api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="serve this process's Prometheus metrics on their own port "
+        "(services without the gateway, whose /metrics serves them)",
+    )
 
     default_org: str = Field("local", description="org served when no API keys exist")
     default_kb: str = "default"

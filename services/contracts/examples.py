@@ -57,6 +57,7 @@ from services.gateway.schemas import (
     KbCreate,
     KbDocumentView,
     KbList,
+    KbProgress,
     KbStats,
     KbUpdate,
     KbView,
@@ -568,6 +569,7 @@ TOOL_EXAMPLES: dict[str, list[ToolExample]] = {
                 total_documents_with_tags=13,
                 failed_count=1,
                 pending_count=0,
+                progress=KbProgress(total=13, indexed=12, pending=0, failed=1, reindex=None),
             ),
         )
     ],
@@ -760,6 +762,13 @@ REST_EXAMPLES: list[RestExample] = [
         "/v1/kbs/{kb}/reindex",
         202,
         Ack(status="reindexing", kb_id=KB_ID, documents=13),
+        path_params=KB_PATH,
+    ),
+    RestExample(
+        "POST",
+        "/v1/kbs/{kb}/reindex/cancel",
+        200,
+        Ack(status="cancelled", kb_id=KB_ID),
         path_params=KB_PATH,
     ),
     RestExample(

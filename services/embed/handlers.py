@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from faststream.nats import NatsRouter
 
+from services.common import metrics
 from services.common.bus import Bus, consume
 from services.common.events import DocFailed, KbChanged, KbIndex, KbRemove, Subject
 from services.embed.service import EmbedService
@@ -16,6 +17,7 @@ def create_router(bus: Bus, service: EmbedService, *, concurrency: int = 1) -> N
         await service.index(ev)
 
     async def index_failed(ev: KbIndex, err: Exception) -> None:
+        metrics.DOCUMENTS_FAILED.labels(stage="embed").inc()
         await bus.publish(
             Subject.DOC_FAILED,
             DocFailed(

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.common import bm25
+from services.common import bm25, metrics
 from services.common.embedders import EmbedderPool
 from services.common.errors import Conflict, Transient
 from services.common.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish, Subject
@@ -35,6 +35,7 @@ _tracer = tracer("kbmesh.embed")
 TITLE_TOKEN_BUDGET = 24
 # How often one kb.index catches up with a document that changed while it was being indexed.
 CATCH_UP_ROUNDS = 5
+SWITCH_GRACE_SECONDS = 2.0
 
 
 def document_payload(record: DocumentRecord) -> dict[str, Any]:
@@ -99,6 +100,9 @@ class EmbedService:
             await self.reg.kbs.update(key, kb, last)
         except Conflict:
             return  # the KB changed meanwhile; the next indexed document checks again
+        # Searches read KB records from a live mirror and may have started just before the
+        # switch: give them a moment on the previous collection before it goes.
+        await asyncio.sleep(SWITCH_GRACE_SECONDS)
         await self.store.drop_collection(previous)
         log.info(
             "kb switched kb_id=%s collection=%s dropped=%s", kb_id, kb.collection_name, previous
@@ -165,23 +169,44 @@ class EmbedService:
         )
         if entry is not None and same_build and entry.revision >= record.revision:
             return entry, False
+        if kb.serving is not None and (entry is None or entry.revision < record.revision):
+            # Searches read the previous generation until the rebuild is done: its labels
+            # follow the document's at once (its text and chunks stay as they were built).
+            await self._relabel(kb.serving_collection, record)
         if entry is not None and same_build:
             # Same text, same settings: only labels changed. Rewrite payloads, no embedding
             # (an empty text has no points, and its KB may have no collection at all).
             if entry.chunk_count:
-                with _tracer.start_as_current_span("kbmesh.embed.set_payload"):
-                    await self.store.set_payload(
-                        kb.collection_name,
-                        Filter(must=(Match("document_id", record.document_id),)),
-                        document_payload(record),
-                    )
+                await self._relabel(kb.collection_name, record)
             entry.revision = record.revision
             entry.indexed_at = utcnow()
             await self.reg.index.put(entry_key, entry)
             return entry, False
+        new_text = entry is None or entry.checksum != record.checksum
         entry = await self._build(kb, record)
+        await self._drop_if_abandoned(kb)
         await self.reg.index.put(entry_key, entry)
+        if new_text:  # not a rebuild for new settings: the upload's own wait
+            metrics.index_latency(record.accepted_at)
         return entry, True
+
+    async def _relabel(self, collection: str, record: DocumentRecord) -> None:
+        with _tracer.start_as_current_span("kbmesh.embed.set_payload"):
+            await self.store.set_payload(
+                collection,
+                Filter(must=(Match("document_id", record.document_id),)),
+                document_payload(record),
+            )
+
+    async def _drop_if_abandoned(self, kb: KnowledgeBase) -> None:
+        """A rebuild cancelled while we wrote to its collection: our write re-created what
+        the cancel dropped, so drop it again (the catch-up then indexes where it belongs)."""
+        current = await self.reg.kbs.get(f"{kb.org_id}.{kb.kb_id}")
+        if current is not None and kb.collection_name not in (
+            current.collection_name,
+            current.serving_collection,
+        ):
+            await self.store.drop_collection(kb.collection_name)
 
     async def _build(self, kb: KnowledgeBase, record: DocumentRecord) -> IndexEntry:
         text = await self.reg.texts.get_text(record.text_object)
@@ -206,6 +231,7 @@ class EmbedService:
         with _tracer.start_as_current_span("kbmesh.embed.embed") as span:
             span.set_attribute("kbmesh.model", kb.embedding_model)
             dense = await embedder.embed(indexed) if indexed else []
+            metrics.CHUNKS_EMBEDDED.inc(len(indexed))
         base = document_payload(record)
         points = [
             ChunkPoint(
@@ -221,6 +247,7 @@ class EmbedService:
                     "start": c.start,
                     "end": c.end,
                     "settings_version": kb.settings_version,
+                    "text_checksum": record.checksum,
                 },
             )
             for c, vector, sparse_vector in zip(chunks, dense, sparse, strict=True)
@@ -299,6 +326,15 @@ class EmbedService:
                 del self._waiters[key], self._locks[key]
 
     async def kb_changed(self, ev: KbChanged) -> None:
+        if ev.change == "cancelled":
+            await self._cancelled(ev)
+            return
+        if ev.change in ("settings", "reindex"):
+            # A rebuild replaced before it was built leaves its collection behind.
+            kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
+            for collection in kb.abandoned_collections if kb else []:
+                await self.store.drop_collection(collection)
+            return
         if ev.change != "deleted":
             return
         for collection in ev.collections or [collection_for(ev.kb_id, 1)]:
@@ -306,9 +342,56 @@ class EmbedService:
         for entry in await self.reg.index.list(f"{ev.kb_id}."):
             await self.reg.index.delete(f"{entry.kb_id}.{entry.document_id}")
 
+    async def _cancelled(self, ev: KbChanged) -> None:
+        """A cancelled rebuild: drop what it built, and point the index entries it wrote back
+        at the serving collection. A document that changed while the rebuild ran has only its
+        new revision in the abandoned collection, so it is indexed again here."""
+        for collection in ev.collections:
+            await self.store.drop_collection(collection)
+        kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
+        if kb is None or kb.serving is not None:
+            return  # deleted, or another rebuild started meanwhile: that one settles it
+        for entry in await self.reg.index.list(f"{kb.kb_id}."):
+            if entry.settings_version == kb.settings_version:
+                continue
+            async with self._serial(kb.kb_id, entry.document_id):
+                record = await self.reg.documents.get(f"{kb.org_id}.{entry.document_id}")
+                if record is None:
+                    continue  # its kb.remove clears the entry
+                chunks = await self._serving_chunks(kb, record)
+                if chunks is not None:
+                    entry.settings_version = kb.settings_version
+                    entry.chunk_count = chunks
+                    await self.reg.index.put(entry.key, entry)
+                    continue
+                await self.reg.index.delete(entry.key)
+            await self.index(
+                KbIndex(
+                    org_id=kb.org_id,
+                    kb_id=kb.kb_id,
+                    document_id=record.document_id,
+                    revision=record.revision,
+                )
+            )
+        log.info("reindex cancelled kb_id=%s dropped=%s", kb.kb_id, ev.collections)
+
+    async def _serving_chunks(self, kb: KnowledgeBase, record: DocumentRecord) -> int | None:
+        """The document's chunk count in the collection searches read, when it holds the
+        document's current text built with the KB's settings (chunk payloads carry both;
+        labels are kept current there during a rebuild); None otherwise."""
+        document = Filter(must=(Match("document_id", record.document_id),))
+        hits = await self.store.scroll(kb.collection_name, document, 1)
+        if not hits or (
+            hits[0].payload.get("text_checksum") != record.checksum
+            or hits[0].payload.get("settings_version") != kb.settings_version
+        ):
+            return None
+        return await self.store.count(kb.collection_name, document)
+
     async def _announce(
         self, kb: KnowledgeBase, record: DocumentRecord, entry: IndexEntry, *, embedded: bool
     ) -> None:
+        metrics.DOCUMENTS_INDEXED.inc()
         await self.publish(
             Subject.DOC_INDEXED,
             DocIndexed(

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.common.bus import BUS_UNAVAILABLE, unavailable
 from services.common.errors import KbmeshError
 from services.common.natsproc import NatsServer
-from services.gateway.api import answers, deadletters, documents, kbs, search, tools
+from services.gateway.api import answers, deadletters, documents, kbs, progress, search, tools
 from services.gateway.api.problems import (
     ProblemFieldError,
     http_error_type,
@@ -178,6 +178,7 @@ def create_app(
     app.include_router(kbs.router)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(progress.router)
     app.include_router(answers.router)
     app.include_router(deadletters.router)
     if mcp is not None:

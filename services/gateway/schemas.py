@@ -234,6 +234,23 @@ class KbList(BaseModel):
     limit: int
 
 
+class ReindexProgress(BaseModel):
+    settings_version: int = Field(description="the settings version being built")
+    done: int = Field(description="documents already rebuilt with it")
+    total: int = Field(description="documents to rebuild (failed ones left out)")
+
+
+class KbProgress(BaseModel):
+    total: int = Field(description="documents whose tags match the knowledge base")
+    indexed: int = Field(description="searchable at their current revision")
+    pending: int = Field(description="waiting to be extracted, OCRed or indexed")
+    failed: int = Field(description="failed to extract or to index here")
+    reindex: ReindexProgress | None = Field(
+        description="the latest reindex (done = total once finished); null when none was "
+        "asked for since the last one was cancelled, or ever"
+    )
+
+
 class KbStats(BaseModel):
     kb_id: str
     document_count: int
@@ -241,6 +258,7 @@ class KbStats(BaseModel):
     total_documents_with_tags: int
     failed_count: int
     pending_count: int
+    progress: KbProgress
 
 
 class DocumentView(BaseModel):
@@ -257,6 +275,11 @@ class DocumentView(BaseModel):
     error: str | None
     kb_ids: list[str]
     size_bytes: int
+    content_checksum: str | None = Field(
+        None,
+        description="sha256 of the bytes as uploaded: compare with a local file's to skip "
+        "uploading it again",
+    )
     created_at: datetime
     updated_at: datetime
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from faststream.nats import NatsRouter
 
+from services.common import metrics
 from services.common.bus import Bus, consume
 from services.common.content import STAGING_PREFIX
 from services.common.errors import KbmeshError
@@ -44,6 +45,7 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
                 record.status = DocStatus.failed
                 record.error = str(err)
                 await service.reg.documents.put(key, record)
+        metrics.DOCUMENTS_FAILED.labels(stage="ingest").inc()
         await bus.publish(
             Subject.DOC_FAILED,
             DocFailed(

@@ -11,9 +11,11 @@ from typing import TypeVar
 
 from nats.js.errors import APIError
 
+from services.common import metrics
 from services.common.content import (
     check_size,
     checksum,
+    content_checksum,
     decode_content,
     is_supported,
     normalise_mime,
@@ -125,6 +127,8 @@ class IngestService:
                 tags=join_tags(visible, ev.collection or collection),
                 metadata=ev.metadata,
                 size_bytes=len(data),
+                content_checksum=content_checksum(data),
+                accepted_at=ev.occurred_at,
             )
             if existing is not None:
                 record.revision = existing.revision + 1
@@ -154,6 +158,7 @@ class IngestService:
             if not ev.ok:
                 record.status = DocStatus.failed
                 record.error = f"OCR failed: {ev.error or 'no reason given'}"
+                metrics.DOCUMENTS_FAILED.labels(stage="ocr").inc()
                 record.updated_at = utcnow()
                 await self._save(record, last)
                 await self.publish(

@@ -10,6 +10,7 @@ from faststream.nats import NatsRouter
 from faststream.nats.annotations import NatsMessage
 from pydantic import BaseModel, ValidationError
 
+from services.common import metrics
 from services.common.answers import AskRequest
 from services.common.errors import KbmeshError
 from services.common.events import Subject
@@ -41,7 +42,9 @@ def create_router(
     # model and engine threads, and concurrent query embeddings are coalesced.
     @router.subscriber(Subject.SEARCH_QUERY, queue=QUEUE, max_workers=concurrency)
     async def on_search(msg: NatsMessage) -> dict[str, Any]:
-        return await _answer(msg.body, SearchRequest, search)
+        metrics.SEARCH_REQUESTS.inc()
+        with metrics.SEARCH_SECONDS.time():
+            return await _answer(msg.body, SearchRequest, search)
 
     @router.subscriber(Subject.SEARCH_CHUNK, queue=QUEUE, max_workers=concurrency)
     async def on_chunk(msg: NatsMessage) -> dict[str, Any]:

@@ -123,6 +123,24 @@ async def _reindex(w: World) -> httpx.Response:
     return await w.http.post(f"/v1/kbs/{await w.new_kb()}/reindex")
 
 
+async def _cancel_reindex(w: World) -> httpx.Response:
+    # A one-document rebuild may finish before the cancel arrives (409): try again.
+    for _ in range(5):
+        kb = await w.new_kb()
+        await w.ok(
+            w.http.post(
+                f"/v1/kbs/{kb}/documents",
+                params={"wait": "true"},
+                json={"name": "leave.md", "content": CHUNKS[2]},
+            )
+        )
+        await w.ok(w.http.post(f"/v1/kbs/{kb}/reindex"))
+        response = await w.http.post(f"/v1/kbs/{kb}/reindex/cancel")
+        if response.status_code != 409:
+            return response
+    return response
+
+
 async def _delete_source(w: World) -> httpx.Response:
     source = uid("source")
     await w.upload("old-notes.md", CHUNKS[0], source_id=source)
@@ -178,6 +196,7 @@ REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
     ),
     ("DELETE", "/v1/kbs/{kb}"): _delete_kb,
     ("POST", "/v1/kbs/{kb}/reindex"): _reindex,
+    ("POST", "/v1/kbs/{kb}/reindex/cancel"): _cancel_reindex,
     ("POST", "/v1/kbs/{kb}/retry-failed"): lambda w: w.http.post(f"/v1/kbs/{w.kb}/retry-failed"),
     ("GET", "/v1/kbs/{kb}/stats"): lambda w: w.http.get(f"/v1/kbs/{w.kb}/stats"),
     ("GET", "/v1/kbs/{kb}/documents"): lambda w: w.http.get(f"/v1/kbs/{w.kb}/documents"),

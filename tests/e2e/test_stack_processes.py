@@ -84,13 +84,23 @@ def split_stack(tmp_path):
         KBMESH_BUS__ACK_WAIT_SECONDS="4",
         KBMESH_PORT=str(port),
     )
+    metrics = {"ingest": free_port(), "embed": free_port()}
     procs = {
-        "ingest": Proc(["serve", "ingest"], tmp_path / "ingest.log", env),
-        "embed": Proc(["serve", "embed", "search"], tmp_path / "embed.log", env),
+        "ingest": Proc(
+            ["serve", "ingest"],
+            tmp_path / "ingest.log",
+            {**env, "KBMESH_METRICS_PORT": str(metrics["ingest"])},
+        ),
+        "embed": Proc(
+            ["serve", "embed", "search"],
+            tmp_path / "embed.log",
+            {**env, "KBMESH_METRICS_PORT": str(metrics["embed"])},
+        ),
         "gateway": Proc(["serve", "gateway"], tmp_path / "gateway.log", env),
     }
     stack = {
         "base": f"http://127.0.0.1:{port}",
+        "metrics": metrics,
         "procs": procs,
         "env": env,
         "tmp": tmp_path,
@@ -106,8 +116,33 @@ def split_stack(tmp_path):
 
 
 def test_split_processes_index_and_search(split_stack):
-    """The same flow with ingest, embed+search and gateway in three processes."""
+    """The same flow with ingest, embed+search and gateway in three processes; each process
+    counts its own part of the work in its own metrics."""
     upload_and_search(split_stack["base"])
+    embed = scrape(f"http://127.0.0.1:{split_stack['metrics']['embed']}/metrics")
+    assert embed["kbmesh_documents_indexed_total"] == len(DOCS)
+    assert embed["kbmesh_search_requests_total"] == len(PARAPHRASES)
+    assert embed["kbmesh_chunks_embedded_total"] >= len(DOCS)
+    ingest = scrape(f"http://127.0.0.1:{split_stack['metrics']['ingest']}/metrics")
+    assert ingest["kbmesh_chunks_embedded_total"] == 0
+    assert "kbmesh_dead_letters" in ingest
+    gateway = scrape(f"{split_stack['base']}/metrics")
+    assert gateway["kbmesh_search_requests_total"] == 0
+    assert gateway['kbmesh_pending_messages{consumer="embed-kb-index"}'] == 0
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A /metrics page read with Prometheus's parser: sample (with labels) → value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 200, r.text
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
 
 
 def test_kill9_embed_mid_indexing_loses_nothing_and_duplicates_nothing(split_stack):

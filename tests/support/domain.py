@@ -136,10 +136,19 @@ async def settled(rt: Any, *, timeout: float = 60.0) -> None:
     await wait_until(clean, timeout=timeout, what="the event stream to settle")
 
 
+async def collection_of(rt: Any, kb_id: str) -> str:
+    """The collection embed writes for the KB: a reindex builds a new generation."""
+    for kb in await rt.registries.kbs.list():
+        if kb.kb_id == kb_id:
+            name: str = kb.collection_name
+            return name
+    return f"kb_{kb_id}"
+
+
 async def vector_count(rt: Any, kb_id: str, document_id: str | None = None) -> int:
     store = rt.store
     flt = Filter(must=(Match("document_id", document_id),)) if document_id else None
-    return await store.count(f"kb_{kb_id}", flt)
+    return await store.count(await collection_of(rt, kb_id), flt)
 
 
 async def total_vectors(rt: Any) -> int:
@@ -215,7 +224,7 @@ async def stored_chunks(rt: Any, kb_id: str, document_id: str) -> list[str]:
     """The document's chunk contents in `kb_id`, in chunk order."""
     store = rt.store
     hits = await store.scroll(
-        f"kb_{kb_id}", Filter(must=(Match("document_id", document_id),)), 1000
+        await collection_of(rt, kb_id), Filter(must=(Match("document_id", document_id),)), 1000
     )
     return [h.payload["content"] for h in sorted(hits, key=lambda h: h.payload["chunk_index"])]
 

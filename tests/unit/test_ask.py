@@ -80,3 +80,24 @@ def test_ask_requests_are_validated():
     with pytest.raises(ValidationError):
         AskQuery(question="   ")
     assert AskQuery(document_id="doc-1").question is None
+
+
+async def test_a_private_api_base_is_refused_before_any_call():
+    """The chat model vets a client-chosen api_base with the egress policy: loopback is
+    refused unless the operator allows it."""
+    from services.common.egress import EgressPolicy
+    from services.common.errors import Forbidden
+    from services.common.llm import LiteLLMChat
+
+    def chat(policy: EgressPolicy) -> LiteLLMChat:
+        return LiteLLMChat(
+            "hosted_vllm/scripted",
+            "http://127.0.0.1:9/v1",
+            check_api_base=lambda url: policy.check_url(
+                url, field="api_base", what="call the chat model at"
+            ),
+        )
+
+    with pytest.raises(Forbidden, match="non-public address"):
+        await chat(EgressPolicy()).check()
+    await chat(EgressPolicy(allow_private=True)).check()

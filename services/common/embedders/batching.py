@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -73,8 +74,16 @@ class Batcher:
     while a call runs, new requests queue up on their own and go in the next one.
     """
 
-    def __init__(self, encode: Encode, *, max_texts: int, linger_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        encode: Encode,
+        *,
+        max_texts: int,
+        linger_seconds: float = 0.0,
+        observe: Callable[[float], None] | None = None,
+    ) -> None:
         self._encode = encode
+        self._observe = observe  # seconds of each successful call (a metrics histogram)
         self._max = max(1, max_texts)
         self._linger = max(0.0, linger_seconds)
         self._pending: deque[_Slice] = deque()
@@ -120,6 +129,7 @@ class Batcher:
     async def _run(self, group: list[_Slice]) -> None:
         flat = [text for s in group for text in s.texts]
         requests = {id(s.request): s.request for s in group}
+        started = time.perf_counter()
         try:
             vectors = await self._encode(flat)
         except asyncio.CancelledError:
@@ -144,6 +154,8 @@ class Batcher:
                 if not s.request.future.done():
                     await self._run([s])
             return
+        if self._observe is not None:
+            self._observe(time.perf_counter() - started)
         self.stats.calls += 1
         self.stats.texts += len(flat)
         if len(requests) > 1:

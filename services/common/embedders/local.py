@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
+from services.common import metrics
 from services.common.embedders.base import LOCAL_PREFIX, MODEL_FIELD, QUERY_MAX_TEXTS, normalise
 from services.common.embedders.batching import Batcher
 from services.common.embedders.tokenizing import chunking_tokenizer, model_input_tokenizer
@@ -199,7 +200,10 @@ class LocalEmbedder:
         self._document_thread = ThreadPoolExecutor(1, thread_name_prefix="embed-documents")
         self._query_thread = ThreadPoolExecutor(1, thread_name_prefix="embed-queries")
         self.documents = Batcher(
-            self._encode_documents, max_texts=max_batch, linger_seconds=linger_seconds
+            self._encode_documents,
+            max_texts=max_batch,
+            linger_seconds=linger_seconds,
+            observe=metrics.EMBED_BATCH_SECONDS.observe,
         )
         # Concurrent queries share one call too: 16 short queries cost about 3 single ones.
         self.queries = Batcher(self._encode_queries, max_texts=batch_size)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from services.common import metrics
 from services.common.embedders.base import MODEL_FIELD, QUERY_MAX_TEXTS, normalise
 from services.common.embedders.batching import Batcher
 from services.common.embedders.tokenizing import tiktoken_tokenizer
@@ -75,7 +76,12 @@ class LiteLLMEmbedder:
         self._tokenizer: object | None = None
         self._embed_count = 0
         # Chunks of concurrently indexed documents share requests of up to `batch_size`.
-        self.documents = Batcher(self._embed_batch, max_texts=batch_size, linger_seconds=0.005)
+        self.documents = Batcher(
+            self._embed_batch,
+            max_texts=batch_size,
+            linger_seconds=0.005,
+            observe=metrics.EMBED_BATCH_SECONDS.observe,
+        )
 
     @property
     def model(self) -> str:

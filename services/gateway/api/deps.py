@@ -51,6 +51,7 @@ async def get_principal(
     return await resolver.resolve(authorization, host)
 
 
+Gateway = Annotated[GatewayService, Depends(get_service)]
 Kbs = Annotated[KnowledgeBases, Depends(get_kbs)]
 Docs = Annotated[Documents, Depends(get_documents)]
 Searcher = Annotated[Search, Depends(get_search)]

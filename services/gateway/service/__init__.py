@@ -10,6 +10,7 @@ from __future__ import annotations
 from services.common.bus import Bus
 from services.common.registry import Registries
 from services.common.settings import Settings
+from services.gateway.progress import ProgressFeed
 from services.gateway.service.answers import Answers
 from services.gateway.service.deadletters import DeadLetters
 from services.gateway.service.documents import Documents
@@ -39,6 +40,7 @@ class GatewayService:
         self.kbs = KnowledgeBases(bus, registries, settings)
         self.documents = Documents(bus, registries, settings, self.kbs, self.waiting)
         self.search = Search(bus, settings, self.kbs)
+        self.progress = ProgressFeed()
         self.answers = Answers(bus, registries, settings, self.kbs)
         self.dead_letters = DeadLetters(bus)
 
@@ -47,7 +49,9 @@ class GatewayService:
         if self.bus.nc is None:
             raise RuntimeError("the gateway needs a connected bus")
         await self.waiting.events.start(self.bus.nc)
+        await self.progress.start(self.bus.nc)
         await self.kbs.ensure_default(self.settings.default_org)
 
     async def stop(self) -> None:
         await self.waiting.events.stop()
+        await self.progress.stop()

@@ -473,6 +473,7 @@ class Documents:
             or None,
             kb_ids=visible_kb_ids(p, record.kb_ids),
             size_bytes=record.size_bytes,
+            content_checksum=record.content_checksum,
             created_at=record.created_at,
             updated_at=record.updated_at,
         )

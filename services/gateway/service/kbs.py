@@ -22,18 +22,19 @@ from services.common.models import (
     IndexEntry,
     KBStatus,
     KnowledgeBase,
-    ServingIndex,
     utcnow,
 )
 from services.common.registry import Registries
 from services.common.settings import Settings
 from services.gateway.auth import Principal
 from services.gateway.modelcheck import check_model
+from services.gateway.progress import kb_progress
 from services.gateway.schemas import (
     Ack,
     KbCreate,
     KbDocumentView,
     KbList,
+    KbProgress,
     KbStats,
     KbUpdate,
     KbView,
@@ -171,19 +172,18 @@ class KnowledgeBases:
             if any(getattr(updated, f) != getattr(current, f) for f in REINDEX_FIELDS):
                 updated.settings_version = current.settings_version + 1
                 updated.status = KBStatus.pending_reindex
-            if (updated.embedding_model, updated.api_base) != (
-                current.embedding_model,
-                current.api_base,
-            ):
-                # Other vectors need another collection. The current one keeps answering
-                # searches, with its own model, until embed has built the new one.
-                updated.index_generation = current.index_generation + 1
                 if indexed:
-                    updated.serving = current.serving or ServingIndex(
-                        generation=current.index_generation,
-                        embedding_model=current.embedding_model,
-                        api_base=current.api_base,
-                    )
+                    # Built into a new collection: the current one keeps answering searches,
+                    # with its own model and chunks, until embed has built the new one (or
+                    # the rebuild is cancelled).
+                    updated.rebuild_from(current)
+                elif (updated.embedding_model, updated.api_base) != (
+                    current.embedding_model,
+                    current.api_base,
+                ):
+                    # Other vectors (maybe another dimension) need another collection.
+                    updated.generations = max(current.generations, current.index_generation) + 1
+                    updated.index_generation = updated.generations
             updated.updated_at = utcnow()
             return updated
 
@@ -222,7 +222,8 @@ class KnowledgeBases:
     async def delete(self, p: Principal, ref: str) -> Ack:
         kb = await self.resolve(p, ref, write=True)
         await self.reg.kbs.delete(self.reg.kbs.key(p.org_id, kb.kb_id))
-        collections = [kb.collection_for(g) for g in range(1, kb.index_generation + 1)]
+        last = max(kb.generations, kb.index_generation)
+        collections = [kb.collection_for(g) for g in range(1, last + 1)]
         await self.bus.publish(
             Subject.KB_CHANGED,
             KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="deleted", collections=collections),
@@ -232,12 +233,16 @@ class KnowledgeBases:
     async def reindex(self, p: Principal, ref: str, *, failed_only: bool = False) -> Ack:
         kb = await self.resolve(p, ref, write=True)
         if not failed_only:
+            indexed = bool(await self.reg.index.list(f"{kb.kb_id}."))
 
             def bump(current: KnowledgeBase) -> KnowledgeBase:
-                current.settings_version += 1
-                current.status = KBStatus.pending_reindex
-                current.updated_at = utcnow()
-                return current
+                updated = current.model_copy(deep=True)
+                updated.settings_version += 1
+                updated.status = KBStatus.pending_reindex
+                updated.updated_at = utcnow()
+                if indexed:
+                    updated.rebuild_from(current)
+                return updated
 
             _, kb = await self._change(p.org_id, kb.kb_id, bump)
         await self.bus.publish(
@@ -248,6 +253,31 @@ class KnowledgeBases:
         )
         members = [d for d in await self.reg.documents.of_org(p.org_id) if kb.matches(d.tags)]
         return Ack(status="reindexing", kb_id=kb.kb_id, documents=len(members))
+
+    async def cancel_reindex(self, p: Principal, ref: str) -> Ack:
+        """Abandon the rebuild in progress: searches keep reading the collection they read,
+        the half-built one is dropped, and the KB's settings return to that collection's."""
+        kb = await self.resolve(p, ref, write=True)
+        abandoned: list[str] = []
+
+        def cancel(current: KnowledgeBase) -> KnowledgeBase:
+            abandoned.clear()
+            if current.serving is None:
+                raise Conflict(f"knowledge base {ref!r} has no reindex running", field="kb_id")
+            abandoned.extend([*current.abandoned_collections, current.collection_name])
+            current.cancel_rebuild()
+            current.updated_at = utcnow()
+            return current
+
+        _, kb = await self._change(p.org_id, kb.kb_id, cancel)
+        await self.bus.publish(
+            Subject.KB_CHANGED,
+            KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="cancelled", collections=abandoned),
+        )
+        return Ack(status="cancelled", kb_id=kb.kb_id)
+
+    async def progress(self, kb: KnowledgeBase) -> KbProgress:
+        return kb_progress(kb, *await self._state(kb))
 
     async def stats(self, p: Principal, ref: str) -> KbStats:
         kb = await self.resolve(p, ref)
@@ -268,6 +298,7 @@ class KnowledgeBases:
             total_documents_with_tags=len(members),
             failed_count=len(failed),
             pending_count=len(pending),
+            progress=kb_progress(kb, entries, members),
         )
 
     async def documents(

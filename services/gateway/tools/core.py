@@ -428,7 +428,8 @@ class KbRef(BaseModel):
 @tool("core", title="Knowledge base statistics", read_only=True, error_fields=KB_FIELD)
 async def kb_stats(service: GatewayService, p: Principal, inp: KbRef) -> KbStats:
     """Counts for one knowledge base: indexed documents and chunks, documents matching its
-    tags, failed and pending documents."""
+    tags, failed and pending documents, and progress: how many documents are indexed,
+    pending and failed, and how far a reindex has got (done of total)."""
     return await service.kbs.stats(p, inp.kb)
 
 

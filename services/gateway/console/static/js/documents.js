@@ -113,6 +113,7 @@ export function renderDocuments(panel, getKb, onChange) {
   }
 
   async function load() {
+    if (stopped) return;
     const params = { skip: state.skip, limit: PAGE, name_search: state.search.trim() };
     let kbDocs;
     let details;
@@ -127,6 +128,7 @@ export function renderDocuments(panel, getKb, onChange) {
       clear(list).append(errorBox(err));
       return;
     }
+    if (stopped) return;
     const byId = new Map(details.items.map((d) => [d.document_id, d]));
     state.page = kbDocs.items.map((d) => ({ ...d, detail: byId.get(d.document_id) || null }));
     draw(kbDocs.total);
@@ -136,6 +138,7 @@ export function renderDocuments(panel, getKb, onChange) {
     }
   }
   let timer = null;
+  let stopped = false;
 
   function draw(total) {
     clear(list);
@@ -218,5 +221,9 @@ export function renderDocuments(panel, getKb, onChange) {
   }
 
   load();
-  return () => clearTimeout(timer);
+  return () => {
+    stopped = true;
+    clearTimeout(timer);
+    clearTimeout(debounce);
+  };
 }

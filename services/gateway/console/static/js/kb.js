@@ -4,7 +4,7 @@ import { clear, h } from "./dom.js";
 import { renderDocuments } from "./documents.js";
 import { deleteKb, kbForm } from "./kbform.js";
 import { renderSearch } from "./search.js";
-import { confirmDialog, errorBox, kbBadge, num, pageHeader, setView, tagList, toast, when } from "./ui.js";
+import { ago, confirmDialog, errorBox, kbBadge, num, pageHeader, setView, tagList, toast, when } from "./ui.js";
 
 const TABS = [
   ["overview", "Overview"],
@@ -105,7 +105,7 @@ export async function renderKb(main, kbId, tab = "overview") {
         h("button.btn", { type: "button", onclick: reindexAll }, "Reindex"),
         h("button.btn", { type: "button", id: "retry-failed", onclick: retryFailed }, "Retry failed"),
         h("button.btn", { type: "button", onclick: () => { select("settings"); tabs.settings.focus(); } }, "Edit"),
-        h("button.btn.btn-danger", { type: "button", onclick: () => deleteKb(state.kb) }, "Delete"),
+        h("button.btn.btn-danger", { type: "button", onclick: () => deleteKb(state.kb, { before: pause, failed: resume }) }, "Delete"),
       ),
       overview.progress,
       h("h2.section-title", "Statistics"),
@@ -129,7 +129,7 @@ export async function renderKb(main, kbId, tab = "overview") {
       stat("Chunks", num(chunks)),
       stat("Avg chunks / document", docs ? (chunks / docs).toFixed(1) : "—"),
       stat("Failed", s ? num(s.failed_count) : "—"),
-      stat("Last indexed", state.lastIndexed ? when(state.lastIndexed) : "—", null, true),
+      stat("Last indexed", ago(state.lastIndexed), state.lastIndexed ? when(state.lastIndexed) : null),
     );
     const retry = panels.overview.querySelector("#retry-failed");
     if (retry) retry.disabled = !s || s.failed_count === 0;
@@ -179,10 +179,14 @@ export async function renderKb(main, kbId, tab = "overview") {
     }
     const finished = !busy && p.done >= p.total;
     const verb = p.reindex ? "Reindexing" : "Indexing";
+    // Servers that report progress can also abandon a running reindex.
+    const cancel = p.reindex && !finished && state.stats.progress
+      ? h("button.btn.btn-small", { type: "button", onclick: cancelReindex }, "Cancel reindex")
+      : null;
     clear(box).append(
       h("div.progress-head",
         h("strong", finished ? (p.reindex ? "Reindex complete" : "Indexing complete") : `${verb}…`),
-        h("span.progress-count", `${num(p.done)} of ${num(p.total)} documents`)),
+        h("span.progress-side", h("span.progress-count", `${num(p.done)} of ${num(p.total)} documents`), cancel)),
       h("progress", { max: String(Math.max(p.total, 1)), value: String(finished && !p.total ? 1 : p.done), "aria-label": `${verb} progress` }),
     );
     box.classList.toggle("done", finished);
@@ -203,6 +207,20 @@ export async function renderKb(main, kbId, tab = "overview") {
     refresh();
   }
 
+  async function cancelReindex() {
+    const ok = await confirmDialog(
+      "Cancel the reindex?",
+      "The half-built index is dropped and the knowledge base returns to the settings of the index that answers searches now.",
+      "Cancel reindex",
+      () => api("POST", `/v1/kbs/${encodeURIComponent(state.kb.kb_id)}/reindex/cancel`),
+      "Keep reindexing",
+    );
+    if (!ok) return;
+    state.reindex = null;
+    toast("Reindex cancelled");
+    refresh();
+  }
+
   async function retryFailed() {
     try {
       const ack = await api("POST", `/v1/kbs/${encodeURIComponent(state.kb.kb_id)}/retry-failed`);
@@ -217,7 +235,44 @@ export async function renderKb(main, kbId, tab = "overview") {
   let timer = null;
   let stopped = false;
   let lastDocs = -1;
-  async function refresh() {
+  let inflight = null;
+  let again = false;
+  // One refresh at a time (timer, events and uploads all ask): a request while one runs
+  // makes exactly one more run after it, so there is only ever one timer.
+  function refresh() {
+    if (stopped) return Promise.resolve();
+    if (inflight) {
+      again = true;
+      return inflight;
+    }
+    inflight = load().finally(() => {
+      inflight = null;
+      if (again && !stopped) {
+        again = false;
+        refresh();
+      }
+    });
+    return inflight;
+  }
+
+  /** Before the KB is deleted: no request of this page may race the DELETE (and 404). */
+  async function pause() {
+    stopped = true;
+    clearTimeout(timer);
+    clearTimeout(soon);
+    if (stream) stream.close();
+    stream = null;
+    live = false;
+    if (stopDocuments) stopDocuments();
+    if (inflight) await inflight.catch(() => {});
+  }
+
+  function resume() {
+    stopped = false;
+    refresh();
+  }
+
+  async function load() {
     clearTimeout(timer);
     try {
       const [k, s] = await Promise.all([
@@ -270,8 +325,10 @@ export async function renderKb(main, kbId, tab = "overview") {
   });
 
   // ---- the other tabs ---------------------------------------------------------------------
+  let stopDocuments = null;
   function drawDocuments() {
-    cleanups.push(renderDocuments(panels.documents, () => state.kb, refresh));
+    stopDocuments = renderDocuments(panels.documents, () => state.kb, refresh);
+    cleanups.push(stopDocuments);
   }
 
   function drawSearch() {
@@ -283,6 +340,8 @@ export async function renderKb(main, kbId, tab = "overview") {
     p.append(
       h("div.card", kbForm({
         kb: state.kb,
+        pause,
+        resume,
         documents: state.stats ? state.stats.total_documents_with_tags : null,
         onSaved: (saved) => {
           const reindexing = saved.settings_version !== state.kb.settings_version;

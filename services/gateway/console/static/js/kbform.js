@@ -67,7 +67,7 @@ function control(field, value, onInput) {
 }
 
 /** The form; `kb` given: edit that KB (Save, reindex warning, Delete). */
-export function kbForm({ kb = null, documents = null, onSaved, onDeleted }) {
+export function kbForm({ kb = null, documents = null, onSaved, pause, resume }) {
   const initial = kb || DEFAULTS;
   const inputs = {};
   const errors = {};
@@ -176,21 +176,29 @@ export function kbForm({ kb = null, documents = null, onSaved, onDeleted }) {
     { "aria-labelledby": nextId("danger") },
     h("h3", "Delete this knowledge base"),
     h("p", "Its index is dropped. The documents stay in your organisation and in any other knowledge base whose tags they carry."),
-    h("button.btn.btn-danger", { type: "button", onclick: () => deleteKb(kb, onDeleted) }, "Delete knowledge base"),
+    h("button.btn.btn-danger", { type: "button", onclick: () => deleteKb(kb, { before: pause, failed: resume }) }, "Delete knowledge base"),
   );
   danger.querySelector("h3").id = danger.getAttribute("aria-labelledby");
   return h("div", form, danger);
 }
 
-export async function deleteKb(kb, onDeleted) {
+/** Confirm, then delete; `before` runs (awaited) right before the DELETE, `failed` if it fails. */
+export async function deleteKb(kb, { before, failed } = {}) {
   const done = await confirmDialog(
     `Delete “${kb.name}”?`,
     "The knowledge base and its index are removed; searches stop finding its chunks. This cannot be undone.",
     "Delete",
-    () => api("DELETE", `/v1/kbs/${encodeURIComponent(kb.kb_id)}`),
+    async () => {
+      if (before) await before();
+      try {
+        return await api("DELETE", `/v1/kbs/${encodeURIComponent(kb.kb_id)}`);
+      } catch (err) {
+        if (failed) failed();
+        throw err;
+      }
+    },
   );
   if (!done) return;
   toast(`Knowledge base “${kb.name}” deleted`);
-  if (onDeleted) onDeleted();
-  else location.hash = "#/kbs";
+  location.hash = "#/kbs";
 }

@@ -46,6 +46,18 @@ export function when(value) {
   return Number.isNaN(d.getTime()) ? String(value) : dateFmt.format(d);
 }
 
+/** "just now", "5 min ago", "3 h ago", else the date; the exact time on hover. */
+export function ago(value) {
+  if (!value) return "—";
+  const d = new Date(value);
+  const seconds = (Date.now() - d.getTime()) / 1000;
+  let text = when(value);
+  if (seconds < 60) text = "just now";
+  else if (seconds < 3600) text = `${Math.floor(seconds / 60)} min ago`;
+  else if (seconds < 86400) text = `${Math.floor(seconds / 3600)} h ago`;
+  return h("span", { title: when(value) }, text);
+}
+
 export function num(value) {
   return value === null || value === undefined ? "—" : numberFmt.format(value);
 }
@@ -117,7 +129,7 @@ export function toast(message, kind = "ok") {
 }
 
 /** A modal built from a <dialog>; resolves with the button's value or null. */
-export function modal({ title, body, confirm = "OK", danger = false, onSubmit }) {
+export function modal({ title, body, confirm = "OK", dismiss = "Cancel", danger = false, onSubmit }) {
   return new Promise((resolve) => {
     const error = h("div.alert.alert-error", { role: "alert", hidden: true });
     const dialog = h("dialog.modal", { "aria-labelledby": "modal-title" });
@@ -148,7 +160,7 @@ export function modal({ title, body, confirm = "OK", danger = false, onSubmit })
       error,
       h(
         "div.modal-actions",
-        h("button.btn", { type: "button", onclick: () => close(null) }, "Cancel"),
+        h("button.btn", { type: "button", onclick: () => close(null) }, dismiss),
         null,
       ),
     );
@@ -165,8 +177,8 @@ export function modal({ title, body, confirm = "OK", danger = false, onSubmit })
   });
 }
 
-export function confirmDialog(title, text, confirm, onSubmit) {
-  return modal({ title, body: h("p", text), confirm, danger: true, onSubmit });
+export function confirmDialog(title, text, confirm, onSubmit, dismiss = "Cancel") {
+  return modal({ title, body: h("p", text), confirm, dismiss, danger: true, onSubmit });
 }
 
 export function pageHeader(title, { crumbs, actions, sub } = {}) {

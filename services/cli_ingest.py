@@ -1,0 +1,528 @@
+"""`kbmesh ingest`: folders, files and web pages into a knowledge base, through the REST API
+of a running kbmesh.
+
+A file's document is found again by its `uri` (the path relative to the root given) within
+the source, so a re-run updates the same documents. A file whose bytes hash to the stored
+document's `content_checksum` is not uploaded again (and so nothing is re-embedded);
+`--sync` deletes the source's documents whose files are gone. Every upload waits until the
+document is indexed or failed. The last line printed is always the summary
+`N uploaded, N unchanged, N deleted, N failed`; exit status 1 when anything failed, 2 on bad
+usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import fnmatch
+import hashlib
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from services.common.content import normalise_mime
+
+DEFAULT_API = "http://127.0.0.1:8080"
+PAGE = 500
+# How long to keep polling a document the upload's own wait gave up on (a long queue).
+SETTLE_SECONDS = 3600.0
+POLL_SECONDS = 1.0
+PLAIN_EVERY_SECONDS = 5.0
+TTY_EVERY_SECONDS = 0.2
+SNIFF_BYTES = 8192
+EXIT_USAGE = 2
+
+# Types the server extracts (services/common/content.py), minus images: those wait for an
+# upstream OCR system, which a folder load should not silently depend on.
+TEXTUAL = {"text/plain", "text/markdown", "text/x-markdown", "text/csv", "application/json"}
+EXTRACTED = TEXTUAL | {
+    "text/html",
+    "application/xhtml+xml",
+    "application/pdf",
+    "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+}
+
+
+def add_parser(sub: Any) -> None:
+    """Register `kbmesh ingest` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "ingest",
+        help="load files, folders or a web page into a knowledge base (of a running kbmesh)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH|URL", help="files, folders or http(s) URLs")
+    p.add_argument("--kb", default="default", help="knowledge base name or id (default: default)")
+    p.add_argument("--tags", default="", help="comma-separated tags for every document")
+    p.add_argument("--collection", help="the collection of every document")
+    p.add_argument(
+        "--source-id",
+        help="provenance group of the documents (default: the name of the first folder); "
+        "--sync works within it",
+    )
+    p.add_argument(
+        "--include", action="append", default=[], metavar="GLOB", help="only matching paths"
+    )
+    p.add_argument(
+        "--exclude", action="append", default=[], metavar="GLOB", help="skip matching paths"
+    )
+    p.add_argument(
+        "--sync", action="store_true", help="delete the source's documents whose files are gone"
+    )
+    # Each upload waits until indexed: enough in flight to keep embed busy (and batching).
+    p.add_argument("--concurrency", type=_positive, default=8, help="uploads at once (default 8)")
+    p.add_argument(
+        "--api",
+        default=DEFAULT_API,
+        help=f"kbmesh REST API (default {DEFAULT_API}); the key comes from KBMESH_API_KEY",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point from the CLI: returns the exit status."""
+    try:
+        options = Options.from_args(args)
+        files, skipped = walk(options)
+    except UsageError as err:
+        print(f"kbmesh ingest: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    return asyncio.run(Ingest(options, files, skipped).run())
+
+
+class UsageError(Exception):
+    """Arguments that cannot work (exit status 2)."""
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return number
+
+
+@dataclass
+class Options:
+    roots: list[Path]
+    urls: list[str]
+    kb: str
+    tags: list[str]
+    collection: str | None
+    source_id: str
+    include: list[str]
+    exclude: list[str]
+    sync: bool
+    concurrency: int
+    api: str
+    api_key: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Options:
+        urls = [p for p in args.paths if p.startswith(("http://", "https://"))]
+        roots = [Path(p) for p in args.paths if p not in urls]
+        for root in roots:
+            if not root.exists():
+                raise UsageError(f"{root}: no such file or folder")
+        if args.sync and not roots:
+            raise UsageError("--sync needs a folder or files to compare with")
+        source_id = args.source_id or _default_source(roots)
+        if not source_id:
+            raise UsageError("give --source-id (no folder to name the source after)")
+        return cls(
+            roots=roots,
+            urls=urls,
+            kb=args.kb,
+            tags=[t.strip() for t in args.tags.split(",") if t.strip()],
+            collection=args.collection,
+            source_id=source_id,
+            include=args.include,
+            exclude=args.exclude,
+            sync=args.sync,
+            concurrency=args.concurrency,
+            api=args.api.rstrip("/"),
+            api_key=os.environ.get("KBMESH_API_KEY") or None,
+        )
+
+
+def _default_source(roots: list[Path]) -> str:
+    if not roots:
+        return "web"
+    root = roots[0].resolve()
+    return (root if root.is_dir() else root.parent).name or "root"
+
+
+# ---- walking --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    path: Path
+    uri: str
+    mime_type: str
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class Skipped:
+    uri: str
+    reason: str
+
+
+def walk(options: Options) -> tuple[list[LocalFile], list[Skipped]]:
+    """Every file under the roots that passes hidden/.gitignore/--include/--exclude, split
+    into those the server can extract and those it cannot."""
+    files: dict[str, LocalFile] = {}
+    skipped: list[Skipped] = []
+    for root in options.roots:
+        base = root if root.is_dir() else root.parent
+        for path in _files(root):
+            uri = path.relative_to(base).as_posix()
+            if options.include and not _matches(uri, options.include):
+                continue
+            if _matches(uri, options.exclude):
+                continue
+            mime = normalise_mime(None, path.name)
+            if mime not in EXTRACTED or (mime in TEXTUAL and _binary(path)):
+                skipped.append(Skipped(uri, f"unsupported type ({mime})"))
+                continue
+            stat = path.stat()
+            files[uri] = LocalFile(path, uri, mime, stat.st_size, stat.st_mtime)
+    return sorted(files.values(), key=lambda f: f.uri), skipped
+
+
+def _files(root: Path) -> Iterator[Path]:
+    """Files under `root` in a stable order, without hidden files and folders and without
+    what the .gitignore files on the way ignore."""
+    if root.is_file():
+        yield root
+        return
+    ignores: list[tuple[Path, Any]] = []
+    for directory, dirnames, filenames in os.walk(root):
+        here = Path(directory)
+        ignores = [(b, s) for b, s in ignores if here == b or b in here.parents]
+        spec = _gitignore(here / ".gitignore")
+        if spec is not None:
+            ignores.append((here, spec))
+        dirnames[:] = sorted(
+            d for d in dirnames if not d.startswith(".") and not _ignored(ignores, here / d, True)
+        )
+        for name in sorted(filenames):
+            path = here / name
+            if not name.startswith(".") and path.is_file() and not _ignored(ignores, path, False):
+                yield path
+
+
+def _ignored(ignores: list[tuple[Path, Any]], path: Path, is_dir: bool) -> bool:
+    for base, spec in ignores:
+        rel = path.relative_to(base).as_posix() + ("/" if is_dir else "")
+        if spec.match_file(rel):
+            return True
+    return False
+
+
+def _gitignore(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    import pathspec
+
+    return pathspec.GitIgnoreSpec.from_lines(path.read_text(errors="replace").splitlines())
+
+
+def _matches(uri: str, globs: list[str]) -> bool:
+    name = uri.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatch(uri, g) or fnmatch.fnmatch(name, g) for g in globs)
+
+
+def _binary(path: Path) -> bool:
+    """A file that claims to be text (or has no telling extension) but holds NUL bytes."""
+    with path.open("rb") as f:
+        return b"\0" in f.read(SNIFF_BYTES)
+
+
+def file_checksum(path: Path) -> str:
+    """sha256 of the bytes, as the server records it in `content_checksum`."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---- progress -------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """Files, bytes and chunks done; drawn as one redrawn line on a terminal, as a plain
+    line every few seconds otherwise."""
+
+    files_total: int
+    bytes_total: int
+    out: TextIO = field(default_factory=lambda: sys.stderr)
+    files_done: int = 0
+    bytes_done: int = 0
+    chunks: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, size: int, chunks: int = 0) -> None:
+        self.files_done += 1
+        self.bytes_done += size
+        self.chunks += chunks
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        rate = self.bytes_done / elapsed
+        eta = "--:--"
+        if rate > 0 and self.bytes_done:
+            eta = _clock((self.bytes_total - self.bytes_done) / rate)
+        return (
+            f"{self.files_done}/{self.files_total} files, "
+            f"{_size(self.bytes_done)}/{_size(self.bytes_total)}, "
+            f"{self.chunks} chunks indexed, {self.files_done / elapsed:.1f} files/s "
+            f"({_size(rate)}/s), ETA {eta}"
+        )
+
+    def bar(self, width: int = 24) -> str:
+        share = self.bytes_done / self.bytes_total if self.bytes_total else 1.0
+        filled = int(share * width)
+        return f"[{'#' * filled}{'.' * (width - filled)}] {share:4.0%} {self.line()}"
+
+    @contextlib.asynccontextmanager
+    async def shown(self) -> AsyncIterator[None]:
+        tty = self.out.isatty()
+
+        async def draw() -> None:
+            while True:
+                await asyncio.sleep(TTY_EVERY_SECONDS if tty else PLAIN_EVERY_SECONDS)
+                self._show(tty)
+
+        task = asyncio.create_task(draw())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            self._show(tty)
+            if tty:
+                self.out.write("\n")
+            self.out.flush()
+
+    def _show(self, tty: bool) -> None:
+        if tty:
+            self.out.write("\r\x1b[2K" + self.bar())
+        else:
+            self.out.write(f"progress: {self.line()}\n")
+        self.out.flush()
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    uploaded: int = 0
+    unchanged: int = 0
+    deleted: int = 0
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"{self.uploaded} uploaded, {self.unchanged} unchanged, "
+            f"{self.deleted} deleted, {len(self.failures)} failed"
+        )
+
+
+class RequestFailed(Exception):
+    """An API call answered with an error (the problem body's detail is the message)."""
+
+
+class Ingest:
+    def __init__(self, options: Options, files: list[LocalFile], skipped: list[Skipped]) -> None:
+        self.o = options
+        self.files = files
+        self.skipped = skipped
+        self.tally = Tally()
+        self.progress = Progress(len(files) + len(options.urls), sum(f.size for f in files))
+
+    async def run(self) -> int:
+        for s in self.skipped:
+            print(f"skipped {s.uri}: {s.reason}", flush=True)
+        headers = {"Authorization": f"Bearer {self.o.api_key}"} if self.o.api_key else {}
+        timeout = httpx.Timeout(300.0, connect=10.0)
+        try:
+            async with httpx.AsyncClient(
+                base_url=self.o.api, headers=headers, timeout=timeout
+            ) as self.http:
+                await self._run()
+        except (RequestFailed, httpx.HTTPError) as err:
+            self.tally.failures.append(("kbmesh", _reason(err)))
+        for uri, reason in self.tally.failures:
+            print(f"failed {uri}: {reason}", flush=True)
+        print(self.tally.summary(), flush=True)
+        return 1 if self.tally.failures else 0
+
+    async def _run(self) -> None:
+        kb = await self._call("GET", f"/v1/kbs/{self.o.kb}")
+        self.kb_id: str = kb["kb_id"]
+        stored = await self._stored() if self.files or self.o.sync else {}
+        limit = asyncio.Semaphore(self.o.concurrency)
+
+        async def one(coro: Any) -> None:
+            async with limit:
+                await coro
+
+        async with self.progress.shown():
+            work = [one(self._file(f, stored.get(f.uri))) for f in self.files]
+            work += [one(self._url(u)) for u in self.o.urls]
+            await asyncio.gather(*work)
+        if self.o.sync:
+            present = {f.uri for f in self.files}
+            gone = [d for uri, d in sorted(stored.items()) if uri not in present]
+            await asyncio.gather(*(one(self._delete(d)) for d in gone))
+
+    async def _stored(self) -> dict[str, dict[str, Any]]:
+        """The source's documents by uri."""
+        found: dict[str, dict[str, Any]] = {}
+        skip = 0
+        while True:
+            page = await self._call(
+                "GET",
+                "/v1/documents",
+                params={"source_id": self.o.source_id, "skip": skip, "limit": PAGE},
+            )
+            for doc in page["items"]:
+                if doc.get("uri"):
+                    found[doc["uri"]] = doc
+            skip += len(page["items"])
+            if not page["items"] or skip >= page["total"]:
+                return found
+
+    async def _file(self, f: LocalFile, stored: dict[str, Any] | None) -> None:
+        try:
+            digest = await asyncio.to_thread(file_checksum, f.path)
+            if stored is not None and self._unchanged(stored, digest):
+                self.tally.unchanged += 1
+                self.progress.add(f.size)
+                return
+            data = await asyncio.to_thread(f.path.read_bytes)
+            body = {
+                "name": f.path.name,
+                "content": base64.b64encode(data).decode("ascii"),
+                "content_encoding": "base64",
+                "mime_type": f.mime_type,
+                "tags": self.o.tags,
+                "collection": self.o.collection,
+                "metadata": {"modified_at": datetime.fromtimestamp(f.mtime, UTC).isoformat()},
+                "source_id": self.o.source_id,
+                "uri": f.uri,
+            }
+            if stored is not None:
+                body["document_id"] = stored["document_id"]
+            result = await self._call(
+                "POST", f"/v1/kbs/{self.kb_id}/documents", params={"wait": "true"}, json=body
+            )
+            await self._settled(f.uri, result, f.size)
+        except (RequestFailed, httpx.HTTPError, OSError) as err:
+            self.tally.failures.append((f.uri, _reason(err)))
+            self.progress.add(f.size)
+
+    def _unchanged(self, stored: dict[str, Any], digest: str) -> bool:
+        return (
+            stored.get("content_checksum") == digest
+            and stored.get("status") != "failed"
+            and self.kb_id in stored.get("kb_ids", [])
+        )
+
+    async def _url(self, url: str) -> None:
+        try:
+            body = {
+                "url": url,
+                "kb": self.kb_id,
+                "tags": self.o.tags,
+                "collection": self.o.collection,
+                "source_id": self.o.source_id,
+                "wait": True,
+            }
+            result = await self._call("POST", "/api/v1/tools/kb_upload", json=body)
+            await self._settled(url, result, 0)
+        except (RequestFailed, httpx.HTTPError) as err:
+            self.tally.failures.append((url, _reason(err)))
+            self.progress.add(0)
+
+    async def _settled(self, uri: str, result: dict[str, Any], size: int) -> None:
+        """Count an upload once its document is indexed or failed (polling when the upload's
+        own wait ended first)."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while result["status"] == "processing" and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_SECONDS)
+            doc = await self._call("GET", f"/v1/documents/{result['document_id']}")
+            result = {**doc, "chunk_count": None}
+            if doc["status"] == "complete":
+                result["chunk_count"] = await self._chunk_count(doc)
+        if result["status"] == "failed":
+            self.tally.failures.append((uri, result.get("error") or "failed"))
+        elif result["status"] == "processing":
+            self.tally.failures.append((uri, "not indexed in time"))
+        else:
+            self.tally.uploaded += 1
+        self.progress.add(size, result.get("chunk_count") or 0)
+
+    async def _chunk_count(self, doc: dict[str, Any]) -> int:
+        page = await self._call(
+            "GET",
+            f"/v1/kbs/{self.kb_id}/documents",
+            params={"name_search": doc["name"], "limit": PAGE},
+        )
+        for item in page["items"]:
+            if item["document_id"] == doc["document_id"]:
+                return int(item["chunk_count"])
+        return 0
+
+    async def _delete(self, doc: dict[str, Any]) -> None:
+        try:
+            await self._call(
+                "DELETE", f"/v1/documents/{doc['document_id']}", params={"wait": "true"}
+            )
+            self.tally.deleted += 1
+            print(f"deleted {doc['uri']}", flush=True)
+        except (RequestFailed, httpx.HTTPError) as err:
+            self.tally.failures.append((doc["uri"], f"delete failed: {_reason(err)}"))
+
+    async def _call(self, method: str, url: str, **kwargs: Any) -> Any:
+        response = await self.http.request(method, url, **kwargs)
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail") or response.text
+            except ValueError:
+                detail = response.text
+            raise RequestFailed(f"HTTP {response.status_code}: {detail}")
+        return response.json()
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, httpx.HTTPError) and not str(err):
+        return type(err).__name__
+    return str(err) or type(err).__name__

@@ -1,0 +1,213 @@
+"""Progress of long work in a knowledge base: the numbers (for stats) and the live feed (for
+the server-sent event stream), driven by the bus's `doc.indexed` / `doc.failed`, `kb.changed`
+and the KB records' own changes rather than by polling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from pydantic import BaseModel, ValidationError
+
+from services.common.events import DocFailed, DocIndexed, KbChanged, Subject
+from services.common.models import (
+    DocStatus,
+    DocumentRecord,
+    IndexEntry,
+    KBStatus,
+    KnowledgeBase,
+)
+from services.gateway.schemas import KbProgress, ReindexProgress
+
+# The KV bucket of KB records: every write is a message on `$KV.kbs.<org>.<kb>`.
+KB_RECORDS = "$KV.kbs.>"
+KEEPALIVE_SECONDS = 15.0
+# Snapshots are recomputed at most this often while events pour in (each reads the registry).
+SNAPSHOT_EVERY_SECONDS = 0.25
+
+
+def kb_progress(
+    kb: KnowledgeBase, entries: list[IndexEntry], members: list[DocumentRecord]
+) -> KbProgress:
+    """Where a KB's documents stand. `members` are the documents whose tags match it."""
+    by_doc = {e.document_id: e for e in entries}
+    indexed = failed = 0
+    rebuild_total = rebuild_done = 0
+    for d in members:
+        entry = by_doc.get(d.document_id)
+        if d.status == DocStatus.failed or kb.kb_id in d.kb_errors:
+            failed += 1
+            continue
+        if entry is not None and entry.revision >= d.revision:
+            indexed += 1
+        if d.status == DocStatus.ready:
+            rebuild_total += 1
+            if entry is not None and entry.settings_version == kb.settings_version:
+                rebuild_done += 1
+    reindex = None
+    if kb.status == KBStatus.pending_reindex:
+        reindex = ReindexProgress(
+            settings_version=kb.settings_version, done=rebuild_done, total=rebuild_total
+        )
+    return KbProgress(
+        total=len(members),
+        indexed=indexed,
+        pending=len(members) - indexed - failed,
+        failed=failed,
+        reindex=reindex,
+    )
+
+
+FEED_MODELS: dict[str, type[BaseModel]] = {
+    Subject.DOC_INDEXED: DocIndexed,
+    Subject.DOC_FAILED: DocFailed,
+    Subject.KB_CHANGED: KbChanged,
+}
+Item = DocIndexed | DocFailed | KbChanged | str | None  # None: the KB record changed
+CLOSED = "closed"  # the gateway is stopping
+
+
+class ProgressFeed:
+    """One set of core-NATS subscriptions per gateway, fanned out to the streams open on
+    each KB. Listeners register before they read their first snapshot, so nothing that
+    happens after it is missed."""
+
+    def __init__(self) -> None:
+        self._listeners: dict[str, set[asyncio.Queue[Item]]] = defaultdict(set)
+        self._subs: list[Subscription] = []
+        self._closed = False
+
+    async def start(self, nc: nats.NATS) -> None:
+        self._subs = [
+            await nc.subscribe(Subject.DOC_INDEXED, cb=self._on_event),
+            await nc.subscribe(Subject.DOC_FAILED, cb=self._on_event),
+            await nc.subscribe(Subject.KB_CHANGED, cb=self._on_event),
+            await nc.subscribe(KB_RECORDS, cb=self._on_kb_record),
+        ]
+
+    def close_streams(self) -> None:
+        """End every open stream, and any opened from now on: the HTTP server waits for open
+        responses before it stops, and a stream never ends by itself."""
+        self._closed = True
+        for queues in list(self._listeners.values()):
+            for queue in queues:
+                queue.put_nowait(CLOSED)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_event(self, msg: Msg) -> None:
+        model = FEED_MODELS[Subject(msg.subject)]
+        try:
+            event: Any = model.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        if event.kb_id:
+            self._send(event.kb_id, event)
+        else:  # an upload that failed before KB membership: any KB may count it
+            for kb_id in list(self._listeners):
+                self._send(kb_id, event)
+
+    async def _on_kb_record(self, msg: Msg) -> None:
+        self._send(msg.subject.rsplit(".", 1)[-1], None)
+
+    def _send(self, kb_id: str, item: Item) -> None:
+        for queue in self._listeners.get(kb_id, ()):
+            queue.put_nowait(item)
+
+    # Plain functions, not a context manager: a stream left suspended when its client went
+    # away is finalised by the event loop later, where only synchronous clean-up is safe.
+    def subscribe(self, kb_id: str) -> asyncio.Queue[Item]:
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        if self._closed:
+            queue.put_nowait(CLOSED)
+        self._listeners[kb_id].add(queue)
+        return queue
+
+    def unsubscribe(self, kb_id: str, queue: asyncio.Queue[Item]) -> None:
+        listeners = self._listeners.get(kb_id)
+        if listeners is not None:
+            listeners.discard(queue)
+            if not listeners:
+                del self._listeners[kb_id]
+
+
+async def event_stream(
+    feed: ProgressFeed,
+    org_id: str,
+    kb_id: str,
+    snapshot: Callable[[], Awaitable[KbProgress | None]],
+) -> AsyncIterator[str]:
+    """Server-sent events for one KB: `progress` (a snapshot, whenever it changed) and
+    `document` (one per status change); `deleted` ends the stream when the KB goes."""
+    queue = feed.subscribe(kb_id)
+    try:
+        last = await snapshot()
+        if last is None:
+            yield _sse("deleted", {"kb_id": kb_id})
+            return
+        yield _sse("progress", {"kb_id": kb_id, **last.model_dump()})
+        dirty, next_at = False, 0.0
+        while True:
+            wait = max(next_at - time.monotonic(), 0.0) if dirty else KEEPALIVE_SECONDS
+            try:
+                item = await asyncio.wait_for(queue.get(), wait)
+            except TimeoutError:
+                if not dirty:
+                    yield ": keep-alive\n\n"
+                    continue
+                dirty, next_at = False, time.monotonic() + SNAPSHOT_EVERY_SECONDS
+                current = await snapshot()
+                if current is None:
+                    yield _sse("deleted", {"kb_id": kb_id})
+                    return
+                if current != last:
+                    last = current
+                    yield _sse("progress", {"kb_id": kb_id, **current.model_dump()})
+                continue
+            if item == CLOSED:
+                return
+            if isinstance(item, str) or (item is not None and item.org_id != org_id):
+                continue
+            document = _document_event(item)
+            if document is not None and document["kb_id"] == kb_id:
+                yield _sse("document", document)
+            dirty = True
+    finally:
+        feed.unsubscribe(kb_id, queue)
+
+
+def _document_event(item: Item) -> dict[str, Any] | None:
+    if isinstance(item, DocIndexed):
+        return {
+            "kb_id": item.kb_id,
+            "document_id": item.document_id,
+            "status": "removed" if item.removed else "indexed",
+            "revision": item.revision,
+            "chunk_count": item.chunk_count,
+            "error": None,
+        }
+    if isinstance(item, DocFailed) and item.document_id:
+        return {
+            "kb_id": item.kb_id,
+            "document_id": item.document_id,
+            "status": "failed",
+            "revision": item.revision,
+            "chunk_count": None,
+            "error": item.error,
+        }
+    return None
+
+
+def _sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"

@@ -1,0 +1,128 @@
+"""`kbmesh ingest`'s walk: what it picks from a folder, how it names it, what it skips."""
+
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+
+import pytest
+
+from services.cli_ingest import Options, Progress, UsageError, walk
+
+
+def options(*paths: Path, **overrides: object) -> Options:
+    args = argparse.Namespace(
+        paths=[str(p) for p in paths],
+        kb="default",
+        tags="",
+        collection=None,
+        source_id=None,
+        include=[],
+        exclude=[],
+        sync=False,
+        concurrency=4,
+        api="http://127.0.0.1:8080",
+    )
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return Options.from_args(args)
+
+
+def tree(root: Path, files: dict[str, bytes | str]) -> None:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+
+
+def test_walk_honours_gitignore_hidden_folders_and_globs(tmp_path: Path) -> None:
+    """Nested .gitignore files (with negation), hidden files and folders, --include and
+    --exclude all narrow the walk; uris are relative to the folder given, in order."""
+    root = tmp_path / "repo"
+    tree(
+        root,
+        {
+            ".gitignore": "*.log\nbuild/\n",
+            "a.md": "a",
+            "keep.log": "x",
+            "build/out.md": "x",
+            ".git/HEAD.md": "x",
+            ".env": "x",
+            "docs/.gitignore": "draft-*.md\n!draft-final.md\n",
+            "docs/b.md": "b",
+            "docs/draft-1.md": "x",
+            "docs/draft-final.md": "x",
+            "docs/deep/c.txt": "c",
+            "docs/deep/page.html": "<p>x</p>",
+        },
+    )
+    files, skipped = walk(options(root))
+    assert [f.uri for f in files] == [
+        "a.md",
+        "docs/b.md",
+        "docs/deep/c.txt",
+        "docs/deep/page.html",
+        "docs/draft-final.md",
+    ]
+    assert not skipped
+    files, _ = walk(options(root, include=["*.md"], exclude=["docs/deep/*", "a.md"]))
+    assert [f.uri for f in files] == ["docs/b.md", "docs/draft-final.md"]
+
+
+def test_binaries_and_unextractable_types_are_skipped(tmp_path: Path) -> None:
+    """A .bin, an image and a NUL-holding file without a telling extension are skipped with
+    their type; a single file given directly is named by its file name."""
+    tree(
+        tmp_path,
+        {
+            "blob.bin": bytes(range(256)),
+            "photo.png": b"\x89PNG\r\n",
+            "LICENSE": b"MIT\0\0binary",
+            "README": "plain text without an extension",
+        },
+    )
+    files, skipped = walk(options(tmp_path))
+    assert [f.uri for f in files] == ["README"]
+    assert {s.uri for s in skipped} == {"blob.bin", "photo.png", "LICENSE"}
+    assert all(s.reason.startswith("unsupported type") for s in skipped)
+    single, _ = walk(options(tmp_path / "README"))
+    assert [(f.uri, f.mime_type) for f in single] == [("README", "text/plain")]
+
+
+def test_usage_errors(tmp_path: Path) -> None:
+    """A missing path, or --sync with nothing local to compare, is bad usage."""
+    with pytest.raises(UsageError):
+        options(tmp_path / "missing")
+    with pytest.raises(UsageError):
+        options(sync=True, paths=["https://example.com/a.html"])
+    assert options(tmp_path).source_id == tmp_path.name
+
+
+def test_progress_line_counts_files_bytes_chunks() -> None:
+    progress = Progress(files_total=4, bytes_total=4096)
+    progress.add(1024, chunks=3)
+    line = progress.line()
+    assert line.startswith("1/4 files, 1.0 KB/4.0 KB, 3 chunks indexed, ")
+    assert "ETA" in line and progress.bar().startswith("[######")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+async def test_progress_redraws_one_line_on_a_terminal_and_prints_lines_elsewhere() -> None:
+    """On a terminal the bar is redrawn in place and left on its own line; elsewhere a
+    plain `progress:` line is printed (at least once, at the end)."""
+    tty, plain = Terminal(), io.StringIO()
+    for out in (tty, plain):
+        progress = Progress(files_total=2, bytes_total=10, out=out)
+        async with progress.shown():
+            progress.add(10, chunks=4)
+    assert tty.getvalue().startswith("\r\x1b[2K[") and tty.getvalue().endswith("\n")
+    assert "1/2 files" in tty.getvalue() and "progress:" not in tty.getvalue()
+    assert plain.getvalue().startswith("progress: 1/2 files, 10 B/10 B, 4 chunks indexed")
