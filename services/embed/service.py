@@ -11,7 +11,7 @@ from typing import Any
 
 from services.common import bm25, metrics
 from services.common.embedders import EmbedderPool
-from services.common.errors import Conflict, Transient
+from services.common.errors import Conflict, NotFound, Transient
 from services.common.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish, Subject
 from services.common.ids import point_id
 from services.common.models import (
@@ -183,7 +183,19 @@ class EmbedService:
             await self.reg.index.put(entry_key, entry)
             return entry, False
         new_text = entry is None or entry.checksum != record.checksum
-        entry = await self._build(kb, record)
+        try:
+            entry = await self._build(kb, record)
+        except NotFound:
+            # A cancelled rebuild dropped its collection under our write: the work belonged
+            # to that generation, and the document is still indexed where searches read.
+            if await self._abandoned(kb):
+                log.info(
+                    "drop kb.index for a cancelled rebuild kb_id=%s document_id=%s",
+                    kb.kb_id,
+                    record.document_id,
+                )
+                return None
+            raise
         await self._drop_if_abandoned(kb)
         await self.reg.index.put(entry_key, entry)
         if new_text:  # not a rebuild for new settings: the upload's own wait
@@ -198,14 +210,18 @@ class EmbedService:
                 document_payload(record),
             )
 
+    async def _abandoned(self, kb: KnowledgeBase) -> bool:
+        """Whether the collection this work wrote to belongs to a rebuild since cancelled."""
+        current = await self.reg.kbs.get(f"{kb.org_id}.{kb.kb_id}")
+        return current is not None and kb.collection_name not in (
+            current.collection_name,
+            current.serving_collection,
+        )
+
     async def _drop_if_abandoned(self, kb: KnowledgeBase) -> None:
         """A rebuild cancelled while we wrote to its collection: our write re-created what
         the cancel dropped, so drop it again (the catch-up then indexes where it belongs)."""
-        current = await self.reg.kbs.get(f"{kb.org_id}.{kb.kb_id}")
-        if current is not None and kb.collection_name not in (
-            current.collection_name,
-            current.serving_collection,
-        ):
+        if await self._abandoned(kb):
             await self.store.drop_collection(kb.collection_name)
 
     async def _build(self, kb: KnowledgeBase, record: DocumentRecord) -> IndexEntry:

@@ -39,7 +39,14 @@ def document(i: int) -> str:
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory, embedders) -> AsyncIterator[tuple[Any, httpx.AsyncClient, str]]:
     async with (
-        running_stack(tmp_path_factory.mktemp("progress"), embedders=embedders) as (rt, client),
+        # Few documents at a time, so a cancel lands while most of a rebuild is still
+        # ahead (with the default 16 in flight, 30 one-chunk documents go in one batch).
+        running_stack(
+            tmp_path_factory.mktemp("progress"),
+            embedders=embedders,
+            embed_concurrency=2,
+            embed_max_batch=8,
+        ) as (rt, client),
         serve_http(rt) as (base, _app),
     ):
         yield rt, client, base
