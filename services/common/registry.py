@@ -29,6 +29,9 @@ M = TypeVar("M", bound=BaseModel)
 CAS_ATTEMPTS = 20
 
 
+_WATCH_RECHECK_SECONDS = 1.0
+
+
 class Registry(Generic[M]):
     def __init__(self, kv: KeyValue, model: type[M]) -> None:
         self.kv = kv
@@ -141,9 +144,14 @@ class Registry(Generic[M]):
         try:
             while (remaining := deadline - time.monotonic()) > 0:
                 try:
-                    entry = await watcher.updates(timeout=remaining)
+                    # Bounded, because nats-py can lose a watch's set-up under load (its
+                    # consumer creation times out inside a callback) and then never yields:
+                    # a quiet second re-reads the key instead of waiting out the deadline.
+                    entry = await watcher.updates(timeout=min(remaining, _WATCH_RECHECK_SECONDS))
                 except (TimeoutError, nats.errors.TimeoutError):
-                    break
+                    if deadline - time.monotonic() <= 0:
+                        break
+                    entry = None
                 if entry is None:
                     # "No values yet" may come before a value already on the wire: ask.
                     current = await self.get(key)
