@@ -41,6 +41,7 @@ from services.contracts.export import (
     validator,
 )
 from services.gateway.api.problems import TOOLS_PATH, ProblemFieldError, problem
+from services.gateway.api.tools import tool_arguments
 from services.gateway.auth import Principal
 from services.gateway.mcp import KbmeshMCP, MountRoot, call_result
 from services.gateway.tools import (
@@ -152,7 +153,7 @@ def create_mock_app(
 
     async def call_tool(request: Request) -> Response:
         try:
-            arguments = _json_object(await request.body())
+            arguments = tool_arguments(await request.body())
         except InvalidInput as err:
             outcome = error_outcome(err)
         else:
@@ -243,18 +244,6 @@ def _closest(examples: list[ToolExample], inp: BaseModel) -> ToolExample:
         return sum(1 for k, v in asked.items() if k in given and given[k] == v)
 
     return max(examples, key=shared)
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as err:
-        raise InvalidInput(f"the body is not valid JSON: {err}") from err
-    if not isinstance(body, dict):
-        raise InvalidInput("the body must be a JSON object of the tool's arguments")
-    return body
 
 
 def _invalid(errors: list[ProblemFieldError]) -> InvalidInput:
