@@ -9,6 +9,8 @@ Keys are built in one place per registry (`kbs.key(org, kb)`, `documents.key(org
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -17,7 +19,7 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, ObjectStore
 from pydantic import BaseModel
 
 from services.common.answers import Prompt
@@ -216,6 +218,15 @@ class Registry(Generic[M]):
         return not info.state.subjects
 
 
+# A chunk of an object that does not arrive within this long was purged by a replacement.
+_CHUNK_SECONDS = 2.0
+_READ_ATTEMPTS = 3
+
+
+def _digest(data: bytes) -> str:
+    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+
+
 class TextStore:
     """Extracted text and original bytes, in the `texts` object store."""
 
@@ -226,11 +237,37 @@ class TextStore:
         await self.store.put(name, data)
 
     async def get(self, name: str) -> bytes | None:
+        """The object's bytes, or None when there is none. Objects are replaced in place
+        (a document's text under one name): nats-py's own `get` waits forever for chunks
+        that a replacement purged mid-read, so chunks are read here with a bound, and a
+        read that stalls starts again on the current version."""
+        for _ in range(_READ_ATTEMPTS):
+            try:
+                info = await self.store.get_info(name)
+            except (NotFoundError, KeyNotFoundError):
+                return None
+            if not info.size:
+                return b""
+            data = await self._chunks(info.nuid or "")
+            if data is not None and _digest(data) == info.digest:
+                return data
+        raise Transient(f"object {name} keeps changing while it is read")
+
+    async def _chunks(self, nuid: str) -> bytes | None:
+        js = self.store._js
+        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.store._name, obj=nuid)
+        sub = await js.subscribe(subject, ordered_consumer=True)
+        data = bytearray()
         try:
-            result = await self.store.get(name)
-        except (NotFoundError, KeyNotFoundError):
-            return None
-        return result.data or b""
+            while True:
+                msg = await sub.next_msg(timeout=_CHUNK_SECONDS)
+                data += msg.data
+                if msg.metadata.num_pending == 0:
+                    return bytes(data)
+        except nats.errors.TimeoutError:
+            return None  # purged by a replacement (or deleted) under us
+        finally:
+            await sub.unsubscribe()
 
     async def get_text(self, name: str) -> str | None:
         data = await self.get(name)

@@ -262,7 +262,13 @@ class Documents:
         if not record.kb_ids:
             return result.model_copy(update={"status": "stored", "chunk_count": 0})
         outcome = await self.waiting.indexed(
-            events, event.org_id, set(record.kb_ids), set(), revision, deadline
+            events,
+            event.org_id,
+            record.document_id,
+            set(record.kb_ids),
+            set(),
+            revision,
+            deadline,
         )
         current = await self.reg.documents.get(record.key)
         if current is not None and current.upload_event_id != event.event_id:
@@ -366,7 +372,7 @@ class Documents:
                 if wait and updated.status == DocStatus.ready:
                     lost = set(record.kb_ids) - set(updated.kb_ids)
                     await self.waiting.indexed(
-                        events, p.org_id, set(updated.kb_ids), lost, mine, deadline
+                        events, p.org_id, document_id, set(updated.kb_ids), lost, mine, deadline
                     )
                 # Applied in order; later changes build on it. The answer is the document
                 # now, as long as it still holds what this call set: a later change of the

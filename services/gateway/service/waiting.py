@@ -21,6 +21,8 @@ from services.common.models import DocumentRecord
 from services.common.registry import Registries
 
 Events = asyncio.Queue[DocIndexed | DocFailed]
+# A wait with no notification for this long reads the registries instead.
+_RECHECK_SECONDS = 1.0
 
 
 class IndexWaiter:
@@ -123,6 +125,7 @@ class Waiting:
         self,
         events: Events,
         org_id: str,
+        document_id: str,
         index_kbs: set[str],
         remove_kbs: set[str],
         revision: int,
@@ -131,7 +134,9 @@ class Waiting:
         """Wait for doc.indexed from every KB in index_kbs (at `revision` or later) and a
         removal from every KB in remove_kbs. Returns chunk counts, the failure, or None on
         timeout. Document ids are per org: another org's events for the same id are not
-        ours."""
+        ours. The notifications are core NATS (at most once; a slow subscriber may lose
+        some), so a quiet second reads the index registry, which embed writes before it
+        announces."""
         counts: dict[str, int] = {}
         removed: set[str] = set()
         while (index_kbs - counts.keys()) or (remove_kbs - removed):
@@ -139,9 +144,11 @@ class Waiting:
             if remaining <= 0:
                 return None
             try:
-                ev = await asyncio.wait_for(events.get(), timeout=remaining)
+                ev = await asyncio.wait_for(events.get(), timeout=min(remaining, _RECHECK_SECONDS))
             except TimeoutError:
-                return None
+                await self._read_index(document_id, index_kbs - counts.keys(), revision, counts)
+                await self._read_removals(document_id, remove_kbs - removed, removed)
+                continue
             if ev.org_id != org_id:
                 continue
             if isinstance(ev, DocFailed):
@@ -155,6 +162,19 @@ class Waiting:
             elif ev.kb_id in index_kbs:
                 counts[ev.kb_id] = ev.chunk_count
         return counts
+
+    async def _read_index(
+        self, document_id: str, kb_ids: set[str], revision: int, counts: dict[str, int]
+    ) -> None:
+        for kb_id in kb_ids:
+            entry = await self.reg.index.get(f"{kb_id}.{document_id}")
+            if entry is not None and entry.revision >= revision:
+                counts[kb_id] = entry.chunk_count
+
+    async def _read_removals(self, document_id: str, kb_ids: set[str], removed: set[str]) -> None:
+        for kb_id in kb_ids:
+            if await self.reg.index.get(f"{kb_id}.{document_id}") is None:
+                removed.add(kb_id)
 
     async def removed(
         self, events: Events, org_id: str, records: list[DocumentRecord], deadline: float
