@@ -20,7 +20,9 @@ async def test_a_read_whose_chunks_were_purged_reads_the_replacement(tmp_path):
         nc = await nats.connect(server.url)
         try:
             js = nc.jetstream()
-            texts = TextStore(await js.create_object_store("texts", ObjectStoreConfig(bucket="texts")))
+            texts = TextStore(
+                await js.create_object_store("texts", ObjectStoreConfig(bucket="texts"))
+            )
             old, new = b"old " * 100_000, b"new " * 90_000  # several chunks each
             await texts.put("org/doc/text", old)
             stale = await texts.store.get_info("org/doc/text")
