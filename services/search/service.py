@@ -154,8 +154,10 @@ class SearchService:
             score_kind: Literal["fused", "rerank"] = "fused"
             reranker = rerank_model(kbs, req.rerank)
             if reranker is not None and fused:
+                head = fused[: max(self.settings.rerank_depth, req.top_k)]
+                await self._load(head, points, collections)
                 try:
-                    fused = await self._rerank(req.query, fused, points, reranker, req.top_k)
+                    fused = await self._rerank(req.query, head, points, reranker)
                     score_kind = "rerank"
                 except RerankFailed as err:
                     log.warning("rerank_failed model=%s error=%s", reranker[0], err)
@@ -165,7 +167,12 @@ class SearchService:
             if req.min_score is not None:
                 fused = [f for f in fused if f.score >= req.min_score]
             top = fused[: req.top_k]
-            await self._complete(top, known, collections, dense, sparse, flt)
+            await asyncio.gather(
+                self._complete(top, known, collections, dense, sparse, flt),
+                self._load(top, points, collections),
+            )
+            # A chunk deleted since it was ranked has no payload left to load: left out.
+            top = [f for f in top if "kb_id" in points[f.chunk].payload]
             matched = [
                 self._hit(f.chunk, points[f.chunk], f.score, known, req.mode, rank)
                 for rank, f in enumerate(top, 1)
@@ -197,14 +204,12 @@ class SearchService:
     async def _rerank(
         self,
         query: str,
-        fused: list[Fused],
+        head: list[Fused],
         points: dict[ChunkKey, Hit],
         model: tuple[str, str | None],
-        top_k: int,
     ) -> list[Fused]:
-        """The best candidates in the reranker's order, scored by it; the rest are dropped
-        (they could only follow with a score on another scale)."""
-        head = fused[: max(self.settings.rerank_depth, top_k)]
+        """The best candidates (`head`) in the reranker's order, scored by it; the rest are
+        dropped (they could only follow with a score on another scale)."""
         texts = [_rerank_text(points[f.chunk]) for f in head]
         order = await self.reranker.rerank(model[0], model[1], query, texts)
         return [Fused(head[i].chunk, head[i].document, score) for i, score in order]
@@ -216,7 +221,7 @@ class SearchService:
         flt: Filter,
         dense: list[float] | None,
         sparse: SparseVector | None,
-    ) -> tuple[list[CandidateList], dict[ChunkKey, Hit]]:
+    ) -> Candidates:
         """The KB's candidate lists for the mode: chunks by each signal, and (with a lead
         weight) documents' first chunks by each signal."""
         name = kb.serving_collection
@@ -233,12 +238,21 @@ class SearchService:
                     filter=where,
                     dense=dense,
                     hnsw_ef=self.settings.hnsw_ef,
+                    payload=RANKING_FIELDS,
                 )
                 searches.append(("dense", lead, query))
             if sparse is not None and sparse.indices:
-                query = Query(mode=Mode.keyword, limit=limit, filter=where, sparse=sparse)
+                query = Query(
+                    mode=Mode.keyword,
+                    limit=limit,
+                    filter=where,
+                    sparse=sparse,
+                    payload=RANKING_FIELDS,
+                )
                 searches.append(("keyword", lead, query))
-        results = await asyncio.gather(*(self.store.query(name, q) for _, _, q in searches))
+        if not searches:
+            return [], {}
+        results = await self.store.query_many(name, [q for _, _, q in searches])
         lists: list[CandidateList] = []
         points: dict[ChunkKey, Hit] = {}
         for (signal, lead, _), hits in zip(searches, results, strict=True):
@@ -275,12 +289,17 @@ class SearchService:
                     dense=vector,
                     filter=flt.and_(HasIds(need)),
                     hnsw_ef=self.settings.hnsw_ef,
+                    payload=(),
                 )
                 lookups.append((kb_id, known.cosine, query))
             need = tuple(i for i in ids if (kb_id, i) not in known.bm25)
             if sparse is not None and sparse.indices and need:
                 query = Query(
-                    mode=Mode.keyword, limit=len(need), sparse=sparse, filter=flt.and_(HasIds(need))
+                    mode=Mode.keyword,
+                    limit=len(need),
+                    sparse=sparse,
+                    filter=flt.and_(HasIds(need)),
+                    payload=(),
                 )
                 lookups.append((kb_id, known.bm25, query))
         results = await asyncio.gather(
@@ -289,6 +308,23 @@ class SearchService:
         for (kb_id, into, _), hits in zip(lookups, results, strict=True):
             for h in hits:
                 into[(kb_id, h.id)] = h.score or 0.0
+
+    async def _load(
+        self, fused: list[Fused], points: dict[ChunkKey, Hit], collections: dict[str, str]
+    ) -> None:
+        """Whole payloads (text, labels, metadata) of the chunks about to be returned, in
+        place of the ranking fields their candidate lists carried."""
+        wanted: dict[str, list[str]] = defaultdict(list)
+        for f in fused:
+            if "kb_id" not in points[f.chunk].payload:
+                wanted[f.chunk[0]].append(f.chunk[1])
+        found = await asyncio.gather(
+            *(self.store.retrieve(collections[kb_id], ids) for kb_id, ids in wanted.items())
+        )
+        for kb_id, hits in zip(wanted, found, strict=True):
+            for h in hits:
+                key = (kb_id, h.id)
+                points[key] = Hit(id=h.id, score=points[key].score, payload=h.payload)
 
     @staticmethod
     def _hit(
@@ -375,6 +411,13 @@ class SearchService:
         if req.kb_id and req.scope_kb_ids is not None and req.kb_id not in req.scope_kb_ids:
             raise Forbidden(f"knowledge base {req.kb_id!r} is outside this key's scope")
         raise NotFound(f"chunk {req.chunk_id!r} not found", field="chunk_id")
+
+
+Candidates = tuple[list[CandidateList], dict[ChunkKey, Hit]]
+
+
+# What a candidate list carries of each chunk: enough to rank it and group it by document.
+RANKING_FIELDS = ("document_id",)
 
 
 def to_hit(hit: Hit, score: float | None, match_type: MatchType | None) -> SearchHit:

@@ -384,6 +384,32 @@ async def test_query_returns_ids_payloads_and_scores(
 
 
 @pytest.mark.parametrize("mode", list(Mode))
+async def test_query_returns_only_the_payload_fields_asked_for(
+    store: VectorStore, kb: str, mode: Mode
+) -> None:
+    """`payload` names the fields each hit carries (none when empty); the ranking is the
+    same as with whole payloads."""
+    await load(store, kb, MODE_POINTS)
+    whole = await store.query(kb, mode_query(mode))
+    slim = await store.query(kb, replace(mode_query(mode), payload=("document_id",)))
+    bare = await store.query(kb, replace(mode_query(mode), payload=()))
+    assert [h.id for h in slim] == [h.id for h in bare] == [h.id for h in whole]
+    assert [h.payload for h in slim] == [{"document_id": h.payload["document_id"]} for h in whole]
+    assert all(h.payload == {} for h in bare)
+
+
+async def test_query_many_answers_each_query_as_query_does(store: VectorStore, kb: str) -> None:
+    """Several queries at once answer in order, each exactly as alone; none on a missing
+    collection."""
+    await load(store, kb, MODE_POINTS)
+    queries = [mode_query(mode) for mode in Mode]
+    alone = [await store.query(kb, q) for q in queries]
+    together = await store.query_many(kb, queries)
+    assert [[h.id for h in hits] for hits in together] == [[h.id for h in hits] for hits in alone]
+    assert await store.query_many("kb_missing", queries) == [[], [], []]
+
+
+@pytest.mark.parametrize("mode", list(Mode))
 async def test_query_needs_the_vectors_its_mode_uses(
     store: VectorStore, kb: str, mode: Mode
 ) -> None:

@@ -125,6 +125,10 @@ class Query:
     hnsw_ef: int = 128
     # RRF weight of the lead-chunk prefetches (0: none). See `fusion_plan`.
     lead_weight: float = 0.0
+    # The payload fields each hit carries; None: all. Candidate lists of a search name the
+    # few they rank by: converting whole payloads (chunk text, metadata) of hundreds of
+    # candidates costs more than the engine's search.
+    payload: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,13 @@ def fusion_plan(q: Query) -> list[PrefetchPlan] | None:
     if q.lead_weight > 0:
         plan += [PrefetchPlan(v, True, q.lead_weight) for v in chosen]
     return plan
+
+
+def payload_selector(q: Query) -> bool | list[str]:
+    """The engines' `with_payload` for a query: everything, nothing, or the named fields."""
+    if q.payload is None:
+        return True
+    return list(q.payload) if q.payload else False
 
 
 def lead_filter(flt: Filter) -> Filter:
@@ -212,6 +223,9 @@ class VectorStore(Protocol):
         """Overwrite the given payload keys on every matching point (no re-embedding)."""
 
     async def query(self, name: str, query: Query) -> list[Hit]: ...
+
+    async def query_many(self, name: str, queries: list[Query]) -> list[list[Hit]]:
+        """Several queries on one collection at once (one engine call where it can)."""
 
     async def retrieve(self, name: str, ids: list[str]) -> list[Hit]: ...
 

@@ -41,6 +41,7 @@ from services.common.store.base import (
     check_document_points,
     fusion_plan,
     lead_filter,
+    payload_selector,
     uuid_strings,
 )
 
@@ -150,7 +151,16 @@ class EdgeStore:
         if shard is None:
             return []
         points = await asyncio.to_thread(shard.query, _edge_query(query))
-        return [Hit(id=str(p.id), score=p.score, payload=p.payload or {}) for p in points]
+        return _hits(points)
+
+    async def query_many(self, name: str, queries: list[Query]) -> list[list[Hit]]:
+        shard = await self._shard(name)
+        if shard is None:
+            return [[] for _ in queries]
+        requests = [_edge_query(q) for q in queries]
+        # One thread hop for all: each hop costs more than a small in-process search.
+        results = await asyncio.to_thread(lambda: [shard.query(r) for r in requests])
+        return [_hits(points) for points in results]
 
     async def retrieve(self, name: str, ids: list[str]) -> list[Hit]:
         shard = await self._shard(name)
@@ -270,16 +280,21 @@ def _edge_point(p: ChunkPoint) -> qe.Point:
     return qe.Point(p.id, vectors, p.payload)
 
 
+def _hits(points: list[qe.ScoredPoint]) -> list[Hit]:
+    return [Hit(id=str(p.id), score=p.score, payload=p.payload or {}) for p in points]
+
+
 def _edge_query(q: Query) -> qe.QueryRequest:
     flt = _edge_filter(q.filter)
     params = qe.SearchParams(hnsw_ef=q.hnsw_ef)
+    payload = payload_selector(q)
     plan = fusion_plan(q)
     if plan is None:
         if q.mode is Mode.dense:
             return qe.QueryRequest(
-                limit=q.limit, query=_dense(q), filter=flt, params=params, with_payload=True
+                limit=q.limit, query=_dense(q), filter=flt, params=params, with_payload=payload
             )
-        return qe.QueryRequest(limit=q.limit, query=_sparse(q), filter=flt, with_payload=True)
+        return qe.QueryRequest(limit=q.limit, query=_sparse(q), filter=flt, with_payload=payload)
     # The filter must hold inside each prefetch, or a selective filter would leave nothing of
     # the prefetched candidates. Qdrant already propagates a top-level filter into prefetches
     # (checked on Edge 0.9); stating it per prefetch keeps that from being an assumption.
@@ -298,7 +313,7 @@ def _edge_query(q: Query) -> qe.QueryRequest:
         prefetches=prefetches,
         query=qe.Fusion.Rrf(k=q.rrf_k, weights=[p.weight for p in plan]),  # type: ignore[arg-type]  # stub omits Rrf
         filter=flt,
-        with_payload=True,
+        with_payload=payload,
     )
 
 

@@ -6,6 +6,7 @@ for a server in tests; local mode builds no payload indexes, so none are request
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -36,6 +37,7 @@ from services.common.store.base import (
     check_document_points,
     fusion_plan,
     lead_filter,
+    payload_selector,
     uuid_strings,
 )
 
@@ -149,11 +151,14 @@ class ServerStore:
         try:
             with _classified(name):
                 response = await self._client.query_points(
-                    name, limit=query.limit, with_payload=True, **request
+                    name, limit=query.limit, with_payload=payload_selector(query), **request
                 )
         except NotFound:
             return []
         return [Hit(id=str(p.id), score=p.score, payload=p.payload or {}) for p in response.points]
+
+    async def query_many(self, name: str, queries: list[Query]) -> list[list[Hit]]:
+        return list(await asyncio.gather(*(self.query(name, q) for q in queries)))
 
     async def retrieve(self, name: str, ids: list[str]) -> list[Hit]:
         if not ids:
