@@ -72,9 +72,17 @@ def document_id(beir_id: str) -> str:
 
 
 def ingest(
-    client: httpx.Client, kb: str, corpus: dict, chunk_size: int, id_prefix: str = ""
+    client: httpx.Client,
+    kb: str,
+    corpus: dict,
+    chunk_size: int,
+    id_prefix: str = "",
+    model: str | None = None,
 ) -> float:
-    r = client.post("/v1/kbs", json={"name": kb, "chunk_size": chunk_size})
+    settings: dict[str, object] = {"name": kb, "chunk_size": chunk_size}
+    if model:
+        settings["embedding_model"] = model
+    r = client.post("/v1/kbs", json=settings)
     if r.status_code == 409:
         stats = client.get(f"/v1/kbs/{kb}/stats").json()
         if stats["document_count"] >= len(corpus):
@@ -188,6 +196,7 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, help="persist the index here (reuse it)")
     parser.add_argument("--kb", help="KB name (default: derived from the dir and settings)")
     parser.add_argument("--chunk-size", type=int, default=200)
+    parser.add_argument("--model", help="the KB's embedding model (default: the server's)")
     parser.add_argument("--top-k", type=int, default=50, help="chunks fetched per query")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--max-queries", type=int)
@@ -220,7 +229,8 @@ def main() -> None:
         queries = {q: t for q, t in queries.items() if qrels[q].keys() & corpus.keys()}
     if args.max_queries:
         queries = dict(list(queries.items())[: args.max_queries])
-    kb = args.kb or f"{args.beir_dir.name}-cs{args.chunk_size}"
+    model_tag = f"-{args.model.rsplit('/', 1)[-1]}" if args.model else ""
+    kb = args.kb or f"{args.beir_dir.name}-cs{args.chunk_size}{model_tag}"
     parts = [kb] if args.split == 1 else [f"{kb}-part{i + 1}" for i in range(args.split)]
     print(f"{args.beir_dir}: {len(corpus)} documents, {len(queries)} queries; KBs {parts}")
     with target(args) as base, httpx.Client(base_url=base, timeout=120) as client:
@@ -232,13 +242,14 @@ def main() -> None:
             if prefix is None:
                 prefix = f"{kb}_" if args.sample or args.split > 1 else ""
             share = dict(items[i :: len(parts)])
-            seconds += ingest(client, part, share, args.chunk_size, prefix)
+            seconds += ingest(client, part, share, args.chunk_size, prefix, args.model)
         chunks = sum(client.get(f"/v1/kbs/{p}/stats").json()["chunk_count"] for p in parts)
         if seconds:
             print(f"ingested in {seconds:.0f}s ({chunks / seconds:.1f} chunks/s)")
         searched = parts + [x for x in args.also_search.split(",") if x]
         print(
             f"date {datetime.date.today()}  KBs searched {searched}  chunks {chunks}  "
+            f"model {args.model or 'default'}  "
             f"chunk_size {args.chunk_size}  top_k {args.top_k}  rrf_k {args.rrf_k}  "
             f"lead_weight {args.lead_weight}  prefetch_limit {args.prefetch_limit}"
         )

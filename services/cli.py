@@ -9,9 +9,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from services.common.bus import Bus
@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("httpx", "LiteLLM", "litellm", "sentence_transformers", "kbmesh.faststream"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.command == "up":
-        asyncio.run(_serve(_settings(args), None, embedded=True))
+        _run_server(_serve(_settings(args), None, embedded=True))
     elif args.command == "serve":
-        asyncio.run(_serve(_settings(args), args.services, embedded=False))
+        _run_server(_serve(_settings(args), args.services, embedded=False))
     elif args.command == "keys":
         asyncio.run(_create_key(args))
     elif args.command == "mcp":
@@ -151,6 +151,18 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         k: v for k in ("data_dir", "port", "host") if (v := getattr(args, k, None)) is not None
     }
     return Settings(**overrides)
+
+
+def _run_server(main: Coroutine[Any, Any, None]) -> None:
+    """Servers run on uvloop where it exists (it comes with uvicorn[standard]; not on
+    Windows): HTTP, NATS and the consumers all share this one loop, and uvloop's costs a
+    fraction of asyncio's per request."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 async def _serve(settings, services: list[str] | None, *, embedded: bool) -> None:  # type: ignore[no-untyped-def]
