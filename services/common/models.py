@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from services.common.errors import Conflict
-from services.common.settings import DEFAULT_MODEL
+from services.common.settings import BUNDLED_MODELS, DEFAULT_MODEL
 
 # KB settings the chunker and search accept (the request models publish the same bounds).
 CHUNK_SIZE_RANGE = (50, 2000)
@@ -188,10 +188,10 @@ class KnowledgeBase(BaseModel):
     @field_validator("embedding_model")
     @classmethod
     def _local_model(cls, model: str) -> str:
-        if model.startswith("local/") and model != DEFAULT_MODEL:
+        if model.startswith("local/") and model not in BUNDLED_MODELS:
             raise ValueError(
-                f"embedding_model {model!r}: the only bundled local model is {DEFAULT_MODEL}; "
-                "use a LiteLLM model id for others"
+                f"embedding_model {model!r}: the bundled local models are "
+                f"{', '.join(BUNDLED_MODELS)}; use a LiteLLM model id for others"
             )
         return model
 

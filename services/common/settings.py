@@ -12,6 +12,8 @@ from services.common.ids import check_id
 from services.common.limits import LimitSettings
 
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
+# The models that ship inside the package (their specs: services/common/embedders/local.py).
+BUNDLED_MODELS = (DEFAULT_MODEL, "local/all-MiniLM-L6-v2-int8")
 
 
 class BusSettings(BaseModel):

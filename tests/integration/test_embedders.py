@@ -23,9 +23,11 @@ from services.common.embedders import (
     LocalEmbedder,
     model_limits,
 )
-from services.common.embedders.local import OnnxEncoder
+from services.common.embedders.base import LOCAL_PREFIX
+from services.common.embedders.local import LOCAL_MODELS, OnnxEncoder
 from services.common.errors import Forbidden, InvalidInput, Transient
 from services.common.models import KnowledgeBase
+from services.common.settings import BUNDLED_MODELS
 from services.embed.chunking import chunk_text
 from tests.conftest import MODEL_CACHE_DIR
 from tests.support.openai_embeddings import OpenAIEmbeddingsServer, fake_embedding, unit
@@ -157,6 +159,11 @@ def test_int8_model_stays_close_to_fp32(real_chunks: list[str]) -> None:
     cos = np.sum(int8.encode(real_chunks) * fp32.encode(real_chunks), axis=1)
     assert float(cos.min()) >= 0.95 and float(cos.mean()) >= 0.98
     assert model_limits("local/all-MiniLM-L6-v2-int8") == 254
+
+
+def test_every_bundled_model_id_has_a_spec() -> None:
+    """The ids KB settings accept as bundled are exactly the ones with a local spec."""
+    assert {LOCAL_PREFIX + name for name in LOCAL_MODELS} == set(BUNDLED_MODELS)
 
 
 _NO_NETWORK = """

@@ -364,3 +364,22 @@ async def test_concurrent_kb_updates_each_bump_the_settings_version(stack):
     assert await stored_chunks(rt, kb["kb_id"], up["document_id"]) == expected_chunks(
         rt, final, LONG_DOCS["raft.md"], "raft.md"
     )
+
+
+async def test_a_kb_on_the_bundled_int8_model_indexes_and_searches(stack):
+    """Every bundled model id is a valid KB model: a KB on the opt-in int8 model indexes a
+    document with it and finds it by meaning."""
+    _rt, client = stack
+    kb = await create_kb(client, embedding_model="local/all-MiniLM-L6-v2-int8")
+    assert kb["embedding_model"] == "local/all-MiniLM-L6-v2-int8"
+    r = await client.post(
+        f"/v1/kbs/{kb['kb_id']}/documents?wait=true",
+        json={"name": "tides.txt", "content": "The moon's gravity raises the ocean tides."},
+    )
+    assert r.status_code == 200 and r.json()["status"] == "complete", r.text
+    r = await client.post(
+        "/v1/search",
+        json={"query": "why does the sea rise and fall", "kb_ids": [kb["kb_id"]], "mode": "dense"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["hits"][0]["document_name"] == "tides.txt"
