@@ -154,9 +154,8 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _run_server(main: Coroutine[Any, Any, None]) -> None:
-    """Servers run on uvloop where it exists (it comes with uvicorn[standard]; not on
-    Windows): HTTP, NATS and the consumers all share this one loop, and uvloop's costs a
-    fraction of asyncio's per request."""
+    """Servers run on uvloop where it exists (not on Windows), as uvicorn would run them on
+    its own: HTTP, NATS and the consumers all share this one loop."""
     try:
         import uvloop
     except ImportError:

@@ -143,8 +143,11 @@ class Settings(BaseSettings):
         ge=1,
         description="kb.index messages worked at once; their chunks share embedding batches",
     )
-    local_backend: Literal["onnx", "torch"] = Field(
-        "onnx", description="runtime for local/... models: onnxruntime, or torch as reference"
+    local_backend: Literal["auto", "onnx", "torch"] = Field(
+        "auto",
+        description="runtime for local/... models: auto (queries on onnxruntime, document "
+        "batches in bfloat16 on torch where the CPU has AMX, else onnxruntime), onnx, or "
+        "torch fp32 (the reference)",
     )
     model_cache_dir: Path | None = Field(
         None, description="ONNX exports of the local models; default <data_dir>/models"

@@ -24,7 +24,13 @@ from services.common.embedders import (
     model_limits,
 )
 from services.common.embedders.base import LOCAL_PREFIX
-from services.common.embedders.local import LOCAL_MODELS, OnnxEncoder
+from services.common.embedders.local import (
+    LOCAL_MODELS,
+    LaneEncoder,
+    OnnxEncoder,
+    TorchEncoder,
+    native_bf16,
+)
 from services.common.errors import Forbidden, InvalidInput, Transient
 from services.common.models import KnowledgeBase
 from services.common.settings import BUNDLED_MODELS
@@ -148,6 +154,30 @@ def test_onnx_and_torch_agree_on_real_chunks(local: LocalEmbedder, real_chunks: 
     assert len(real_chunks) > 20
     assert float(np.min(np.sum(onnx_vectors * torch_vectors, axis=1))) >= 0.999
     assert local.backend == "onnx" and torch.backend == "torch"
+
+
+def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
+    local: LocalEmbedder, real_chunks: list[str]
+) -> None:
+    """On a CPU with AMX, `auto` embeds document batches in bfloat16 on torch, at cosine
+    ≥ 0.999 to fp32 on every real chunk, and queries on onnxruntime fp32; elsewhere it is
+    plain onnxruntime."""
+    auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
+    auto.load()
+    texts = [*real_chunks, "word " * 400]
+    fp32 = local.encode(texts)
+    documents = auto.encode(texts)
+    assert float(np.min(np.sum(documents * fp32, axis=1))) >= 0.999
+    assert np.allclose(np.linalg.norm(documents, axis=1), 1.0, atol=1e-5)
+    queries = auto.encode(real_chunks[:3], query=True)
+    assert np.allclose(queries, local.encode(real_chunks[:3], query=True), atol=1e-5)
+    lanes = auto._encoder
+    if native_bf16():
+        assert isinstance(lanes, LaneEncoder)
+        assert isinstance(lanes._documents, TorchEncoder) and lanes._documents._bf16
+        assert isinstance(lanes._queries, OnnxEncoder)
+    else:
+        assert isinstance(lanes, OnnxEncoder)
 
 
 def test_int8_model_stays_close_to_fp32(real_chunks: list[str]) -> None:

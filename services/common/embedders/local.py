@@ -1,8 +1,14 @@
 """Local models: bundled weights run in-process on CPU, no network and no key.
 
     LocalEmbedder        the `local/...` model ids; two lanes over one encoder
-    ├── OnnxEncoder      onnxruntime over a cached export of the weights (the default)
-    └── TorchEncoder     sentence-transformers on torch (`KBMESH_LOCAL_BACKEND=torch`)
+    ├── OnnxEncoder      onnxruntime over a cached export of the weights
+    ├── TorchEncoder     sentence-transformers on torch: fp32 (`KBMESH_LOCAL_BACKEND=torch`,
+    │                    the reference) or bfloat16 for document batches
+    └── LaneEncoder      queries on one, documents on the other
+
+`KBMESH_LOCAL_BACKEND=auto` (the default): queries on onnxruntime fp32; document batches in
+bfloat16 on torch where the CPU computes bfloat16 in hardware (AMX), else onnxruntime fp32.
+`onnx`: onnxruntime for both (torch never imported).
 
 Documents and queries take separate lanes. Document chunks of concurrent `kb.index`
 messages are coalesced into batches of up to `max_batch` texts (`Batcher`), run one batch at
@@ -13,6 +19,7 @@ onnxruntime session, so a search never waits for a document batch to finish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -34,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Backend = Literal["onnx", "torch"]
+Backend = Literal["auto", "onnx", "torch"]
 
 
 @dataclass(frozen=True)
@@ -146,9 +153,13 @@ class OnnxEncoder:
 
 
 class TorchEncoder:
-    """sentence-transformers on torch: the reference the ONNX path is tested against."""
+    """sentence-transformers on torch: the fp32 reference the ONNX path is tested against,
+    or, with `bf16`, document batches in bfloat16 on CPUs that compute it natively (AMX):
+    2.4x the chunks/s of fp32 here, at cosine >= 0.9999 to it."""
 
-    def __init__(self, model_dir: Path, spec: LocalModelSpec, batch_size: int) -> None:
+    def __init__(
+        self, model_dir: Path, spec: LocalModelSpec, batch_size: int, *, bf16: bool = False
+    ) -> None:
         from sentence_transformers import SentenceTransformer
 
         st = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
@@ -159,11 +170,17 @@ class TorchEncoder:
             )
         self._st = st
         self._batch_size = batch_size
+        self._bf16 = bf16
         # torch already uses every core for one encode; two at once only thrash.
         self._lock = threading.Lock()
 
     def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
-        with self._lock:
+        import torch
+
+        precision = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if self._bf16 else contextlib.nullcontext()
+        )
+        with self._lock, precision:
             vectors = self._st.encode(
                 texts,
                 batch_size=self._batch_size,
@@ -171,7 +188,37 @@ class TorchEncoder:
                 convert_to_numpy=True,
                 show_progress_bar=False,
             )
-        return np.asarray(vectors, dtype=np.float32)
+        # Renormalised in float32: bfloat16 outputs are unit length only to ~3 digits.
+        return normalise(np.asarray(vectors, dtype=np.float32))
+
+
+class LaneEncoder:
+    """Queries on one encoder, document batches on another."""
+
+    def __init__(self, queries: Encoder, documents: Encoder) -> None:
+        self._queries = queries
+        self._documents = documents
+
+    def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
+        return (self._queries if query else self._documents).encode(texts, query=query)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX), where torch's
+    bfloat16 autocast is fast; elsewhere it is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            flags = next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return False
+    if "amx_bf16" not in flags.split():
+        return False
+    try:
+        import importlib.util
+
+        return importlib.util.find_spec("torch") is not None
+    except ValueError:
+        return False
 
 
 class LocalEmbedder:
@@ -245,7 +292,9 @@ class LocalEmbedder:
             if self._encoder is not None:
                 return
             encoder: Encoder
-            if self.backend == "onnx":
+            if self.backend == "torch":
+                encoder = TorchEncoder(self.model_dir, self._spec, self._batch_size)
+            else:
                 from services.common.embedders.onnx_export import ensure_onnx
 
                 path = ensure_onnx(
@@ -255,8 +304,13 @@ class LocalEmbedder:
                     quantized=self._spec.quantized,
                 )
                 encoder = OnnxEncoder(path, self.model_dir, self._spec, self._batch_size)
-            else:
-                encoder = TorchEncoder(self.model_dir, self._spec, self._batch_size)
+                if self.backend == "auto" and not self._spec.quantized and native_bf16():
+                    # Single queries stay on onnxruntime (fastest for one short text);
+                    # document batches go to bfloat16 where the CPU has it.
+                    documents = TorchEncoder(
+                        self.model_dir, self._spec, self._batch_size, bf16=True
+                    )
+                    encoder = LaneEncoder(queries=encoder, documents=documents)
             # The first run pays for lazy initialisation inside the runtime.
             probe = encoder.encode(["warm up"], query=True)
             encoder.encode(["warm up"], query=False)
@@ -267,9 +321,12 @@ class LocalEmbedder:
                 )
             self._encoder = encoder
             log.info(
-                "embedder_loaded model=%s backend=%s path=%s",
+                "embedder_loaded model=%s backend=%s documents=%s path=%s",
                 self._model,
                 self.backend,
+                "torch-bf16"
+                if isinstance(encoder, LaneEncoder)
+                else self.backend.replace("auto", "onnx"),
                 self.model_dir,
             )
 
