@@ -4,6 +4,7 @@ LiteLLM talking to an OpenAI-compatible server on a local port."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import subprocess
 import sys
@@ -28,7 +29,9 @@ from services.common.embedders.local import (
     LOCAL_MODELS,
     LaneEncoder,
     OnnxEncoder,
+    ProcessEncoder,
     TorchEncoder,
+    local_spec,
     native_bf16,
 )
 from services.common.errors import Forbidden, InvalidInput, Transient
@@ -174,10 +177,31 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     lanes = auto._encoder
     if native_bf16():
         assert isinstance(lanes, LaneEncoder)
-        assert isinstance(lanes._documents, TorchEncoder) and lanes._documents._bf16
+        assert isinstance(lanes._documents, ProcessEncoder)
         assert isinstance(lanes._queries, OnnxEncoder)
     else:
         assert isinstance(lanes, OnnxEncoder)
+
+
+def test_a_process_encoder_restarts_after_its_child_dies(
+    local: LocalEmbedder, real_chunks: list[str]
+) -> None:
+    """The document encoder's child process answers as the encoder itself would; once it
+    died, the next call starts a new child and answers the same. (A call in flight when the
+    child dies fails as transient, so its messages are redelivered.)"""
+    spec = local_spec(MINILM)
+    encoder = ProcessEncoder(functools.partial(TorchEncoder, local.model_dir, spec, 32))
+    try:
+        first = encoder.encode(real_chunks[:4], query=False)
+        assert np.allclose(first, local.encode(real_chunks[:4]), atol=1e-3)
+        assert encoder._child is not None
+        dead = encoder._child
+        dead.kill()
+        dead.wait()
+        assert np.allclose(encoder.encode(real_chunks[:4], query=False), first, atol=1e-6)
+        assert encoder._child is not None and encoder._child is not dead
+    finally:
+        encoder.close()
 
 
 def test_int8_model_stays_close_to_fp32(real_chunks: list[str]) -> None:

@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -34,7 +39,7 @@ from services.common import metrics
 from services.common.embedders.base import LOCAL_PREFIX, MODEL_FIELD, QUERY_MAX_TEXTS, normalise
 from services.common.embedders.batching import Batcher
 from services.common.embedders.tokenizing import chunking_tokenizer, model_input_tokenizer
-from services.common.errors import InvalidInput
+from services.common.errors import InvalidInput, Transient
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -203,6 +208,97 @@ class LaneEncoder:
         return (self._queries if query else self._documents).encode(texts, query=query)
 
 
+class ProcessEncoder:
+    """An encoder run in a child process. torch's eager forward takes the GIL for each of its
+    hundreds of operations: beside a busy event loop in the same process it got a fraction of
+    the cores (83 chunks/s alone, 10 with one busy Python thread next to it). In its own
+    process it keeps its speed; texts go over a pipe and vectors come back. The child is a
+    fresh interpreter (`python -m`, nothing of the parent's `__main__` re-run) and ends when
+    its pipe closes, so it never outlives this process; one that died is started again on
+    the next call."""
+
+    def __init__(self, factory: Callable[[], Encoder]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._child: subprocess.Popen[bytes] | None = None
+        self._send: Connection | None = None
+        self._receive: Connection | None = None
+        self._start()
+
+    def _start(self) -> None:
+        child = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert child.stdin is not None and child.stdout is not None
+        send = Connection(os.dup(child.stdin.fileno()), readable=False)
+        receive = Connection(os.dup(child.stdout.fileno()), writable=False)
+        child.stdin.close()
+        child.stdout.close()
+        try:
+            send.send(self._factory)
+            status, detail = receive.recv()
+        except (EOFError, OSError) as err:
+            status, detail = "error", repr(err)
+        if status != "ready":
+            send.close()
+            receive.close()
+            child.wait(10)
+            raise RuntimeError(f"document encoder failed to start: {detail}")
+        self._child, self._send, self._receive = child, send, receive
+
+    def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
+        with self._lock:
+            if self._child is None or self._child.poll() is not None:
+                self._start()
+            assert self._send is not None and self._receive is not None
+            try:
+                self._send.send(texts)
+                status, payload = self._receive.recv()
+            except (EOFError, OSError) as err:
+                self._child = None  # started again on the next call
+                raise Transient(f"the document encoder process stopped: {err!r}") from err
+        if status != "ok":
+            raise RuntimeError(payload)
+        return np.asarray(payload, dtype=np.float32)
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in (self._send, self._receive):
+                if conn is not None:
+                    conn.close()
+            if self._child is not None:
+                try:
+                    self._child.wait(5)
+                except subprocess.TimeoutExpired:
+                    self._child.kill()
+
+
+def _serve_encoder() -> None:
+    """The child's loop: build the encoder it is sent, then answer each batch until the pipe
+    closes (the parent is gone or closed it)."""
+    out = os.dup(1)
+    os.dup2(2, 1)  # stray prints of libraries go to stderr, not into the pipe
+    receive = Connection(os.dup(0), writable=False)
+    send = Connection(out, readable=False)
+    try:
+        factory = receive.recv()
+        encoder = factory()
+        encoder.encode(["warm up"], query=False)
+    except BaseException as err:  # reported to the parent, which fails its start
+        send.send(("error", repr(err)))
+        return
+    send.send(("ready", None))
+    while True:
+        try:
+            texts = receive.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            send.send(("ok", encoder.encode(texts, query=False)))
+        except Exception as err:
+            send.send(("error", repr(err)))
+
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX), where torch's
     bfloat16 autocast is fast; elsewhere it is emulated and slower than fp32."""
@@ -307,8 +403,10 @@ class LocalEmbedder:
                 if self.backend == "auto" and not self._spec.quantized and native_bf16():
                     # Single queries stay on onnxruntime (fastest for one short text);
                     # document batches go to bfloat16 where the CPU has it.
-                    documents = TorchEncoder(
-                        self.model_dir, self._spec, self._batch_size, bf16=True
+                    documents = ProcessEncoder(
+                        functools.partial(
+                            TorchEncoder, self.model_dir, self._spec, self._batch_size, bf16=True
+                        )
                     )
                     encoder = LaneEncoder(queries=encoder, documents=documents)
             # The first run pays for lazy initialisation inside the runtime.
@@ -364,3 +462,7 @@ class LocalEmbedder:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer().encode(text, add_special_tokens=False).ids)
+
+
+if __name__ == "__main__":
+    _serve_encoder()
