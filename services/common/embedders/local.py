@@ -226,8 +226,12 @@ class ProcessEncoder:
         self._start()
 
     def _start(self) -> None:
+        quiet = {"TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}  # no load-time bars
         child = subprocess.Popen(
-            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [sys.executable, "-m", "services.common.embedders.encoder_process"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, **quiet},
         )
         assert child.stdin is not None and child.stdout is not None
         send = Connection(os.dup(child.stdin.fileno()), readable=False)
@@ -271,32 +275,6 @@ class ProcessEncoder:
                     self._child.wait(5)
                 except subprocess.TimeoutExpired:
                     self._child.kill()
-
-
-def _serve_encoder() -> None:
-    """The child's loop: build the encoder it is sent, then answer each batch until the pipe
-    closes (the parent is gone or closed it)."""
-    out = os.dup(1)
-    os.dup2(2, 1)  # stray prints of libraries go to stderr, not into the pipe
-    receive = Connection(os.dup(0), writable=False)
-    send = Connection(out, readable=False)
-    try:
-        factory = receive.recv()
-        encoder = factory()
-        encoder.encode(["warm up"], query=False)
-    except BaseException as err:  # reported to the parent, which fails its start
-        send.send(("error", repr(err)))
-        return
-    send.send(("ready", None))
-    while True:
-        try:
-            texts = receive.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            send.send(("ok", encoder.encode(texts, query=False)))
-        except Exception as err:
-            send.send(("error", repr(err)))
 
 
 def native_bf16() -> bool:
@@ -462,7 +440,3 @@ class LocalEmbedder:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer().encode(text, add_special_tokens=False).ids)
-
-
-if __name__ == "__main__":
-    _serve_encoder()

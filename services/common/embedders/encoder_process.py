@@ -1,0 +1,37 @@
+"""The child process of `ProcessEncoder` (services/common/embedders/local.py): run as
+`python -m services.common.embedders.encoder_process`, it receives an encoder factory on
+stdin, builds it, then answers each batch of texts with their vectors on stdout until stdin
+closes (the parent is gone or closed it)."""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.connection import Connection
+
+
+def serve() -> None:
+    out = os.dup(1)
+    os.dup2(2, 1)  # stray prints of libraries go to stderr, not into the pipe
+    receive = Connection(os.dup(0), writable=False)
+    send = Connection(out, readable=False)
+    try:
+        factory = receive.recv()
+        encoder = factory()
+        encoder.encode(["warm up"], query=False)
+    except BaseException as err:  # reported to the parent, which fails its start
+        send.send(("error", repr(err)))
+        return
+    send.send(("ready", None))
+    while True:
+        try:
+            texts = receive.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            send.send(("ok", encoder.encode(texts, query=False)))
+        except Exception as err:
+            send.send(("error", repr(err)))
+
+
+if __name__ == "__main__":
+    serve()
