@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 from services.common import metrics
 from services.common.bus import Bus
 from services.common.egress import egress_policy
-from services.common.embedders import EmbedderPool
+from services.common.embedders import EmbedderPool, LocalEmbedder
 from services.common.natsproc import NatsServer
 from services.common.registry import Registries
 from services.common.settings import Settings
@@ -194,9 +194,9 @@ async def start_consuming(rt: Runtime) -> None:
     """Load the model(s) the local services need, then start the subscribers."""
     if "embed" in rt.services or "search" in rt.services:
         embedder = rt.embedders.get(rt.settings.default_model)
-        load = getattr(embedder, "load", None)
-        if load is not None:
-            await asyncio.to_thread(load)
+        if isinstance(embedder, LocalEmbedder):
+            # A search-only process never embeds document batches: no encoder for them.
+            await asyncio.to_thread(embedder.load, documents="embed" in rt.services)
     await rt.bus.start()
     if rt.settings.metrics_port:
         metrics.serve(rt.settings.metrics_port)

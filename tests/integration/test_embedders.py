@@ -190,8 +190,12 @@ def test_a_process_encoder_restarts_after_its_child_dies(
     died, the next call starts a new child and answers the same. (A call in flight when the
     child dies fails as transient, so its messages are redelivered.)"""
     spec = local_spec(MINILM)
-    encoder = ProcessEncoder(functools.partial(TorchEncoder, local.model_dir, spec, 32))
+    # Not started until a batch needs it (a search-only process never starts one).
+    encoder = ProcessEncoder(
+        functools.partial(TorchEncoder, local.model_dir, spec, 32), start=False
+    )
     try:
+        assert encoder._child is None
         first = encoder.encode(real_chunks[:4], query=False)
         assert np.allclose(first, local.encode(real_chunks[:4]), atol=1e-3)
         assert encoder._child is not None

@@ -217,13 +217,14 @@ class ProcessEncoder:
     its pipe closes, so it never outlives this process; one that died is started again on
     the next call."""
 
-    def __init__(self, factory: Callable[[], Encoder]) -> None:
+    def __init__(self, factory: Callable[[], Encoder], *, start: bool = True) -> None:
         self._factory = factory
         self._lock = threading.Lock()
         self._child: subprocess.Popen[bytes] | None = None
         self._send: Connection | None = None
         self._receive: Connection | None = None
-        self._start()
+        if start:
+            self._start()
 
     def _start(self) -> None:
         quiet = {"TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}  # no load-time bars
@@ -360,8 +361,10 @@ class LocalEmbedder:
         """The model id without `local/`."""
         return self._model.removeprefix(LOCAL_PREFIX)
 
-    def load(self) -> None:
-        """Build or open the model and warm it (blocking; readiness waits on it). Idempotent."""
+    def load(self, *, documents: bool = True) -> None:
+        """Build or open the model and warm it (blocking; readiness waits on it). Idempotent.
+        `documents=False` (a process that only searches) leaves a separate document encoder
+        unstarted until a document batch first needs it."""
         with self._load_lock:
             if self._encoder is not None:
                 return
@@ -381,15 +384,17 @@ class LocalEmbedder:
                 if self.backend == "auto" and not self._spec.quantized and native_bf16():
                     # Single queries stay on onnxruntime (fastest for one short text);
                     # document batches go to bfloat16 where the CPU has it.
-                    documents = ProcessEncoder(
+                    batches = ProcessEncoder(
                         functools.partial(
                             TorchEncoder, self.model_dir, self._spec, self._batch_size, bf16=True
-                        )
+                        ),
+                        start=documents,
                     )
-                    encoder = LaneEncoder(queries=encoder, documents=documents)
+                    encoder = LaneEncoder(queries=encoder, documents=batches)
             # The first run pays for lazy initialisation inside the runtime.
             probe = encoder.encode(["warm up"], query=True)
-            encoder.encode(["warm up"], query=False)
+            if documents:
+                encoder.encode(["warm up"], query=False)
             if probe.shape != (1, self._spec.dim):
                 raise RuntimeError(
                     f"{self._model} gives vectors of shape {probe.shape[1:]}, "
