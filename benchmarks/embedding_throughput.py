@@ -1,5 +1,5 @@
 """Chunks/s of the whole pipeline (REST → NATS → ingest → embed → Qdrant Edge, on the
-default onnxruntime backend) against torch fp32 sentence-transformers alone on the same
+default local backend, `auto`) against torch fp32 sentence-transformers alone on the same
 chunks, in one run: torch before and after the pipeline (their mean is the reference, so
 the machine's drift during the run falls on both sides), and onnxruntime alone for scale.
 
