@@ -171,9 +171,7 @@ async def test_missing_collection_reads_empty_and_deletes_are_no_ops(store: Vect
     """On a collection that does not exist, reads return nothing and deletes do nothing,
     while writes that need the collection raise NotFound."""
     name = f"kb_{uuid.uuid4().hex}"
-    query = Query(
-        mode=Mode.hybrid, limit=5, filter=Filter(), dense=dense(1.0), sparse=sparse({1: 1})
-    )
+    query = Query(mode=Mode.dense, limit=5, filter=Filter(), dense=dense(1.0))
     assert await store.count(name) == 0
     assert await store.count(name, of_document("doc-1")) == 0
     assert await store.query(name, query) == []
@@ -211,29 +209,6 @@ async def test_replace_document_removes_extra_chunks_and_is_idempotent(
     assert await store.count(kb, of_document("doc-1")) == 2
     assert {h.id for h in await store.scroll(kb, of_document("doc-1"), 10)} == {p.id for p in fewer}
     assert await store.count(kb, of_document("doc-2")) == 1
-
-
-@pytest.mark.parametrize("mode", list(Mode))
-async def test_lead_weight_fuses_a_lead_chunk_list_in_every_mode(
-    store: VectorStore, kb: str, mode: Mode
-) -> None:
-    """With lead_weight, documents' first chunks are fused in as an extra candidate list:
-    a lead chunk ranked just below another document's middle chunk overtakes it, in every
-    mode; without it the plain order holds."""
-    await load(
-        store,
-        kb,
-        [
-            chunk("doc-a", 0, vector=dense(0.0, 1.0), terms={9: 0.1}),
-            chunk("doc-a", 1, vector=dense(1.0, 0.0), terms={1: 1.0}),
-            chunk("doc-b", 0, vector=dense(0.9, 0.43), terms={1: 0.9}),
-        ],
-    )
-    base = Query(mode=mode, limit=3, filter=Filter(), dense=dense(1.0), sparse=sparse({1: 1.0}))
-    plain = await store.query(kb, base)
-    assert plain[0].payload["document_id"] == "doc-a"
-    boosted = await store.query(kb, replace(base, lead_weight=1.0))
-    assert (boosted[0].payload["document_id"], boosted[0].payload["chunk_index"]) == ("doc-b", 0)
 
 
 async def test_bulk_upsert_overwrites_by_id_across_documents(store: VectorStore, kb: str) -> None:
@@ -308,14 +283,13 @@ MODE_POINTS = [
 ]
 
 
-def mode_query(mode: Mode, flt: Filter | None = None, **kwargs: int) -> Query:
+# What a store query can be: one candidate list (the search service fuses them).
+LIST_MODES = [Mode.dense, Mode.keyword]
+
+
+def mode_query(mode: Mode, flt: Filter | None = None) -> Query:
     return Query(
-        mode=mode,
-        limit=10,
-        filter=flt or Filter(),
-        dense=dense(1.0),
-        sparse=sparse({42: 1.0}),
-        **kwargs,
+        mode=mode, limit=10, filter=flt or Filter(), dense=dense(1.0), sparse=sparse({42: 1.0})
     )
 
 
@@ -348,29 +322,27 @@ async def test_keyword_mode_uses_only_the_sparse_vector(store: VectorStore, kb: 
     assert hits[0].score > hits[1].score > 0
 
 
-async def test_hybrid_mode_fuses_both_lists_with_rrf(store: VectorStore, kb: str) -> None:
-    """Hybrid mode fuses the dense and sparse prefetches with RRF(k=rrf_k): the point second in
-    both lists wins, and its score is the engine's RRF score for that k."""
+async def test_a_hybrid_store_query_is_invalid_input(store: VectorStore, kb: str) -> None:
+    """The store answers one candidate list per query; fusing them is the search service's
+    (across KBs), so a hybrid store query is refused as invalid input."""
     await load(store, kb, MODE_POINTS)
-    for k in (60, 2):
-        hits = await store.query(kb, mode_query(Mode.hybrid, rrf_k=k))
-        assert documents(hits)[0] == "both"
-        assert set(documents(hits)) == {p.payload["document_id"] for p in MODE_POINTS}
-        # Qdrant's RRF: sum of 1 / (k + rank), ranks counted from 0.
-        assert hits[0].score == pytest.approx(2 / (k + 1), rel=1e-4)
+    with pytest.raises(InvalidInput):
+        await store.query(kb, mode_query(Mode.hybrid))
 
 
-async def test_hybrid_prefetch_limit_bounds_each_candidate_list(
-    store: VectorStore, kb: str
-) -> None:
-    """Each hybrid prefetch is prefetch_limit deep: with depth 1 only the top dense and the
-    top sparse point reach fusion."""
+async def test_limit_bounds_a_candidate_list(store: VectorStore, kb: str) -> None:
+    """`limit` is the depth of the list: the best that many, in order."""
     await load(store, kb, MODE_POINTS)
-    hits = await store.query(kb, mode_query(Mode.hybrid, prefetch_limit=1))
-    assert set(documents(hits)) == {"dense-best", "sparse-only"}
+    assert documents(await store.query(kb, replace(mode_query(Mode.dense), limit=2))) == [
+        "dense-best",
+        "both",
+    ]
+    assert documents(await store.query(kb, replace(mode_query(Mode.keyword), limit=1))) == [
+        "sparse-only"
+    ]
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", LIST_MODES)
 async def test_query_returns_ids_payloads_and_scores(
     store: VectorStore, kb: str, mode: Mode
 ) -> None:
@@ -383,7 +355,7 @@ async def test_query_returns_ids_payloads_and_scores(
     assert all(isinstance(h.score, float) for h in hits)
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", LIST_MODES)
 async def test_query_returns_only_the_payload_fields_asked_for(
     store: VectorStore, kb: str, mode: Mode
 ) -> None:
@@ -402,19 +374,19 @@ async def test_query_many_answers_each_query_as_query_does(store: VectorStore, k
     """Several queries at once answer in order, each exactly as alone; none on a missing
     collection."""
     await load(store, kb, MODE_POINTS)
-    queries = [mode_query(mode) for mode in Mode]
+    queries = [mode_query(mode) for mode in LIST_MODES]
     alone = [await store.query(kb, q) for q in queries]
     together = await store.query_many(kb, queries)
     assert [[h.id for h in hits] for hits in together] == [[h.id for h in hits] for hits in alone]
-    assert await store.query_many("kb_missing", queries) == [[], [], []]
+    assert await store.query_many("kb_missing", queries) == [[], []]
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", LIST_MODES)
 async def test_query_needs_the_vectors_its_mode_uses(
     store: VectorStore, kb: str, mode: Mode
 ) -> None:
-    """A query without a vector its mode needs is invalid input, not an engine error."""
-    needs_dense = mode is not Mode.keyword
+    """A query without the vector its mode needs is invalid input, not an engine error."""
+    needs_dense = mode is Mode.dense
     query = Query(
         mode=mode,
         limit=5,
@@ -426,9 +398,9 @@ async def test_query_needs_the_vectors_its_mode_uses(
         await store.query(kb, query)
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", LIST_MODES)
 async def test_org_filter_isolates_in_every_mode(store: VectorStore, kb: str, mode: Mode) -> None:
-    """The filter applies inside the prefetches too: with prefetch_limit 2 and five better
+    """The filter applies inside the search, not after it: with limit 2 and five better
     org-a points, org-b's only point is still found, and nothing of org-a leaks."""
     await load(
         store,
@@ -440,7 +412,7 @@ async def test_org_filter_isolates_in_every_mode(store: VectorStore, kb: str, mo
         + [chunk("b-0", vector=dense(0.5, 0.5), terms={42: 0.5, 7: 1.0}, org_id="org-b")],
     )
     only_b = Filter(must=(Match("org_id", "org-b"),))
-    hits = await store.query(kb, mode_query(mode, only_b, prefetch_limit=2))
+    hits = await store.query(kb, replace(mode_query(mode, only_b), limit=2))
     assert documents(hits) == ["b-0"]
     only_a = Filter(must=(Match("org_id", "org-a"),))
     hits = await store.query(kb, mode_query(mode, only_a))
@@ -528,8 +500,7 @@ async def test_filter_kinds(store: VectorStore, kb: str, flt: Filter, expected: 
     await load(store, kb, FILTER_POINTS)
     assert await store.count(kb, flt) == len(expected)
     assert set(documents(await store.scroll(kb, flt, 10))) == expected
-    for mode in (Mode.dense, Mode.hybrid):
-        assert set(documents(await store.query(kb, mode_query(mode, flt)))) == expected
+    assert set(documents(await store.query(kb, mode_query(Mode.dense, flt)))) == expected
     # Every filter point carries term 1, so keyword search sees all of them too.
     keyword = Query(mode=Mode.keyword, limit=10, filter=flt, sparse=sparse({1: 1.0}))
     assert set(documents(await store.query(kb, keyword))) == expected
@@ -580,10 +551,10 @@ async def test_retrieve_scroll_and_count(store: VectorStore, kb: str) -> None:
 async def test_optimize_keeps_results(store: VectorStore, kb: str) -> None:
     """optimize (a no-op on a server) leaves points and rankings as they were."""
     await load(store, kb, MODE_POINTS)
-    before = await store.query(kb, mode_query(Mode.hybrid))
+    before = await store.query_many(kb, [mode_query(m) for m in LIST_MODES])
     await store.optimize(kb)
-    after = await store.query(kb, mode_query(Mode.hybrid))
-    assert [h.id for h in after] == [h.id for h in before]
+    after = await store.query_many(kb, [mode_query(m) for m in LIST_MODES])
+    assert [[h.id for h in hits] for hits in after] == [[h.id for h in hits] for hits in before]
     assert await store.count(kb) == len(MODE_POINTS)
     await store.optimize(f"kb_{uuid.uuid4().hex}")
 
@@ -608,7 +579,7 @@ async def test_edge_data_survives_close_and_reopen(tmp_path: Path) -> None:
         assert await second.count(name) == 4
         text = Filter(must=(MatchText("document_name", "handbook"),))
         assert set(documents(await second.scroll(name, text, 10))) == {"A", "C"}
-        hits = await second.query(name, mode_query(Mode.hybrid))
+        hits = await second.query(name, mode_query(Mode.dense))
         assert len(hits) == 4
         await second.drop_collection(name)
         assert not (root / name).exists()

@@ -115,46 +115,25 @@ class Mode(StrEnum):
 
 @dataclass(frozen=True)
 class Query:
+    """One candidate list: the `limit` best chunks by the dense vector or by BM25."""
+
     mode: Mode
     limit: int
     filter: Filter
     dense: list[float] | None = None
     sparse: SparseVector | None = None
-    prefetch_limit: int = 100
-    rrf_k: int = 60
     hnsw_ef: int = 128
-    # RRF weight of the lead-chunk prefetches (0: none). See `fusion_plan`.
-    lead_weight: float = 0.0
     # The payload fields each hit carries; None: all. Candidate lists of a search name the
     # few they rank by: converting whole payloads (chunk text, metadata) of hundreds of
     # candidates costs more than the engine's search.
     payload: tuple[str, ...] | None = None
 
 
-@dataclass(frozen=True)
-class PrefetchPlan:
-    """One candidate list of a fused query."""
-
-    vector: str  # DENSE or SPARSE
-    lead_only: bool  # restricted to each document's first chunk
-    weight: float
-
-
-def fusion_plan(q: Query) -> list[PrefetchPlan] | None:
-    """The prefetches a query fuses with RRF inside the engine, or None for a plain query.
-
-    Hybrid fuses the dense and the BM25 candidates. With `lead_weight` > 0, every mode also
-    fuses the same searches restricted to documents' first chunks: a document-level signal
-    (a document's opening states what it is about), ranked by the engine like any other list,
-    so a lead chunk that matches gains rank without any score arithmetic across models."""
-    vectors = {Mode.hybrid: (DENSE, SPARSE), Mode.dense: (DENSE,), Mode.keyword: (SPARSE,)}
-    chosen = vectors[q.mode]
-    if q.lead_weight <= 0 and len(chosen) == 1:
-        return None
-    plan = [PrefetchPlan(v, False, 1.0) for v in chosen]
-    if q.lead_weight > 0:
-        plan += [PrefetchPlan(v, True, q.lead_weight) for v in chosen]
-    return plan
+def check_signal(q: Query) -> None:
+    """A store query is one candidate list: dense or keyword. Hybrid results are fused by
+    the search service (services/search/fusion.py), across KBs, not by the engine."""
+    if q.mode is Mode.hybrid:
+        raise InvalidInput("a store query is dense or keyword; the search service fuses them")
 
 
 def payload_selector(q: Query) -> bool | list[str]:

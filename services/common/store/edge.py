@@ -39,8 +39,7 @@ from services.common.store.base import (
     Range,
     any_values,
     check_document_points,
-    fusion_plan,
-    lead_filter,
+    check_signal,
     payload_selector,
     uuid_strings,
 )
@@ -285,36 +284,15 @@ def _hits(points: list[qe.ScoredPoint]) -> list[Hit]:
 
 
 def _edge_query(q: Query) -> qe.QueryRequest:
+    check_signal(q)
     flt = _edge_filter(q.filter)
-    params = qe.SearchParams(hnsw_ef=q.hnsw_ef)
     payload = payload_selector(q)
-    plan = fusion_plan(q)
-    if plan is None:
-        if q.mode is Mode.dense:
-            return qe.QueryRequest(
-                limit=q.limit, query=_dense(q), filter=flt, params=params, with_payload=payload
-            )
-        return qe.QueryRequest(limit=q.limit, query=_sparse(q), filter=flt, with_payload=payload)
-    # The filter must hold inside each prefetch, or a selective filter would leave nothing of
-    # the prefetched candidates. Qdrant already propagates a top-level filter into prefetches
-    # (checked on Edge 0.9); stating it per prefetch keeps that from being an assumption.
-    lead = _edge_filter(lead_filter(q.filter))
-    prefetches = [
-        qe.Prefetch(
-            limit=q.prefetch_limit,
-            query=_dense(q) if p.vector == DENSE else _sparse(q),
-            filter=lead if p.lead_only else flt,
-            params=params if p.vector == DENSE else None,
+    if q.mode is Mode.dense:
+        params = qe.SearchParams(hnsw_ef=q.hnsw_ef)
+        return qe.QueryRequest(
+            limit=q.limit, query=_dense(q), filter=flt, params=params, with_payload=payload
         )
-        for p in plan
-    ]
-    return qe.QueryRequest(
-        limit=q.limit,
-        prefetches=prefetches,
-        query=qe.Fusion.Rrf(k=q.rrf_k, weights=[p.weight for p in plan]),  # type: ignore[arg-type]  # stub omits Rrf
-        filter=flt,
-        with_payload=payload,
-    )
+    return qe.QueryRequest(limit=q.limit, query=_sparse(q), filter=flt, with_payload=payload)
 
 
 def _dense(q: Query) -> qe.Query:

@@ -35,8 +35,7 @@ from services.common.store.base import (
     Range,
     any_values,
     check_document_points,
-    fusion_plan,
-    lead_filter,
+    check_signal,
     payload_selector,
     uuid_strings,
 )
@@ -236,37 +235,13 @@ def _server_point(p: ChunkPoint) -> models.PointStruct:
 
 def _server_query(q: Query, *, local: bool) -> dict[str, Any]:
     """Keyword arguments for `query_points` (besides name, limit and payload)."""
+    check_signal(q)
     flt = _server_filter(q.filter)
-    # Local mode searches exhaustively and warns about HNSW parameters it would ignore.
-    params = None if local else models.SearchParams(hnsw_ef=q.hnsw_ef)
-    plan = fusion_plan(q)
-    if plan is None:
-        if q.mode is Mode.dense:
-            return {
-                "query": _dense(q),
-                "using": DENSE,
-                "query_filter": flt,
-                "search_params": params,
-            }
-        return {"query": _sparse(q), "using": SPARSE, "query_filter": flt}
-    # The filter must hold inside each prefetch, or a selective filter would leave nothing of
-    # the prefetched candidates; Qdrant propagates a top-level filter, but we don't rely on it.
-    lead = _server_filter(lead_filter(q.filter))
-    prefetch = [
-        models.Prefetch(
-            query=_dense(q) if p.vector == DENSE else _sparse(q),
-            using=p.vector,
-            limit=q.prefetch_limit,
-            filter=lead if p.lead_only else flt,
-            params=params if p.vector == DENSE else None,
-        )
-        for p in plan
-    ]
-    return {
-        "prefetch": prefetch,
-        "query": models.RrfQuery(rrf=models.Rrf(k=q.rrf_k, weights=[p.weight for p in plan])),
-        "query_filter": flt,
-    }
+    if q.mode is Mode.dense:
+        # Local mode searches exhaustively and warns about HNSW parameters it would ignore.
+        params = None if local else models.SearchParams(hnsw_ef=q.hnsw_ef)
+        return {"query": _dense(q), "using": DENSE, "query_filter": flt, "search_params": params}
+    return {"query": _sparse(q), "using": SPARSE, "query_filter": flt}
 
 
 def _dense(q: Query) -> list[float]:
