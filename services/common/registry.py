@@ -19,7 +19,7 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, ObjectStore
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TEMPLATE, ObjectStore
 from pydantic import BaseModel
 
 from services.common.answers import Prompt
@@ -224,7 +224,8 @@ _READ_ATTEMPTS = 3
 
 
 def _digest(data: bytes) -> str:
-    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+    sha = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+    return OBJ_DIGEST_TEMPLATE.format(digest=sha)
 
 
 class TextStore:

@@ -405,9 +405,7 @@ class LocalEmbedder:
                 "embedder_loaded model=%s backend=%s documents=%s path=%s",
                 self._model,
                 self.backend,
-                "torch-bf16"
-                if isinstance(encoder, LaneEncoder)
-                else self.backend.replace("auto", "onnx"),
+                "torch-bf16" if isinstance(encoder, LaneEncoder) else type(encoder).__name__,
                 self.model_dir,
             )
 

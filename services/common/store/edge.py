@@ -146,11 +146,7 @@ class EdgeStore:
     # ---- reads -----------------------------------------------------------------------------
 
     async def query(self, name: str, query: Query) -> list[Hit]:
-        shard = await self._shard(name)
-        if shard is None:
-            return []
-        points = await asyncio.to_thread(shard.query, _edge_query(query))
-        return _hits(points)
+        return (await self.query_many(name, [query]))[0]
 
     async def query_many(self, name: str, queries: list[Query]) -> list[list[Hit]]:
         shard = await self._shard(name)
