@@ -3,7 +3,9 @@
 Term ids are 32-bit blake2b hashes of the normalised term, so every process and machine that
 indexes or queries a collection agrees on them without a shared vocabulary. The collection's
 sparse vector must be created with the IDF modifier; this module only supplies the
-document-side TF saturation (`encode_document`) and unit query weights (`encode_query`).
+document-side TF saturation (`encode_document`) and unit query weights (`encode_query`), and,
+when several KBs are searched at once, query weights that make every KB score with the IDF
+of all of them together (`shared_idf_queries`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import hashlib
 import re
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from services.common.store.base import SparseVector
+from services.common.store.base import SparseVector, TermStats, idf
 
 # A word, optionally joined to more words by `.` or `-` (`_` is already a word character):
 # `foo_bar`, `ERR_4521`, `v1.2.3`, `nats-server` stay whole. A trailing `.` ends a sentence
@@ -130,3 +132,26 @@ def encode_query(text: str) -> SparseVector:
     """One unit weight per distinct query term; Qdrant multiplies in the IDF."""
     indices = sorted(_term_frequencies(tokenize(text)))
     return SparseVector(indices=indices, values=[1.0] * len(indices))
+
+
+def shared_idf_queries(
+    query: SparseVector, stats: Mapping[str, TermStats]
+) -> dict[str, SparseVector]:
+    """Per KB, `query` weighted so that the engine, which multiplies in that KB's own IDF,
+    scores with the IDF of all the KBs together: weight · idf(all) / idf(KB).
+
+    Each collection's IDF counts only its own points, so the same term weighs differently
+    in different KBs, and the more so the smaller and the further from the subject a KB
+    is: a term rare in an unrelated KB lifts its chunks above better matches elsewhere.
+    With shared statistics, BM25 scores of several KBs rank as one KB holding all their
+    chunks would. A KB holding none of a term leaves it out of its query."""
+    points = sum(s.points for s in stats.values())
+    df = {t: sum(s.df.get(t, 0) for s in stats.values()) for t in query.indices}
+    out = {}
+    for kb, own in stats.items():
+        kept = [(t, w) for t, w in zip(query.indices, query.values, strict=True) if own.df.get(t)]
+        out[kb] = SparseVector(
+            indices=[t for t, _ in kept],
+            values=[w * idf(points, df[t]) / idf(own.points, own.df[t]) for t, w in kept],
+        )
+    return out

@@ -62,6 +62,12 @@ class SearchSettings(BaseModel):
     rerank_timeout_seconds: float = Field(5.0, gt=0)
     hnsw_ef: int = Field(128, ge=8, description="HNSW search breadth (recall vs latency)")
     query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")
+    term_stats_ttl_seconds: float = Field(
+        10.0,
+        ge=0,
+        description="how long a collection's BM25 term statistics, read to weigh terms alike "
+        "in every KB of a search over several, are reused; 0: read on every search",
+    )
     timeout_seconds: float = Field(10.0, gt=0)
     concurrency: int = Field(32, ge=1, description="search requests answered at once per replica")
 

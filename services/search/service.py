@@ -8,8 +8,9 @@ import asyncio
 import logging
 import uuid
 from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from services.common import bm25
 from services.common.embedders import EmbedderPool, is_local
@@ -51,6 +52,7 @@ from services.search.fusion import (
     neighbour_windows,
 )
 from services.search.rerank import LiteLLMReranker, Reranker, RerankFailed
+from services.search.termstats import TermStatsCache
 
 log = logging.getLogger(__name__)
 _tracer = tracer("kbmesh.search")
@@ -70,6 +72,7 @@ class SearchService:
         self.embedders = embedders
         self.settings = settings
         self.reranker = reranker or LiteLLMReranker(settings.rerank_timeout_seconds)
+        self.term_stats = TermStatsCache(store, settings.term_stats_ttl_seconds)
 
     async def resolve_kbs(
         self, org_id: str, refs: list[str] | None, scope: list[str] | None
@@ -113,20 +116,18 @@ class SearchService:
                 for kb in groups[(model, api_base)]:
                     dense[kb.kb_id] = vector
 
+            # The engine's term statistics (for several KBs) are read while the query embeds.
+            keyword_task = asyncio.ensure_future(self._keyword_queries(kbs, sparse))
             await asyncio.gather(*(embed_group(m, a) for m, a in groups))
+            keyword, keyword_failures = await keyword_task
+            failures.update(keyword_failures)
             searchable = [kb for kb in kbs if kb.kb_id not in failures]
-            results = await asyncio.gather(
-                *(self._candidates(kb, req, flt, dense[kb.kb_id], sparse) for kb in searchable),
-                return_exceptions=True,
+            candidates, candidate_failures = await _each_kb(
+                searchable,
+                lambda kb: self._candidates(kb, req, flt, dense[kb.kb_id], keyword.get(kb.kb_id)),
             )
-            found = []
-            for kb, result in zip(searchable, results, strict=True):
-                if isinstance(result, Exception):
-                    failures[kb.kb_id] = result
-                elif isinstance(result, BaseException):
-                    raise result
-                else:
-                    found.append(result)
+            failures.update(candidate_failures)
+            found = list(candidates.values())
             # One broken KB (an unreachable or misconfigured model) must not take every
             # search down with it: the others answer and the reply names the one left out.
             # Only when nothing could be searched is the search itself a failure.
@@ -146,7 +147,7 @@ class SearchService:
             if req.min_similarity is not None:
                 # Only the candidates that can still make the cut need their cosine.
                 head = fused[: max(req.top_k * 4, self.settings.rerank_depth)]
-                await self._complete(head, known, collections, dense, None, flt)
+                await self._complete(head, known, collections, dense, {}, flt)
                 fused = [
                     f for f in fused if (known.cosine.get(f.chunk) or -1.0) >= req.min_similarity
                 ]
@@ -168,7 +169,7 @@ class SearchService:
                 fused = [f for f in fused if f.score >= req.min_score]
             top = fused[: req.top_k]
             await asyncio.gather(
-                self._complete(top, known, collections, dense, sparse, flt),
+                self._complete(top, known, collections, dense, keyword, flt),
                 self._load(top, points, collections),
             )
             # A chunk deleted since it was ranked has no payload left to load: left out.
@@ -213,6 +214,21 @@ class SearchService:
         texts = [_rerank_text(points[f.chunk]) for f in head]
         order = await self.reranker.rerank(model[0], model[1], query, texts)
         return [Fused(head[i].chunk, head[i].document, score) for i, score in order]
+
+    async def _keyword_queries(
+        self, kbs: list[KnowledgeBase], sparse: SparseVector | None
+    ) -> tuple[dict[str, SparseVector], dict[str, Exception]]:
+        """Each KB's BM25 query, and the KBs whose statistics could not be read. One KB is
+        searched with the query as it is; several with weights that give them one IDF over
+        all of them (`bm25.shared_idf_queries`), so that their BM25 scores compare."""
+        if sparse is None or not sparse.indices:
+            return {}, {}
+        if len(kbs) == 1:
+            return {kbs[0].kb_id: sparse}, {}
+        stats, failures = await _each_kb(
+            kbs, lambda kb: self.term_stats.get(kb.serving_collection, sparse.indices)
+        )
+        return bm25.shared_idf_queries(sparse, stats), failures
 
     async def _candidates(
         self,
@@ -272,7 +288,7 @@ class SearchService:
         known: KnownScores,
         collections: dict[str, str],
         dense: dict[str, list[float] | None],
-        sparse: SparseVector | None,
+        keyword: Mapping[str, SparseVector],
         flt: Filter,
     ) -> None:
         """Look up the cosine (and BM25) of fused chunks that a candidate list did not
@@ -293,6 +309,7 @@ class SearchService:
                 )
                 lookups.append((kb_id, known.cosine, query))
             need = tuple(i for i in ids if (kb_id, i) not in known.bm25)
+            sparse = keyword.get(kb_id)
             if sparse is not None and sparse.indices and need:
                 query = Query(
                     mode=Mode.keyword,
@@ -439,6 +456,28 @@ def to_hit(hit: Hit, score: float | None, match_type: MatchType | None) -> Searc
         collection=p.get("collection"),
         metadata=p.get("metadata") or {},
     )
+
+
+T = TypeVar("T")
+
+
+async def _each_kb(
+    kbs: list[KnowledgeBase], work: Callable[[KnowledgeBase], Awaitable[T]]
+) -> tuple[dict[str, T], dict[str, Exception]]:
+    """`work` for every KB at once: results by KB id (in the KBs' order), and the KBs it
+    failed for. Only an Exception is one KB's failure; anything else (cancellation)
+    propagates."""
+    results = await asyncio.gather(*(work(kb) for kb in kbs), return_exceptions=True)
+    done: dict[str, T] = {}
+    failed: dict[str, Exception] = {}
+    for kb, result in zip(kbs, results, strict=True):
+        if isinstance(result, Exception):
+            failed[kb.kb_id] = result
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            done[kb.kb_id] = result
+    return done, failed
 
 
 def _failure(kb: KnowledgeBase, err: Exception) -> KbFailure:

@@ -48,6 +48,23 @@ LONG = {
     ),
 }
 
+# "ash" is in every page of one KB and in one page of another: each KB's own IDF makes it a
+# common word in the first and a rare one in the second.
+ASH_MANY = {
+    "kiln.md": "Wood ash from the kiln: ash glaze, ash layers and ash dust on every shelf.",
+    "hearth.md": "The hearth holds ash; sweep the ash out each morning before the ash cools.",
+    "fireplace.md": "Fireplace ash and more ash: keep the ash in a metal bin outside.",
+    "compost.md": "Add ash to compost sparingly; too much ash raises the pH of the soil.",
+}
+ASH_ONE = {
+    "quarter.md": "Quarterly figures: revenue grew in every region, costs stayed flat, the "
+    "new office opened on time, hiring met its plan, and the old ash tray in the lobby was "
+    "finally replaced along with the carpets, the lights and the reception desk.",
+    "pricing.md": "Pricing review: list prices rise three percent in spring for all plans.",
+    "support.md": "Support rota: two engineers on call each week, handover on Mondays.",
+    "travel.md": "Travel policy: trains under 600 km, receipts kept, reports within a week.",
+}
+
 
 @pytest.fixture(scope="module")
 async def reranker() -> AsyncIterator[tuple[str, RerankScript]]:
@@ -78,6 +95,9 @@ async def stack(tmp_path_factory, embedders, reranker):
                 {"rerank_model": RERANK_MODEL, "rerank_api_base": base},
             ),
             ("long", LONG, {"chunk_size": 50}),
+            ("ash-many", ASH_MANY, {}),
+            ("ash-one", ASH_ONE, {}),
+            ("ash-all", ASH_MANY | ASH_ONE, {}),
         ):
             r = await client.post("/v1/kbs", json={"name": kb, **body})
             assert r.status_code == 201, r.text
@@ -117,13 +137,18 @@ async def test_an_unrelated_kb_does_not_outrank_a_related_kbs_good_hits(stack, m
     assert set(names(body)[:3]) == set(GEOLOGY), names(body)
 
 
-async def test_split_kbs_rank_like_one(stack):
-    """The same pages in one KB or spread over two (plus the unrelated one): the same order."""
+@pytest.mark.parametrize("mode", ["keyword", "hybrid"])
+async def test_split_kbs_rank_like_one(stack, mode):
+    """The same pages in one KB or split over two: the same order. A word common in one KB
+    and rare in the other weighs the same in both when they are searched together, so the
+    pages that use it most come first. (With each KB's own IDF the one passing mention in
+    the other KB ranked first in keyword mode.)"""
     _, client = stack
-    query = "how does a volcano erupt lava"
-    one = await search(client, query=query, kb_ids=["geology"], top_k=3)
-    many = await search(client, query=query, kb_ids=["geology", "bakery", "long"], top_k=3)
-    assert names(many) == names(one)
+    query = {"query": "ash", "mode": mode, "top_k": 8, "coalesce_neighbors": 0}
+    together = await search(client, kb_ids=["ash-many", "ash-one"], **query)
+    one = await search(client, kb_ids=["ash-all"], **query)
+    assert names(together) == names(one)
+    assert set(names(together)[:4]) == set(ASH_MANY), names(together)
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "dense", "keyword"])

@@ -31,8 +31,10 @@ from services.common.store import (
     Query,
     Range,
     SparseVector,
+    TermStats,
     VectorStore,
 )
+from services.common.store.base import idf
 from services.common.store.edge import EdgeStore
 from services.common.store.server import ServerStore
 
@@ -546,6 +548,34 @@ async def test_retrieve_scroll_and_count(store: VectorStore, kb: str) -> None:
     assert await store.count(kb) == 4
     assert await store.count(kb, None) == 4
     assert await store.count(kb, Filter(must=(Match("tags", "finance"),))) == 2
+
+
+async def test_term_stats_are_what_the_idf_ranks_with(store: VectorStore, kb: str) -> None:
+    """term_stats reports the collection's points and each term's document frequency, read
+    from the engine's own scoring: a one-term keyword query scores `idf(points, df) · w`."""
+    # Term 1 in 5 of 7 points, term 2 in 2, term 3 in 1, term 4 in none; weights differ.
+    held = {
+        ("A", 0): {1: 0.4, 2: 1.3},
+        ("A", 1): {1: 0.9},
+        ("B", 0): {1: 1.7, 3: 0.2},
+        ("B", 1): {5: 1.0},
+        ("C", 0): {1: 0.1, 2: 0.6},
+        ("C", 1): {1: 2.0},
+        ("C", 2): {5: 0.3},
+    }
+    await load(store, kb, [chunk(d, i, terms=t) for (d, i), t in held.items()])
+    stats = await store.term_stats(kb, [1, 2, 3, 4])
+    assert stats == TermStats(points=7, df={1: 5, 2: 2, 3: 1})
+
+    query = Query(mode=Mode.keyword, limit=10, filter=Filter(), sparse=sparse({2: 1.0}))
+    scores = {h.id: h.score for h in await store.query(kb, query)}
+    assert scores == pytest.approx(
+        {point_id("A", 0): idf(7, 2) * 1.3, point_id("C", 0): idf(7, 2) * 0.6}, rel=1e-5
+    )
+    # Deleting a document is seen at once.
+    await store.delete_document(kb, "C")
+    assert await store.term_stats(kb, [1, 2]) == TermStats(points=4, df={1: 3, 2: 1})
+    assert await store.term_stats(f"kb_{uuid.uuid4().hex}", [1]) == TermStats(points=0)
 
 
 async def test_optimize_keeps_results(store: VectorStore, kb: str) -> None:

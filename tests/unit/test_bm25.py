@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from services.common.bm25 import encode_document, encode_query, stem, term_id, tokenize
-from services.common.store.base import SparseVector
+from services.common.bm25 import (
+    encode_document,
+    encode_query,
+    shared_idf_queries,
+    stem,
+    term_id,
+    tokenize,
+)
+from services.common.store.base import SparseVector, TermStats, idf, probed_term_stats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -157,3 +164,35 @@ def test_query_weights_are_one_per_distinct_term() -> None:
     vector = encode_query("kafka kafka broker Kafka")
     assert vector.indices == sorted({term_id("kafka"), term_id("broker")})
     assert vector.values == [1.0, 1.0]
+
+
+def test_shared_idf_queries_give_every_kb_the_idf_of_all_of_them() -> None:
+    """The engine multiplies each weight by the KB's own IDF: the product must be the IDF
+    over both KBs together (10 + 30 points; term 1 in 9 + 1 of them, term 2 in 3 + 0)."""
+    stats = {
+        "a": TermStats(points=10, df={1: 9, 2: 3}),
+        "b": TermStats(points=30, df={1: 1}),
+    }
+    query = SparseVector(indices=[1, 2, 3], values=[1.0, 2.0, 1.0])
+    out = shared_idf_queries(query, stats)
+    assert out["a"].indices == [1, 2] and out["b"].indices == [1]  # no KB holds term 3
+    assert out["a"].values[0] * idf(10, 9) == pytest.approx(idf(40, 10))
+    assert out["b"].values[0] * idf(30, 1) == pytest.approx(idf(40, 10))
+    assert out["a"].values[1] * idf(10, 3) == pytest.approx(2.0 * idf(40, 3))
+
+
+def test_shared_idf_of_one_kb_is_its_own() -> None:
+    query = SparseVector(indices=[1, 2], values=[1.0, 1.0])
+    out = shared_idf_queries(query, {"a": TermStats(points=50, df={1: 7, 2: 50})})
+    assert out["a"].values == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.parametrize("points", [1, 7, 1000, 250_000])
+def test_probed_term_stats_invert_the_idf(points: int) -> None:
+    """A probe scores idf(points, df) · w; the document frequency is read back exactly."""
+    dfs = sorted({1, max(1, points // 3), max(1, points // 2), points})
+    probes: dict[int, tuple[float, float] | None] = {
+        t: (idf(points, df) * 0.37, 0.37) for t, df in enumerate(dfs)
+    }
+    probes[len(dfs)] = None
+    assert probed_term_stats(points, probes) == TermStats(points, dict(enumerate(dfs)))

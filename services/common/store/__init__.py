@@ -20,6 +20,7 @@ from services.common.store.base import (
     Query,
     Range,
     SparseVector,
+    TermStats,
     VectorStore,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "Query",
     "Range",
     "SparseVector",
+    "TermStats",
     "VectorStore",
     "create_store",
 ]

@@ -6,7 +6,9 @@ build engine objects or strings.
 
 from __future__ import annotations
 
+import math
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -167,6 +169,35 @@ PAYLOAD_INDEXES: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True)
+class TermStats:
+    """What a collection's BM25 IDF is computed from, for some terms: its number of points
+    and, per term id, how many of them hold the term (terms held by none are absent)."""
+
+    points: int
+    df: dict[int, int] = field(default_factory=dict)
+
+
+def idf(points: int, df: int) -> float:
+    """Qdrant's IDF modifier, `ln((N − df + 0.5) / (df + 0.5) + 1)`."""
+    return math.log((points - df + 0.5) / (df + 0.5) + 1.0)
+
+
+def probed_term_stats(points: int, probes: Mapping[int, tuple[float, float] | None]) -> TermStats:
+    """Term stats from one-term probes: a probe with term t alone (query weight 1) scores its
+    best point `idf(t) · w`, w being the point's own weight for t, so `score / w` is the
+    collection's IDF of t, and `idf` inverted gives its document frequency. The engine keeps
+    no other account of it: this reads the statistics it ranks with, so they can never
+    disagree with them. `probes`: term → (best score, that point's weight), None: no point."""
+    df = {}
+    for term, probe in probes.items():
+        if probe is None or probe[1] <= 0:
+            continue
+        r = math.exp(probe[0] / probe[1]) - 1.0
+        df[term] = min(points, max(1, round((points + 0.5 - 0.5 * r) / (r + 1.0))))
+    return TermStats(points, df)
+
+
 @dataclass
 class CollectionInfo:
     name: str
@@ -211,6 +242,10 @@ class VectorStore(Protocol):
     async def scroll(self, name: str, flt: Filter, limit: int) -> list[Hit]: ...
 
     async def count(self, name: str, flt: Filter | None = None) -> int: ...
+
+    async def term_stats(self, name: str, terms: list[int]) -> TermStats:
+        """The collection's BM25 statistics for these term ids, exactly as its IDF uses
+        them (missing collection: no points)."""
 
     async def optimize(self, name: str) -> None:
         """Compact/index after bulk loads where the engine needs it (Edge); else no-op."""

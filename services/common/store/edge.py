@@ -37,10 +37,12 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
+    TermStats,
     any_values,
     check_document_points,
     check_signal,
     payload_selector,
+    probed_term_stats,
     uuid_strings,
 )
 
@@ -152,9 +154,10 @@ class EdgeStore:
         shard = await self._shard(name)
         if shard is None:
             return [[] for _ in queries]
-        requests = [_edge_query(q) for q in queries]
-        # One thread hop for all: each hop costs more than a small in-process search.
-        results = await asyncio.to_thread(lambda: [shard.query(r) for r in requests])
+        batch = qe.QueryBatchRequest([_edge_query(q) for q in queries])
+        # One thread hop and one pass over the segments for all (a batch is 10-15 % cheaper
+        # than one query after another; each thread hop costs more than a small search).
+        results = await asyncio.to_thread(shard.query_batch, batch)
         return [_hits(points) for points in results]
 
     async def retrieve(self, name: str, ids: list[str]) -> list[Hit]:
@@ -185,6 +188,35 @@ class EdgeStore:
             return 0
         request = qe.CountRequest(exact=True, filter=_edge_filter(flt))
         return await asyncio.to_thread(shard.count, request)
+
+    async def term_stats(self, name: str, terms: list[int]) -> TermStats:
+        shard = await self._shard(name)
+        if shard is None:
+            return TermStats(0)
+
+        probes = qe.QueryBatchRequest(
+            [
+                qe.QueryRequest(
+                    limit=1,
+                    query=qe.Query.Nearest(
+                        qe.SparseVector(indices=[t], values=[1.0]), using=SPARSE
+                    ),
+                    with_vector=[SPARSE],
+                    with_payload=False,
+                )
+                for t in terms
+            ]
+        )
+
+        def probe() -> tuple[int, dict[int, tuple[float, float] | None]]:
+            points = shard.count(qe.CountRequest(exact=True, filter=qe.Filter()))
+            best = shard.query_batch(probes) if terms else []
+            return points, {
+                t: _probe(b[0], t) if b else None for t, b in zip(terms, best, strict=True)
+            }
+
+        points, found = await asyncio.to_thread(probe)
+        return probed_term_stats(points, found)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -277,6 +309,15 @@ def _edge_point(p: ChunkPoint) -> qe.Point:
 
 def _hits(points: list[qe.ScoredPoint]) -> list[Hit]:
     return [Hit(id=str(p.id), score=p.score, payload=p.payload or {}) for p in points]
+
+
+def _probe(point: qe.ScoredPoint, term: int) -> tuple[float, float]:
+    """(score, the point's own weight of `term`) of a one-term probe's best point."""
+    vectors = point.vector
+    vector = vectors.get(SPARSE) if isinstance(vectors, dict) else None
+    if not isinstance(vector, qe.SparseVector):
+        return point.score, 0.0
+    return point.score, dict(zip(vector.indices, vector.values, strict=True)).get(term, 0.0)
 
 
 def _edge_query(q: Query) -> qe.QueryRequest:

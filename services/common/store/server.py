@@ -6,7 +6,6 @@ for a server in tests; local mode builds no payload indexes, so none are request
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -33,10 +32,12 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
+    TermStats,
     any_values,
     check_document_points,
     check_signal,
     payload_selector,
+    probed_term_stats,
     uuid_strings,
 )
 
@@ -146,18 +147,19 @@ class ServerStore:
     # ---- reads -----------------------------------------------------------------------------
 
     async def query(self, name: str, query: Query) -> list[Hit]:
-        request = _server_query(query, local=self._local)
-        try:
-            with _classified(name):
-                response = await self._client.query_points(
-                    name, limit=query.limit, with_payload=payload_selector(query), **request
-                )
-        except NotFound:
-            return []
-        return [Hit(id=str(p.id), score=p.score, payload=p.payload or {}) for p in response.points]
+        return (await self.query_many(name, [query]))[0]
 
     async def query_many(self, name: str, queries: list[Query]) -> list[list[Hit]]:
-        return list(await asyncio.gather(*(self.query(name, q) for q in queries)))
+        requests = [_server_request(q, local=self._local) for q in queries]
+        try:
+            with _classified(name):
+                responses = await self._client.query_batch_points(name, requests)
+        except NotFound:
+            return [[] for _ in queries]
+        return [
+            [Hit(id=str(p.id), score=p.score, payload=p.payload or {}) for p in r.points]
+            for r in responses
+        ]
 
     async def retrieve(self, name: str, ids: list[str]) -> list[Hit]:
         if not ids:
@@ -198,6 +200,31 @@ class ServerStore:
             return 0
         return result.count
 
+    async def term_stats(self, name: str, terms: list[int]) -> TermStats:
+        probes = [
+            models.QueryRequest(
+                query=models.SparseVector(indices=[t], values=[1.0]),
+                using=SPARSE,
+                limit=1,
+                with_payload=False,
+                with_vector=[SPARSE],
+            )
+            for t in terms
+        ]
+        try:
+            with _classified(name):
+                points = (await self._client.count(name, exact=True)).count
+                found = await self._client.query_batch_points(name, probes) if terms else []
+        except NotFound:
+            return TermStats(0)
+        return probed_term_stats(
+            points,
+            {
+                t: _probe(r.points[0], t) if r.points else None
+                for t, r in zip(terms, found, strict=True)
+            },
+        )
+
 
 @contextmanager
 def _classified(name: str) -> Iterator[None]:
@@ -233,15 +260,32 @@ def _server_point(p: ChunkPoint) -> models.PointStruct:
     )
 
 
-def _server_query(q: Query, *, local: bool) -> dict[str, Any]:
-    """Keyword arguments for `query_points` (besides name, limit and payload)."""
+def _server_request(q: Query, *, local: bool) -> models.QueryRequest:
     check_signal(q)
     flt = _server_filter(q.filter)
+    payload = payload_selector(q)
     if q.mode is Mode.dense:
         # Local mode searches exhaustively and warns about HNSW parameters it would ignore.
         params = None if local else models.SearchParams(hnsw_ef=q.hnsw_ef)
-        return {"query": _dense(q), "using": DENSE, "query_filter": flt, "search_params": params}
-    return {"query": _sparse(q), "using": SPARSE, "query_filter": flt}
+        return models.QueryRequest(
+            query=_dense(q),
+            using=DENSE,
+            filter=flt,
+            params=params,
+            limit=q.limit,
+            with_payload=payload,
+        )
+    return models.QueryRequest(
+        query=_sparse(q), using=SPARSE, filter=flt, limit=q.limit, with_payload=payload
+    )
+
+
+def _probe(point: models.ScoredPoint, term: int) -> tuple[float, float]:
+    """(score, the point's own weight of `term`) of a one-term probe's best point."""
+    vector = point.vector.get(SPARSE) if isinstance(point.vector, dict) else None
+    if not isinstance(vector, models.SparseVector):
+        return point.score, 0.0
+    return point.score, dict(zip(vector.indices, vector.values, strict=True)).get(term, 0.0)
 
 
 def _dense(q: Query) -> list[float]:
