@@ -46,4 +46,6 @@ class TermStatsCache:
                 self._df.move_to_end((collection, t))
             while len(self._df) > self.max_terms:
                 self._df.popitem(last=False)
-        return TermStats(points[1], {t: n for t, (_, n) in df.items() if n})
+        # Counts read at different times can disagree (a term counted before documents
+        # were deleted): never more holders than points, or an IDF would turn negative.
+        return TermStats(points[1], {t: min(n, points[1]) for t, (_, n) in df.items() if n})

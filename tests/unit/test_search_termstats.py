@@ -61,3 +61,12 @@ async def test_a_ttl_of_zero_reads_every_time() -> None:
     await cache.get("c", [1])
     await cache.get("c", [1])
     assert store.asked == [[1], [1]]
+
+
+async def test_counts_read_before_deletions_never_exceed_the_points() -> None:
+    store, clock = Recorder(), Clock()
+    cache = TermStatsCache(store, ttl_seconds=10, clock=clock)  # type: ignore[arg-type]
+    await cache.get("c", [1])  # 4 of 10 points hold term 1
+    store.points = 2
+    await cache.get("c", [2])  # the points are read again with term 2; term 1 is not
+    assert await cache.get("c", [1]) == TermStats(2, {1: 2})
