@@ -117,9 +117,10 @@ class SearchService:
                     dense[kb.kb_id] = vector
 
             # The engine's term statistics (for several KBs) are read while the query embeds.
-            keyword_task = asyncio.ensure_future(self._keyword_queries(kbs, sparse))
-            await asyncio.gather(*(embed_group(m, a) for m, a in groups))
-            keyword, keyword_failures = await keyword_task
+            (keyword, keyword_failures), _ = await asyncio.gather(
+                self._keyword_queries(kbs, sparse),
+                asyncio.gather(*(embed_group(m, a) for m, a in groups)),
+            )
             failures.update(keyword_failures)
             searchable = [kb for kb in kbs if kb.kb_id not in failures]
             candidates, candidate_failures = await _each_kb(
