@@ -121,6 +121,12 @@ class Settings(BaseSettings):
     nats_url: str | None = Field(None, description="external NATS; unset runs a private one")
     qdrant_url: str | None = Field(None, description="Qdrant server; unset uses embedded Edge")
     qdrant_api_key: str | None = None
+    edge_index_threshold: int = Field(
+        10_000,
+        ge=0,
+        description="embedded engine: a KB's vectors outside its HNSW index that start an "
+        "index build (the process pauses ~1-2 s per 1,000 of them); 0: never",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     metrics_port: int | None = Field(

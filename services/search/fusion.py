@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from services.common.queries import SearchHit
 
@@ -29,8 +29,7 @@ ChunkKey = tuple[str, str]  # (kb_id, chunk_id)
 Signal = Literal["dense", "keyword"]
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):  # hundreds per search: a tuple is the cheapest to build
     chunk: ChunkKey
     document: DocKey
     score: float  # what ordered its list: cosine, or raw BM25

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import sys
 import uuid
@@ -661,3 +662,101 @@ async def test_edge_writes_survive_kill_9(tmp_path: Path) -> None:
         assert await store.count(name, Filter(must=(Match("tags", "x"),))) == 1
     finally:
         await store.close()
+
+
+# ---- Edge index builds -------------------------------------------------------------------------
+
+
+def _spread_points(first: int, count: int) -> list[ChunkPoint]:
+    """Points with distinct unit vectors, one document each."""
+    points = []
+    for i in range(first, first + count):
+        rng = random.Random(i)
+        raw = [rng.gauss(0.0, 1.0) for _ in range(DIM)]
+        norm = sum(x * x for x in raw) ** 0.5
+        points.append(
+            ChunkPoint(
+                id=str(uuid.uuid5(_POINT_NS, f"spread-{i}")),
+                dense=[x / norm for x in raw],
+                sparse=SparseVector(indices=[i % 50], values=[1.0]),
+                payload={"document_id": f"d{i}", "chunk_index": 0},
+            )
+        )
+    return points
+
+
+def _nearest(points: list[ChunkPoint], query: Query) -> list[str]:
+    assert query.dense is not None
+    cosine = {p.id: sum(a * b for a, b in zip(p.dense, query.dense, strict=True)) for p in points}
+    return sorted(cosine, key=cosine.__getitem__, reverse=True)[: query.limit]
+
+
+async def _until_indexed(store: EdgeStore, name: str) -> None:
+    for _ in range(300):
+        if await store.unindexed(name) == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{await store.unindexed(name)} vectors still outside the index")
+
+
+async def test_edge_builds_the_index_once_enough_vectors_wait(tmp_path: Path) -> None:
+    """Written points stay outside the HNSW index (searched by full scan) until a shard holds
+    `index_threshold` of them; then the store builds the index by itself, searches answer the
+    same, and later points again wait for the next threshold."""
+    store = EdgeStore(tmp_path / "shards", index_threshold=200)
+    name = f"kb_{uuid.uuid4().hex}"
+    points = _spread_points(0, 400)
+    try:
+        await store.ensure_collection(name, DIM)
+        await store.upsert(name, points[:150])
+        await asyncio.sleep(0.2)
+        assert await store.unindexed(name) == 150
+        probe = Query(mode=Mode.dense, limit=5, filter=Filter(), dense=points[42].dense)
+        assert [h.id for h in await store.query(name, probe)] == _nearest(points[:150], probe)
+
+        await store.upsert(name, points[150:250])  # 250 waiting: a build starts
+        await _until_indexed(store, name)
+        assert await store.count(name) == 250
+        assert [h.id for h in await store.query(name, probe)] == _nearest(points[:250], probe)
+
+        await store.upsert(name, points[250:350])
+        await asyncio.sleep(0.2)
+        assert await store.unindexed(name) == 100
+    finally:
+        await store.close()
+
+
+async def _write_and_close(
+    root: Path, name: str, index_threshold: int, points: list[ChunkPoint]
+) -> None:
+    store = EdgeStore(root, index_threshold=index_threshold)
+    await store.ensure_collection(name, DIM)
+    await store.upsert(name, points)
+    await store.close()
+
+
+async def test_edge_without_index_threshold_never_builds(tmp_path: Path) -> None:
+    root = tmp_path / "shards"
+    name = f"kb_{uuid.uuid4().hex}"
+    await _write_and_close(root, name, 100, [])  # a shard the engine would index
+    store = EdgeStore(root, index_threshold=0)
+    try:
+        await store.upsert(name, _spread_points(0, 300))
+        await asyncio.sleep(0.5)
+        assert await store.unindexed(name) == 300
+    finally:
+        await store.close()
+
+
+async def test_edge_close_during_an_index_build_keeps_every_point(tmp_path: Path) -> None:
+    root = tmp_path / "shards"
+    name = f"kb_{uuid.uuid4().hex}"
+    await _write_and_close(root, name, 100, _spread_points(0, 300))  # closes mid-build
+    reopened = EdgeStore(root, index_threshold=100)
+    try:
+        assert await reopened.count(name) == 300
+        await reopened.upsert(name, _spread_points(300, 10))
+        await _until_indexed(reopened, name)  # the reopened shard builds what was left
+        assert await reopened.count(name) == 310
+    finally:
+        await reopened.close()

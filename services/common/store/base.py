@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from services.common.errors import InvalidInput
 
@@ -34,8 +34,10 @@ class ChunkPoint:
     payload: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Hit:
+class Hit(NamedTuple):
+    """A point as a store returns it. A tuple, not a dataclass: a hybrid search builds
+    hundreds of these per KB and the construction showed in profiles."""
+
     id: str
     score: float | None
     payload: dict[str, Any]

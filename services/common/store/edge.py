@@ -3,13 +3,26 @@
 Every Edge call blocks, so each runs in a worker thread. Reads run concurrently; writes to one
 shard are serialized by an asyncio lock, and each write ends with `flush()` so that it is on
 disk when the call returns. A shard can be open in one process only (the WAL is locked).
+
+Edge (0.9) keeps the interpreter lock while it works: a search, a write or an index build
+holds up every other Python thread of the process for as long as it runs. Worker threads
+still keep the event loop's own waits out of the engine's way, but engine time is never
+parallel with Python work; throughput beyond one process comes from more processes (or the
+Qdrant server, see `ServerStore`).
+
+Edge has no background optimiser either: points stay in a plain segment, searched by full
+scan, until `optimize()` builds their HNSW index. The store starts that build itself once a
+shard holds `index_threshold` vectors outside the index (see `_index_if_due`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -46,6 +59,8 @@ from services.common.store.base import (
     uuid_strings,
 )
 
+log = logging.getLogger(__name__)
+
 # Collection names become directory names, so they stay inside a safe set.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 _TRASH_PREFIX = ".dropped-"
@@ -63,13 +78,21 @@ _INDEX_KINDS: dict[str, qe.PayloadSchemaType] = {
 class EdgeStore:
     """`VectorStore` on Qdrant Edge shards under `root` (`root/<collection>`)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, index_threshold: int = 10_000) -> None:
+        """`index_threshold`: dense vectors outside the HNSW index that start an index build
+        (0: never; `optimize` then is the caller's)."""
         self._root = Path(root)
         self._shards: dict[str, qe.EdgeShard] = {}
         self._write_locks: dict[str, asyncio.Lock] = {}
         # Serializes opening, creating and dropping shards: a second `load` of an open shard
         # fails on the WAL lock.
         self._registry_lock = asyncio.Lock()
+        self._index_threshold = index_threshold
+        self._index_builds: dict[str, asyncio.Task[None]] = {}
+        # Per shard, the un-indexed count below which no build is tried again: the engine may
+        # decline to index (a shard made with its own, larger threshold), and then every
+        # write would ask again.
+        self._index_floor: dict[str, int] = {}
 
     # ---- collections -----------------------------------------------------------------------
 
@@ -78,7 +101,7 @@ class EdgeStore:
         async with self._registry_lock:
             shard = self._shards.get(name)
             if shard is None:
-                shard = await asyncio.to_thread(_open_or_create, path, dim)
+                shard = await asyncio.to_thread(_open_or_create, path, dim, self._index_threshold)
                 self._shards[name] = shard
         async with self._write_lock(name):
             if self._shards.get(name) is not shard:  # dropped meanwhile
@@ -103,9 +126,14 @@ class EdgeStore:
         if shard is None:
             return
         async with self._write_lock(name):
-            await asyncio.to_thread(shard.optimize)
+            if self._shards.get(name) is shard:  # not dropped or closed meanwhile
+                await asyncio.to_thread(shard.optimize)
 
     async def close(self) -> None:
+        builds = list(self._index_builds.values())
+        for task in builds:
+            task.cancel()
+        await asyncio.gather(*builds, return_exceptions=True)
         async with self._registry_lock:
             for name, shard in list(self._shards.items()):
                 async with self._write_lock(name):
@@ -218,6 +246,11 @@ class EdgeStore:
         points, found = await asyncio.to_thread(probe)
         return probed_term_stats(points, found)
 
+    async def unindexed(self, name: str) -> int:
+        """Dense vectors of the collection outside its HNSW index (searched by full scan)."""
+        shard = await self._shard(name)
+        return 0 if shard is None else _unindexed(await asyncio.to_thread(shard.info))
+
     # ---- internals -------------------------------------------------------------------------
 
     def _path(self, name: str) -> Path:
@@ -252,18 +285,67 @@ class EdgeStore:
             if self._shards.get(name) is not shard:
                 return False
             await asyncio.to_thread(_apply, shard, ops)
+        self._index_if_due(name, shard)
         return True
+
+    def _index_if_due(self, name: str, shard: qe.EdgeShard) -> None:
+        """Start building the shard's index when enough vectors wait outside it.
+
+        Unindexed points are searched by full scan: at 100k chunks a hybrid search's four
+        candidate lists take 23 ms that way and 7 ms indexed. A build holds the interpreter
+        lock (about 1-2 s per 1,000 new points on two cores, 112 s for 100k at once), so the
+        process pauses while it runs; building every `index_threshold` vectors keeps each
+        pause bounded instead of one long pause, or none and slow searches forever."""
+        if not self._index_threshold or name in self._index_builds:
+            return
+        # `info` reads counters only (~15 us): cheaper inline than a thread hop.
+        unindexed = _unindexed(shard.info())
+        if unindexed < max(self._index_threshold, self._index_floor.get(name, 0)):
+            return
+        self._index_builds[name] = asyncio.create_task(self._build_index(name, shard))
+
+    async def _build_index(self, name: str, shard: qe.EdgeShard) -> None:
+        started = time.monotonic()
+        try:
+            await self.optimize(name)
+            left = _unindexed(await asyncio.to_thread(shard.info))
+            # Declined (the shard's own threshold is higher): ask again a threshold later.
+            self._index_floor[name] = left + self._index_threshold if left else 0
+            log.info(
+                "index_built collection=%s seconds=%.1f unindexed=%d",
+                name,
+                time.monotonic() - started,
+                left,
+            )
+        except Exception:  # a failed build leaves the shard searchable by full scan
+            log.exception("index_build_failed collection=%s", name)
+        finally:
+            self._index_builds.pop(name, None)
 
 
 # ---- blocking helpers (run in worker threads) ----------------------------------------------
 
 
-def _open_or_create(path: Path, dim: int) -> qe.EdgeShard:
+def _unindexed(info: qe.ShardInfo) -> int:
+    """Dense vectors outside the HNSW index. Every point has two vectors, and the BM25 one is
+    indexed as it is written, so the difference is what only a build indexes."""
+    return max(0, 2 * info.points_count - info.indexed_vectors_count)
+
+
+def _open_or_create(path: Path, dim: int, index_threshold: int = 0) -> qe.EdgeShard:
     if path.is_dir():
         return qe.EdgeShard.load(str(path))
+    # The engine's own threshold (in KiB of vectors) set to ours, so a build we start does
+    # index; shards made without it keep the engine's default.
+    optimizers = (
+        qe.EdgeOptimizersConfig(indexing_threshold=math.ceil(index_threshold * dim * 4 / 1024))
+        if index_threshold
+        else None
+    )
     config = qe.EdgeConfig(
         vectors={DENSE: qe.EdgeVectorParams(size=dim, distance=qe.Distance.Cosine)},
         sparse_vectors={SPARSE: qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)},
+        optimizers=optimizers,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     return qe.EdgeShard.create(str(path), config)
@@ -308,7 +390,7 @@ def _edge_point(p: ChunkPoint) -> qe.Point:
 
 
 def _hits(points: list[qe.ScoredPoint]) -> list[Hit]:
-    return [Hit(id=str(p.id), score=p.score, payload=p.payload or {}) for p in points]
+    return [Hit(str(p.id), p.score, p.payload or {}) for p in points]
 
 
 def _probe(point: qe.ScoredPoint, term: int) -> tuple[float, float]:

@@ -156,10 +156,7 @@ class ServerStore:
                 responses = await self._client.query_batch_points(name, requests)
         except NotFound:
             return [[] for _ in queries]
-        return [
-            [Hit(id=str(p.id), score=p.score, payload=p.payload or {}) for p in r.points]
-            for r in responses
-        ]
+        return [[Hit(str(p.id), p.score, p.payload or {}) for p in r.points] for r in responses]
 
     async def retrieve(self, name: str, ids: list[str]) -> list[Hit]:
         if not ids:
