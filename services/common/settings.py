@@ -125,7 +125,7 @@ class Settings(BaseSettings):
         10_000,
         ge=0,
         description="embedded engine: a KB's vectors outside its HNSW index that start an "
-        "index build (the process pauses ~1-2 s per 1,000 of them); 0: never",
+        "index build (the process pauses ~1-2.5 s per 1,000 of them); 0: never",
     )
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
