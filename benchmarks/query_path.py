@@ -1,12 +1,17 @@
 """Where the time of one search goes: each hop of a REST hybrid search measured against the
 same queries, interleaved query by query, on a running `kbmesh up`.
 
-    .venv/bin/python -m benchmarks.query_path [--docs 40] [--queries 200]
+    .venv/bin/python -m benchmarks.query_path [--docs 40] [--queries 200] [--blocks]
 
 Per query, in turn: REST hybrid, REST keyword (no query embedding), the same two as NATS
 requests straight to `search.query` (no HTTP, no gateway), and the query encode alone in
 this process on onnxruntime's query lane and on torch fp32 sentence-transformers. Each query
 text is used once per variant with a distinct suffix, so the query cache never answers.
+
+Interleaved, every measurement follows other work or an idle pause, and on these machines
+work that follows an idle pause runs about 1.5 times slower for its first milliseconds.
+`--blocks` measures each variant back to back instead (all its queries in a row, after a
+warm-up of its own): the steady state of a busy service.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import datetime
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
@@ -45,7 +52,9 @@ def p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1000
 
 
-async def run(base: str, data: Path, kb_id: str, queries: list[str]) -> dict[str, list[float]]:
+async def run(
+    base: str, data: Path, kb_id: str, queries: list[str], blocks: bool
+) -> dict[str, list[float]]:
     onnx = LocalEmbedder(MODEL)
     onnx.load()
     torch = LocalEmbedder(MODEL, backend="torch")
@@ -76,9 +85,10 @@ async def run(base: str, data: Path, kb_id: str, queries: list[str]) -> dict[str
             started = time.perf_counter()
             embedder.encode([query], query=True)
             elapsed = time.perf_counter() - started
-            # torch's OpenMP threads spin for a while after an encode: let them stop before
-            # the next variant is timed, or that one pays for them.
-            time.sleep(0.05)
+            if not blocks:
+                # torch's OpenMP threads spin for a while after an encode: let them stop
+                # before the next variant is timed, or that one pays for them.
+                time.sleep(0.05)
             return elapsed
 
         import torch as torch_module
@@ -92,22 +102,37 @@ async def run(base: str, data: Path, kb_id: str, queries: list[str]) -> dict[str
             finally:
                 torch_module.set_num_threads(threads)
 
-        for i, q in enumerate(queries[:5] + queries):
-            variants = [
-                ("rest_hybrid", lambda q=q, i=i: rest(f"{q} r{i}", "hybrid")),
-                ("nats_hybrid", lambda q=q, i=i: bus(f"{q} n{i}", "hybrid")),
-                ("rest_keyword", lambda q=q, i=i: rest(f"{q} k{i}", "keyword")),
-                ("nats_keyword", lambda q=q, i=i: bus(f"{q} b{i}", "keyword")),
-                ("onnx", lambda q=q, i=i: encode(onnx, f"{q} o{i}")),
-                ("torch", lambda q=q, i=i: torch_encode(f"{q} t{i}", threads)),
-                ("torch_1_thread", lambda q=q, i=i: torch_encode(f"{q} s{i}", 1)),
+        def variants_of(i: int, q: str) -> list[tuple[str, Callable[[], Any]]]:
+            return [
+                ("rest_hybrid", lambda: rest(f"{q} r{i}", "hybrid")),
+                ("nats_hybrid", lambda: bus(f"{q} n{i}", "hybrid")),
+                ("rest_keyword", lambda: rest(f"{q} k{i}", "keyword")),
+                ("nats_keyword", lambda: bus(f"{q} b{i}", "keyword")),
+                ("onnx", lambda: encode(onnx, f"{q} o{i}")),
+                ("torch", lambda: torch_encode(f"{q} t{i}", threads)),
+                ("torch_1_thread", lambda: torch_encode(f"{q} s{i}", 1)),
             ]
+
+        async def measure(call: Callable[[], Any]) -> float:
+            result = call()
+            return float(await result if asyncio.iscoroutine(result) else result)
+
+        warmup = 50 if blocks else 5
+        rounds = list(enumerate(queries[:warmup] + queries))
+        if blocks:
+            for v in range(len(variants_of(0, ""))):
+                for i, q in rounds:
+                    name, call = variants_of(i, q)[v]
+                    elapsed = await measure(call)
+                    if i >= warmup:
+                        times[name].append(elapsed)
+        for i, q in [] if blocks else rounds:
+            variants = variants_of(i, q)
             # A different variant goes first each time, so none always follows the same one.
             shift = i % len(variants)
-            for name, measure in variants[shift:] + variants[:shift]:
-                result = measure()
-                elapsed = await result if asyncio.iscoroutine(result) else result
-                if i >= 5:  # the first five are warm-up
+            for name, call in variants[shift:] + variants[:shift]:
+                elapsed = await measure(call)
+                if i >= warmup:
                     times[name].append(elapsed)
     await nc.close()
     return times
@@ -117,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=40)
     parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--blocks", action="store_true", help="each variant back to back")
     args = parser.parse_args()
     docs = stdlib_documents(args.docs)
     queries = queries_from(docs, args.queries)
@@ -135,10 +161,11 @@ def main() -> None:
             if stats["document_count"] >= len(docs):
                 break
             time.sleep(0.5)
-        times = asyncio.run(run(base, Path(tmp), kb_id, queries))
+        times = asyncio.run(run(base, Path(tmp), kb_id, queries, args.blocks))
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     print(f"date {datetime.date.today()}  documents {len(docs)}  chunks {stats['chunk_count']}")
-    print(f"queries {len(times['onnx'])} per variant, interleaved\n")
+    order = "back to back" if args.blocks else "interleaved"
+    print(f"queries {len(times['onnx'])} per variant, {order}\n")
     print("| measured | p50 ms | p90 ms |\n| --- | --- | --- |")
     for k, v in times.items():
         print(f"| {k} | {med[k]:.2f} | {p(v, 0.9):.2f} |")
