@@ -62,6 +62,12 @@ class SearchSettings(BaseModel):
     rerank_timeout_seconds: float = Field(5.0, gt=0)
     hnsw_ef: int = Field(128, ge=8, description="HNSW search breadth (recall vs latency)")
     query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")
+    document_cache_points: int = Field(
+        200_000,
+        ge=0,
+        description="chunks whose document id a search replica remembers for ranking "
+        "(~250 bytes each; a chunk id always names the same document)",
+    )
     term_stats_ttl_seconds: float = Field(
         10.0,
         ge=0,

@@ -40,6 +40,7 @@ from services.common.store import (
 from services.common.store.base import lead_filter
 from services.common.telemetry import tracer
 from services.search.budget import load_counter, pack
+from services.search.documents import DocumentIds
 from services.search.filters import build_filter
 from services.search.fusion import (
     Candidate,
@@ -73,6 +74,7 @@ class SearchService:
         self.settings = settings
         self.reranker = reranker or LiteLLMReranker(settings.rerank_timeout_seconds)
         self.term_stats = TermStatsCache(store, settings.term_stats_ttl_seconds)
+        self.documents = DocumentIds(store, settings.document_cache_points)
 
     async def resolve_kbs(
         self, org_id: str, refs: list[str] | None, scope: list[str] | None
@@ -255,7 +257,7 @@ class SearchService:
                     filter=where,
                     dense=dense,
                     hnsw_ef=self.settings.hnsw_ef,
-                    payload=RANKING_FIELDS,
+                    payload=(),
                 )
                 searches.append(("dense", lead, query))
             if sparse is not None and sparse.indices:
@@ -264,20 +266,26 @@ class SearchService:
                     limit=limit,
                     filter=where,
                     sparse=sparse,
-                    payload=RANKING_FIELDS,
+                    payload=(),
                 )
                 searches.append(("keyword", lead, query))
         if not searches:
             return [], {}
+        # Ids and scores only: documents come from `self.documents`, whole payloads are read
+        # for the returned hits alone (`_load`).
         results = await self.store.query_many(name, [q for _, _, q in searches])
+        documents = await self.documents.get(name, (h.id for hits in results for h in hits))
         lists: list[CandidateList] = []
         points: dict[ChunkKey, Hit] = {}
         for (signal, lead, _), hits in zip(searches, results, strict=True):
             found = []
             for h in hits:
+                document = documents.get(h.id)
+                if document is None:
+                    continue  # deleted since the engine ranked it
                 key = (kb.kb_id, h.id)
                 points.setdefault(key, h)
-                found.append(Candidate(key, (kb.kb_id, h.payload["document_id"]), h.score or 0.0))
+                found.append(Candidate(key, (kb.kb_id, document), h.score or 0.0))
             # Cosines are comparable between KBs of one model; BM25 between all KBs.
             scale = model if signal == "dense" else "bm25"
             lists.append(CandidateList(signal, lead, scale, found))
@@ -432,10 +440,6 @@ class SearchService:
 
 
 Candidates = tuple[list[CandidateList], dict[ChunkKey, Hit]]
-
-
-# What a candidate list carries of each chunk: enough to rank it and group it by document.
-RANKING_FIELDS = ("document_id",)
 
 
 def to_hit(hit: Hit, score: float | None, match_type: MatchType | None) -> SearchHit:

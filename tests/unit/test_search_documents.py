@@ -1,0 +1,65 @@
+"""Document ids of candidate chunks: read from the store once, then remembered."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.common.ids import point_id
+from services.common.store import ChunkPoint, SparseVector
+from services.common.store.edge import EdgeStore
+from services.search.documents import DocumentIds
+
+KB = "kb-1"
+
+
+def chunk(document: str, index: int) -> ChunkPoint:
+    return ChunkPoint(
+        id=point_id(KB, document, index),
+        dense=[1.0, float(index), 0.5],
+        sparse=SparseVector(indices=[index + 1], values=[1.0]),
+        payload={"document_id": document, "chunk_index": index, "content": "text"},
+    )
+
+
+async def test_document_ids_are_read_once_and_gone_points_left_out(tmp_path: Path) -> None:
+    store = EdgeStore(tmp_path)
+    await store.ensure_collection("c", 3)
+    points = [chunk("a", 0), chunk("a", 1), chunk("b", 0)]
+    await store.upsert("c", points)
+    ids = DocumentIds(store)
+    gone = point_id(KB, "c", 0)
+    try:
+        wanted = [p.id for p in points] + [gone, points[0].id]
+        assert await ids.get("c", wanted) == {
+            points[0].id: "a",
+            points[1].id: "a",
+            points[2].id: "b",
+        }
+        assert ids.reads == 4  # each distinct id once, the missing one included
+        assert await ids.get("c", [points[2].id, points[1].id]) == {
+            points[2].id: "b",
+            points[1].id: "a",
+        }
+        assert ids.reads == 4  # all remembered
+        await store.upsert("c", [chunk("c", 0)])
+        assert await ids.get("c", [gone]) == {gone: "c"}  # stored now: read again
+    finally:
+        await store.close()
+
+
+async def test_document_ids_remembered_are_bounded_oldest_first(tmp_path: Path) -> None:
+    store = EdgeStore(tmp_path)
+    await store.ensure_collection("c", 3)
+    points = [chunk(f"d{i}", 0) for i in range(5)]
+    await store.upsert("c", points)
+    ids = DocumentIds(store, max_points=3)
+    try:
+        found = await ids.get("c", [p.id for p in points])
+        assert len(found) == 5  # a search gets all of its answers, whatever the bound
+        assert ids.reads == 5
+        await ids.get("c", [p.id for p in points[2:]])
+        assert ids.reads == 5  # the newest three stayed
+        await ids.get("c", [points[0].id])
+        assert ids.reads == 6
+    finally:
+        await store.close()
