@@ -62,6 +62,9 @@ class Runtime:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
+        if self.search is not None:  # its background reads use the store, closed below
+            with contextlib.suppress(Exception):
+                await self.search.close()
         with contextlib.suppress(Exception):
             await self.registries.close()
         with contextlib.suppress(Exception):

@@ -7,15 +7,25 @@ engine a payload read per point, about 6 us in Qdrant Edge and 400 points a hybr
 (docs/benchmarks.md). The answer never changes: a point id is derived from its KB,
 document and chunk index (`ids.point_id`), so an id names one document for good and a
 remembered answer cannot go stale (a point deleted since is simply not returned again).
-Ids not seen before are read in one lookup per search.
+
+The first search of a collection starts reading all of its points' document ids in the
+background, a small page at a time (each page holds up the event loop for about a
+millisecond); until then, and for points written since, the ids a search has not seen
+are read in one lookup.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterable
 from itertools import islice
 
 from services.common.store import VectorStore
+
+log = logging.getLogger(__name__)
+
+PAGE = 256  # points a background read takes at once: ~1.5 ms of engine time
 
 
 class DocumentIds:
@@ -23,7 +33,34 @@ class DocumentIds:
         self.store = store
         self.max_points = max_points
         self._of: dict[str, str] = {}  # point id → document id, oldest first
-        self.reads = 0  # points read from the store (the rest were remembered)
+        self._reading: dict[str, asyncio.Task[None]] = {}  # collection → its background read
+        self.reads = 0  # points looked up by a search (the rest were remembered)
+
+    def read_all(self, collection: str) -> None:
+        """Start remembering every point of the collection, once (in the background)."""
+        if collection not in self._reading and self.max_points:
+            self._reading[collection] = asyncio.create_task(self._read_all(collection))
+
+    async def _read_all(self, collection: str) -> None:
+        offset: str | None = None
+        try:
+            # Only while there is room: past it, each page would push out as many as it adds.
+            while len(self._of) < self.max_points:
+                hits, offset = await self.store.page(collection, offset, PAGE, ("document_id",))
+                for hit in hits:
+                    self._of.setdefault(hit.id, hit.payload["document_id"])
+                self._trim()
+                if offset is None:
+                    return
+                await asyncio.sleep(0)  # searches go first between pages
+        except Exception:  # a search then reads what it needs itself
+            log.exception("document_ids_read_failed collection=%s", collection)
+
+    async def close(self) -> None:
+        reading = list(self._reading.values())
+        for task in reading:
+            task.cancel()
+        await asyncio.gather(*reading, return_exceptions=True)
 
     async def get(self, collection: str, ids: Iterable[str]) -> dict[str, str]:
         """Document id by point id; points the collection no longer holds are left out."""
@@ -35,7 +72,10 @@ class DocumentIds:
             self.reads += len(missing)
             for hit in await self.store.retrieve(collection, missing):
                 found[hit.id] = known[hit.id] = hit.payload["document_id"]
-            # Oldest first out: about 250 bytes a point, 50 MB at the default bound.
-            for key in list(islice(known, max(0, len(known) - self.max_points))):
-                del known[key]
+            self._trim()
         return found
+
+    def _trim(self) -> None:
+        """Oldest first out: about 250 bytes a point, 50 MB at the default bound."""
+        for key in list(islice(self._of, max(0, len(self._of) - self.max_points))):
+            del self._of[key]

@@ -76,6 +76,9 @@ class SearchService:
         self.term_stats = TermStatsCache(store, settings.term_stats_ttl_seconds)
         self.documents = DocumentIds(store, settings.document_cache_points)
 
+    async def close(self) -> None:
+        await self.documents.close()
+
     async def resolve_kbs(
         self, org_id: str, refs: list[str] | None, scope: list[str] | None
     ) -> list[KnowledgeBase]:
@@ -274,6 +277,7 @@ class SearchService:
         # Ids and scores only: documents come from `self.documents`, whole payloads are read
         # for the returned hits alone (`_load`).
         results = await self.store.query_many(name, [q for _, _, q in searches])
+        self.documents.read_all(name)
         documents = await self.documents.get(name, (h.id for hits in results for h in hits))
         lists: list[CandidateList] = []
         points: dict[ChunkKey, Hit] = {}

@@ -551,6 +551,28 @@ async def test_retrieve_scroll_and_count(store: VectorStore, kb: str) -> None:
     assert await store.count(kb, Filter(must=(Match("tags", "finance"),))) == 2
 
 
+async def test_pages_cover_every_point_once_with_the_fields_asked(
+    store: VectorStore, kb: str
+) -> None:
+    points = [chunk(d, i) for d in "ABC" for i in range(3)]
+    await store.upsert(kb, points)
+    seen: list[str] = []
+    offset: str | None = None
+    pages = 0
+    while True:
+        hits, offset = await store.page(kb, offset, 4, ("document_id",))
+        pages += 1
+        seen += [h.id for h in hits]
+        assert all(h.score is None and set(h.payload) == {"document_id"} for h in hits)
+        assert {h.payload["document_id"] for h in hits} <= set("ABC")
+        if offset is None:
+            break
+    assert sorted(seen) == sorted(p.id for p in points) and pages == 3
+    whole, after = await store.page(kb, None, 100)
+    assert len(whole) == 9 and after is None and whole[0].payload["content"]
+    assert await store.page(f"{kb}-missing", None, 10) == ([], None)
+
+
 async def test_term_stats_are_what_the_idf_ranks_with(store: VectorStore, kb: str) -> None:
     """term_stats reports the collection's points and each term's document frequency, read
     from the engine's own scoring: a one-term keyword query scores `idf(points, df) · w`."""

@@ -63,3 +63,38 @@ async def test_document_ids_remembered_are_bounded_oldest_first(tmp_path: Path) 
         assert ids.reads == 6
     finally:
         await store.close()
+
+
+async def test_a_collection_is_read_in_the_background_once(tmp_path: Path) -> None:
+    store = EdgeStore(tmp_path)
+    await store.ensure_collection("c", 3)
+    points = [chunk(f"d{i // 3}", i % 3) for i in range(600)]  # more than one page
+    await store.upsert("c", points)
+    ids = DocumentIds(store)
+    try:
+        ids.read_all("c")
+        ids.read_all("c")  # already under way: not started twice
+        assert len(ids._reading) == 1
+        await ids._reading["c"]
+        found = await ids.get("c", [p.id for p in points])
+        assert ids.reads == 0
+        assert found == {p.id: p.payload["document_id"] for p in points}
+        ids.read_all("missing")  # a collection that does not exist ends its read quietly
+        await ids._reading["missing"]
+    finally:
+        await ids.close()
+        await store.close()
+
+
+async def test_background_reads_stop_at_the_bound_and_end_with_close(tmp_path: Path) -> None:
+    store = EdgeStore(tmp_path)
+    await store.ensure_collection("c", 3)
+    await store.upsert("c", [chunk(f"d{i}", 0) for i in range(600)])
+    ids = DocumentIds(store, max_points=300)
+    try:
+        ids.read_all("c")
+        await ids._reading["c"]
+        assert len(ids._of) == 300
+    finally:
+        await ids.close()
+        await store.close()

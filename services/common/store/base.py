@@ -243,6 +243,13 @@ class VectorStore(Protocol):
 
     async def scroll(self, name: str, flt: Filter, limit: int) -> list[Hit]: ...
 
+    async def page(
+        self, name: str, offset: str | None, limit: int, fields: tuple[str, ...] | None = None
+    ) -> tuple[list[Hit], str | None]:
+        """Every point in id order, a page at a time: up to `limit` from `offset` (None: the
+        start) with the named payload fields (None: all), and where the next page starts
+        (None: none left; also for a missing collection)."""
+
     async def count(self, name: str, flt: Filter | None = None) -> int: ...
 
     async def term_stats(self, name: str, terms: list[int]) -> TermStats:

@@ -207,6 +207,22 @@ class EdgeStore:
         records, _next = _read(shard.scroll, request)
         return [Hit(id=str(r.id), score=None, payload=r.payload or {}) for r in records]
 
+    async def page(
+        self, name: str, offset: str | None, limit: int, fields: tuple[str, ...] | None = None
+    ) -> tuple[list[Hit], str | None]:
+        shard = await self._shard(name)
+        if shard is None:
+            return [], None
+        request = qe.ScrollRequest(
+            offset=uuid.UUID(offset) if offset else None,
+            limit=limit,
+            with_payload=True if fields is None else list(fields),
+            with_vector=False,
+        )
+        records, after = _read(shard.scroll, request)
+        hits = [Hit(str(r.id), None, r.payload or {}) for r in records]
+        return hits, None if after is None else str(after)
+
     async def count(self, name: str, flt: Filter | None = None) -> int:
         shard = await self._shard(name)
         if shard is None:

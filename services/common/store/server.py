@@ -187,6 +187,23 @@ class ServerStore:
             return []
         return [Hit(id=str(r.id), score=None, payload=r.payload or {}) for r in records]
 
+    async def page(
+        self, name: str, offset: str | None, limit: int, fields: tuple[str, ...] | None = None
+    ) -> tuple[list[Hit], str | None]:
+        try:
+            with _classified(name):
+                records, after = await self._client.scroll(
+                    name,
+                    offset=offset,
+                    limit=limit,
+                    with_payload=True if fields is None else list(fields),
+                    with_vectors=False,
+                )
+        except NotFound:
+            return [], None
+        hits = [Hit(str(r.id), None, r.payload or {}) for r in records]
+        return hits, None if after is None else str(after)
+
     async def count(self, name: str, flt: Filter | None = None) -> int:
         try:
             with _classified(name):
