@@ -17,30 +17,37 @@ from services.gateway.service import (
     Search,
 )
 
+# `async def` throughout, though none of them waits: FastAPI runs a plain `def` dependency
+# in its thread pool, a thread hop per request for nothing.
 
-def get_service(request: Request) -> GatewayService:
+
+async def get_service(request: Request) -> GatewayService:
+    return _service(request)
+
+
+def _service(request: Request) -> GatewayService:
     service: GatewayService = request.app.state.service
     return service
 
 
-def get_kbs(request: Request) -> KnowledgeBases:
-    return get_service(request).kbs
+async def get_kbs(request: Request) -> KnowledgeBases:
+    return _service(request).kbs
 
 
-def get_documents(request: Request) -> Documents:
-    return get_service(request).documents
+async def get_documents(request: Request) -> Documents:
+    return _service(request).documents
 
 
-def get_search(request: Request) -> Search:
-    return get_service(request).search
+async def get_search(request: Request) -> Search:
+    return _service(request).search
 
 
-def get_answers(request: Request) -> Answers:
-    return get_service(request).answers
+async def get_answers(request: Request) -> Answers:
+    return _service(request).answers
 
 
-def get_dead_letters(request: Request) -> DeadLetters:
-    return get_service(request).dead_letters
+async def get_dead_letters(request: Request) -> DeadLetters:
+    return _service(request).dead_letters
 
 
 async def get_principal(
