@@ -66,7 +66,7 @@ class SearchSettings(BaseModel):
         200_000,
         ge=0,
         description="chunks whose document id a search replica remembers for ranking "
-        "(~250 bytes each; a chunk id always names the same document)",
+        "(~200 bytes each; a chunk id always names the same document)",
     )
     term_stats_ttl_seconds: float = Field(
         10.0,

@@ -79,6 +79,6 @@ class DocumentIds:
         return found
 
     def _trim(self) -> None:
-        """Oldest first out: about 250 bytes a point, 50 MB at the default bound."""
+        """Oldest first out: about 200 bytes a point, 40 MB at the default bound."""
         for key in list(islice(self._of, max(0, len(self._of) - self.max_points))):
             del self._of[key]
