@@ -58,6 +58,11 @@ class Registry(Generic[M]):
 
         self._mirror_task = asyncio.create_task(follow())
 
+    @property
+    def mirrored(self) -> bool:
+        """A live copy is kept (`mirror`): `list` answers from memory."""
+        return self._mirror is not None
+
     async def close(self) -> None:
         if self._mirror_task is not None:
             self._mirror_task.cancel()
@@ -175,9 +180,10 @@ class Registry(Generic[M]):
         finally:
             self._remember(key, None)
 
-    async def list(self, prefix: str = "") -> list[M]:
-        """Every value under `prefix` (a key prefix ending in '.')."""
-        if self._mirror is not None:
+    async def list(self, prefix: str = "", *, fresh: bool = False) -> list[M]:
+        """Every value under `prefix` (a key prefix ending in '.'); from the live mirror when
+        there is one, unless `fresh`."""
+        if self._mirror is not None and not fresh:
             return [v for k, v in list(self._mirror.items()) if k.startswith(prefix)]
         pattern = f"{prefix}>" if prefix else ">"
         # Each watch is an ephemeral consumer on the server: let it expire quickly.
@@ -380,7 +386,9 @@ class Registries:
             TextStore(texts),
             Registry(prompts, Prompt),
         )
+        # Both read on every request: KBs to resolve names, keys to know whether any exist.
         await registries.kbs.mirror()
+        await registries.keys.mirror()
         return registries
 
     async def close(self) -> None:

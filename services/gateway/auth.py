@@ -66,14 +66,25 @@ class KeyResolver:
         self._any_keys: tuple[float, bool] = (0.0, False)
 
     async def any_keys(self) -> bool:
-        # Only "keys exist" is cached: a key created elsewhere (`kbmesh keys create`, another
-        # gateway replica) must end keyless access at once, not after a cache period.
+        # A key created elsewhere (`kbmesh keys create`, another gateway replica) must end
+        # keyless access at once. "Keys exist" is kept for a few seconds; "none" is asked of
+        # the bucket again, or of its live mirror when there is one: a key stored anywhere
+        # reaches the mirror within milliseconds, and the bucket is asked at least every
+        # second anyway, so a mirror whose watch broke is never trusted for longer.
         checked, value = self._any_keys
-        if value and time.monotonic() - checked < 5.0:
+        age = time.monotonic() - checked
+        if value and age < 5.0:
             return True
-        # The bucket's message count is one cheap request; it is 0 until a key is stored.
+        if self.keys.mirrored:
+            if await self.keys.list():
+                self._any_keys = (time.monotonic(), True)
+                return True
+            if age < 1.0:
+                return False
+        # The bucket's message count is one cheap request, 0 until a key is stored. Asking it
+        # on every keyless request cost about 1 ms of a search.
         status = await self.keys.kv.status()
-        value = status.values > 0 and bool(await self.keys.list())
+        value = status.values > 0 and bool(await self.keys.list(fresh=True))
         self._any_keys = (time.monotonic(), value)
         return value
 

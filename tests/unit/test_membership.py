@@ -111,31 +111,40 @@ def test_default_kb_ids_are_unique_per_org():
 
 
 class _Keys:
-    """The slice of a Registry[ApiKey] that KeyResolver reads, in memory."""
+    """The slice of a Registry[ApiKey] that KeyResolver reads, in memory; `mirrored`: with a
+    live copy that every write reaches, unless its watch is broken."""
 
-    def __init__(self) -> None:
+    def __init__(self, mirrored: bool = False) -> None:
         self.items: dict[str, ApiKey] = {}
+        self.mirror: dict[str, ApiKey] = {}
+        self.mirrored = mirrored
+        self.watch_broken = False
         self.kv = SimpleNamespace(status=self._status)
 
     async def _status(self) -> SimpleNamespace:
         return SimpleNamespace(values=len(self.items))
 
-    async def list(self) -> list[ApiKey]:
-        return list(self.items.values())
+    async def list(self, *, fresh: bool = False) -> list[ApiKey]:
+        return list((self.mirror if self.mirrored and not fresh else self.items).values())
 
     async def get(self, key: str) -> ApiKey | None:
         return self.items.get(key)
 
     async def put(self, key: str, value: ApiKey) -> int:
         self.items[key] = value
+        if not self.watch_broken:
+            self.mirror[key] = value
         return len(self.items)
 
 
-async def test_keys_resolve_to_their_org_and_keyless_access_ends_with_the_first_key():
+@pytest.mark.parametrize("mirrored", [False, True])
+async def test_keys_resolve_to_their_org_and_keyless_access_ends_with_the_first_key(
+    mirrored: bool,
+):
     """Without keys, loopback callers are the default org and others are refused; a key
     stored by anyone (another resolver: the CLI, another replica) ends keyless access at
     once; keys resolve to their org; org ids must be key-safe."""
-    keys = _Keys()
+    keys = _Keys(mirrored)
     gateway = KeyResolver(keys, "local")  # type: ignore[arg-type]
     assert (await gateway.resolve(None, "127.0.0.1")).org_id == "local"
     with pytest.raises(Unauthorized):
@@ -151,6 +160,26 @@ async def test_keys_resolve_to_their_org_and_keyless_access_ends_with_the_first_
         await gateway.resolve(f"Basic {token}", "127.0.0.1")
     with pytest.raises(InvalidInput):
         await gateway.create("a.b")
+
+
+async def test_a_key_mirror_that_missed_a_key_is_not_trusted_beyond_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Keyless requests are answered from the keys' mirror, but the bucket itself is asked
+    at least every second: a key the mirror never heard of (its watch broke) ends keyless
+    access within that second."""
+    now = [100.0]
+    monkeypatch.setattr("services.gateway.auth.time.monotonic", lambda: now[0])
+    keys = _Keys(mirrored=True)
+    gateway = KeyResolver(keys, "local")  # type: ignore[arg-type]
+    assert (await gateway.resolve(None, "127.0.0.1")).org_id == "local"
+    keys.watch_broken = True
+    await KeyResolver(keys, "local").create("acme")  # type: ignore[arg-type]
+    now[0] += 0.5
+    assert (await gateway.resolve(None, "127.0.0.1")).org_id == "local"
+    now[0] += 0.6
+    with pytest.raises(Unauthorized):
+        await gateway.resolve(None, "127.0.0.1")
 
 
 def test_size_limit_message_states_the_configured_limit():
