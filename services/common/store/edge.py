@@ -92,6 +92,7 @@ class EdgeStore:
         # decline to index (a shard made with its own, larger threshold), and then every
         # write would ask again.
         self._index_floor: dict[str, int] = {}
+        self._closing = False
 
     # ---- collections -----------------------------------------------------------------------
 
@@ -129,10 +130,10 @@ class EdgeStore:
                 await asyncio.to_thread(shard.optimize)
 
     async def close(self) -> None:
-        builds = list(self._index_builds.values())
-        for task in builds:
-            task.cancel()
-        await asyncio.gather(*builds, return_exceptions=True)
+        self._closing = True
+        # Builds under way are waited for: cancelling their tasks would not stop the engine,
+        # and a shard must not be closed under a build. Those not started yet return at once.
+        await asyncio.gather(*self._index_builds.values(), return_exceptions=True)
         async with self._registry_lock:
             for name, shard in list(self._shards.items()):
                 async with self._write_lock(name):
@@ -309,7 +310,7 @@ class EdgeStore:
         lock (about 1-2.5 s per 1,000 new points on two cores, 110 s for 100k at once), so the
         process pauses while it runs; building every `index_threshold` vectors keeps each
         pause bounded instead of one long pause, or none and slow searches forever."""
-        if not self._index_threshold or name in self._index_builds:
+        if not self._index_threshold or self._closing or name in self._index_builds:
             return
         unindexed = _unindexed(_read(shard.info))  # counters only, ~15 us
         if unindexed < max(self._index_threshold, self._index_floor.get(name, 0)):
@@ -319,8 +320,11 @@ class EdgeStore:
     async def _build_index(self, name: str, shard: qe.EdgeShard) -> None:
         started = time.monotonic()
         try:
-            await self.optimize(name)
-            left = _unindexed(_read(shard.info))
+            async with self._write_lock(name):
+                if self._closing or self._shards.get(name) is not shard:
+                    return
+                await asyncio.to_thread(shard.optimize)
+                left = _unindexed(_read(shard.info))
             # Declined (the shard's own threshold is higher): ask again a threshold later.
             self._index_floor[name] = left + self._index_threshold if left else 0
             log.info(
@@ -335,13 +339,13 @@ class EdgeStore:
             self._index_builds.pop(name, None)
 
 
-# ---- blocking helpers (run in worker threads) ----------------------------------------------
-
-
 def _unindexed(info: qe.ShardInfo) -> int:
     """Dense vectors outside the HNSW index. Every point has two vectors, and the BM25 one is
     indexed as it is written, so the difference is what only a build indexes."""
     return max(0, 2 * info.points_count - info.indexed_vectors_count)
+
+
+# ---- blocking helpers (run in worker threads) ----------------------------------------------
 
 
 def _open_or_create(path: Path, dim: int, index_threshold: int = 0) -> qe.EdgeShard:
