@@ -713,14 +713,6 @@ def _nearest(points: list[ChunkPoint], query: Query) -> list[str]:
     return sorted(cosine, key=cosine.__getitem__, reverse=True)[: query.limit]
 
 
-async def _until_indexed(store: EdgeStore, name: str) -> None:
-    for _ in range(300):
-        if await store.unindexed(name) == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{await store.unindexed(name)} vectors still outside the index")
-
-
 async def test_edge_builds_the_index_once_enough_vectors_wait(tmp_path: Path) -> None:
     """Written points stay outside the HNSW index (searched by full scan) until a shard holds
     `index_threshold` of them; then the store builds the index by itself, searches answer the
@@ -731,18 +723,19 @@ async def test_edge_builds_the_index_once_enough_vectors_wait(tmp_path: Path) ->
     try:
         await store.ensure_collection(name, DIM)
         await store.upsert(name, points[:150])
-        await asyncio.sleep(0.2)
+        await store.settled()
         assert await store.unindexed(name) == 150
         probe = Query(mode=Mode.dense, limit=5, filter=Filter(), dense=points[42].dense)
         assert [h.id for h in await store.query(name, probe)] == _nearest(points[:150], probe)
 
         await store.upsert(name, points[150:250])  # 250 waiting: a build starts
-        await _until_indexed(store, name)
+        await store.settled()
+        assert await store.unindexed(name) == 0
         assert await store.count(name) == 250
         assert [h.id for h in await store.query(name, probe)] == _nearest(points[:250], probe)
 
         await store.upsert(name, points[250:350])
-        await asyncio.sleep(0.2)
+        await store.settled()
         assert await store.unindexed(name) == 100
     finally:
         await store.close()
@@ -764,7 +757,7 @@ async def test_edge_without_index_threshold_never_builds(tmp_path: Path) -> None
     store = EdgeStore(root, index_threshold=0)
     try:
         await store.upsert(name, _spread_points(0, 300))
-        await asyncio.sleep(0.5)
+        await store.settled()
         assert await store.unindexed(name) == 300
     finally:
         await store.close()
@@ -778,7 +771,8 @@ async def test_edge_close_during_an_index_build_keeps_every_point(tmp_path: Path
     try:
         assert await reopened.count(name) == 300
         await reopened.upsert(name, _spread_points(300, 10))
-        await _until_indexed(reopened, name)  # the reopened shard builds what was left
+        await reopened.settled()  # the reopened shard builds what was left
+        assert await reopened.unindexed(name) == 0
         assert await reopened.count(name) == 310
     finally:
         await reopened.close()

@@ -123,17 +123,18 @@ class EdgeStore:
     async def optimize(self, name: str) -> None:
         """Build HNSW and merge segments; blocks this shard's writes meanwhile (reads go on)."""
         shard = await self._shard(name)
-        if shard is None:
-            return
-        async with self._write_lock(name):
-            if self._shards.get(name) is shard:  # not dropped or closed meanwhile
-                await asyncio.to_thread(shard.optimize)
+        if shard is not None:
+            await self._optimize(name, shard)
+
+    async def settled(self) -> None:
+        """Wait for the index builds started so far."""
+        await asyncio.gather(*self._index_builds.values(), return_exceptions=True)
 
     async def close(self) -> None:
         self._closing = True
         # Builds under way are waited for: cancelling their tasks would not stop the engine,
         # and a shard must not be closed under a build. Those not started yet return at once.
-        await asyncio.gather(*self._index_builds.values(), return_exceptions=True)
+        await self.settled()
         async with self._registry_lock:
             for name, shard in list(self._shards.items()):
                 async with self._write_lock(name):
@@ -302,6 +303,15 @@ class EdgeStore:
         self._index_if_due(name, shard)
         return True
 
+    async def _optimize(self, name: str, shard: qe.EdgeShard) -> int | None:
+        """`optimize` under the shard's write lock: the vectors it left outside the index, or
+        None when the shard was dropped or the store closed meanwhile."""
+        async with self._write_lock(name):
+            if self._closing or self._shards.get(name) is not shard:
+                return None
+            await asyncio.to_thread(shard.optimize)
+            return _unindexed(_read(shard.info))
+
     def _index_if_due(self, name: str, shard: qe.EdgeShard) -> None:
         """Start building the shard's index when enough vectors wait outside it.
 
@@ -320,11 +330,9 @@ class EdgeStore:
     async def _build_index(self, name: str, shard: qe.EdgeShard) -> None:
         started = time.monotonic()
         try:
-            async with self._write_lock(name):
-                if self._closing or self._shards.get(name) is not shard:
-                    return
-                await asyncio.to_thread(shard.optimize)
-                left = _unindexed(_read(shard.info))
+            left = await self._optimize(name, shard)
+            if left is None:
+                return
             # Declined (the shard's own threshold is higher): ask again a threshold later.
             self._index_floor[name] = left + self._index_threshold if left else 0
             log.info(
