@@ -167,6 +167,12 @@ class Settings(BaseSettings):
         "batches in bfloat16 on torch where the CPU has AMX, else onnxruntime), onnx, or "
         "torch fp32 (the reference)",
     )
+    local_document_processes: int = Field(
+        0,
+        ge=0,
+        description="child processes of the bfloat16 document encoder (auto on AMX); 0: one "
+        "per core, up to 4, each ~0.45 GB",
+    )
     model_cache_dir: Path | None = Field(
         None, description="ONNX exports of the local models; default <data_dir>/models"
     )

@@ -27,12 +27,15 @@ from services.common.embedders import (
 from services.common.embedders.base import LOCAL_PREFIX
 from services.common.embedders.local import (
     LOCAL_MODELS,
+    EncoderGroup,
     LaneEncoder,
     OnnxEncoder,
     ProcessEncoder,
     TorchEncoder,
+    document_workers,
     local_spec,
     native_bf16,
+    usable_cores,
 )
 from services.common.errors import Forbidden, InvalidInput, Transient
 from services.common.models import KnowledgeBase
@@ -177,7 +180,11 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     lanes = auto._encoder
     if native_bf16():
         assert isinstance(lanes, LaneEncoder)
-        assert isinstance(lanes._documents, ProcessEncoder)
+        # One single-threaded child per core (up to four), each call on a free one.
+        assert isinstance(lanes._documents, EncoderGroup)
+        members = lanes._documents.members
+        assert len(members) == document_workers(usable_cores())[0]
+        assert all(isinstance(m, ProcessEncoder) for m in members)
         assert isinstance(lanes._queries, OnnxEncoder)
     else:
         assert isinstance(lanes, OnnxEncoder)

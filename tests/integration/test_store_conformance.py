@@ -662,6 +662,18 @@ async def main() -> None:
     ]
     await store.replace_document(name, "doc-1", points)
     await store.set_payload(name, Filter(must=(Match("chunk_index", 0),)), {"tags": ["x"]})
+    # Concurrent writes are committed together: each returned only once on disk.
+    others = [
+        ChunkPoint(
+            id=f"00000000-0000-4000-8000-0000000001{i:02d}",
+            dense=[1.0] * dim,
+            sparse=SparseVector(indices=[1], values=[1.0]),
+            payload={"document_id": f"doc-{i + 2}", "chunk_index": 0},
+        )
+        for i in range(10)
+    ]
+    writes = (store.replace_document(name, p.payload["document_id"], [p]) for p in others)
+    await asyncio.gather(*writes)
     os.kill(os.getpid(), signal.SIGKILL)
 
 asyncio.run(main())
@@ -680,8 +692,48 @@ async def test_edge_writes_survive_kill_9(tmp_path: Path) -> None:
 
     store = EdgeStore(root)
     try:
-        assert await store.count(name) == 3
+        assert await store.count(name) == 13
         assert await store.count(name, Filter(must=(Match("tags", "x"),))) == 1
+    finally:
+        await store.close()
+
+
+class _CountingShard:
+    """An Edge shard that counts its flushes."""
+
+    def __init__(self, shard: object) -> None:
+        self._shard = shard
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        self._shard.flush()  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._shard, name)
+
+
+async def test_edge_commits_concurrent_writes_together(tmp_path: Path) -> None:
+    """Writes that queue while one is being flushed go to disk together under one flush
+    (a flush holds the process for ~20 ms whatever it carries); a write the engine rejects
+    fails alone and its group's other writes land."""
+    store = EdgeStore(tmp_path / "shards")
+    name = f"kb_{uuid.uuid4().hex}"
+    await store.ensure_collection(name, DIM)
+    counting = _CountingShard(store._shards[name])
+    store._shards[name] = counting  # type: ignore[assignment]
+    try:
+        good = [f"doc-{i}" for i in range(20)]
+        bad = replace(chunk("bad"), dense=[1.0] * (DIM - 1))
+        results = await asyncio.gather(
+            *(store.replace_document(name, d, [chunk(d, i) for i in range(3)]) for d in good),
+            store.replace_document(name, "bad", [bad]),
+            return_exceptions=True,
+        )
+        assert all(r is None for r in results[:-1])
+        assert isinstance(results[-1], Exception)
+        assert await store.count(name) == 60
+        assert counting.flushes < 10  # 21 writes
     finally:
         await store.close()
 

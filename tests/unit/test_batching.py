@@ -96,3 +96,42 @@ async def test_a_cancelled_caller_does_not_disturb_the_others() -> None:
     with pytest.raises(asyncio.CancelledError):
         await gone
     assert ["gone"] * 4 not in model.calls
+
+
+async def test_calls_run_side_by_side_up_to_the_concurrency() -> None:
+    """With two workers, two calls are in flight at once and never a third; each request
+    still gets exactly its own vectors, and a poisoned request fails alone."""
+    running = 0
+    most = 0
+
+    async def model(texts: list[str]) -> list[list[float]]:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+        if any("bad" in t for t in texts):
+            raise InvalidInput("refused")
+        return [vector(t) for t in texts]
+
+    batcher = Batcher(model, max_texts=4, concurrency=2)
+    requests = [[f"doc{d} chunk{c}" for c in range(3)] for d in range(8)]
+    results = await asyncio.gather(
+        *(batcher.submit(r) for r in requests), batcher.submit(["bad"]), return_exceptions=True
+    )
+    assert most == 2
+    for texts, vectors in zip(requests, results, strict=False):
+        assert vectors == [vector(t) for t in texts]
+    assert isinstance(results[-1], InvalidInput)
+
+
+def test_document_workers_split_the_cores() -> None:
+    """One single-threaded bfloat16 child per core up to four; past that, threads per child;
+    an operator's process count shares the cores among them."""
+    from services.common.embedders.local import document_workers
+
+    assert document_workers(1) == (1, 1)
+    assert document_workers(2) == (2, 1)
+    assert document_workers(8) == (4, 2)
+    assert document_workers(2, processes=1) == (1, 2)
+    assert document_workers(16, processes=2) == (2, 8)

@@ -4,7 +4,8 @@ Small documents give a model two or three chunks each, and a model call costs mu
 text at batch 2 than at batch 32. The batcher lets the chunks of concurrent documents ride in
 one call: requests queue first-in first-out, one drainer task fills each call with up to
 `max_texts` texts from the head of the queue (cutting a large request across calls), and
-hands each request back exactly its own vectors.
+hands each request back exactly its own vectors. With `concurrency` above one, that many
+calls run at once (one per model worker); each takes what is queued when a worker frees.
 
 A call that fails with texts of several requests, for any reason but a transient one, is
 repeated per request, so one bad input (a provider rejecting a text, say) fails only the
@@ -71,7 +72,8 @@ class Batcher:
     """Runs `encode` over the texts of concurrent `submit` calls, at most `max_texts` a call.
 
     `linger_seconds`: how long an idle batcher waits for company before its first call;
-    while a call runs, new requests queue up on their own and go in the next one.
+    while calls run, new requests queue up on their own and go in the next one.
+    `concurrency`: calls in flight at once, at most.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Batcher:
         *,
         max_texts: int,
         linger_seconds: float = 0.0,
+        concurrency: int = 1,
         observe: Callable[[float], None] | None = None,
     ) -> None:
         self._encode = encode
@@ -88,6 +91,8 @@ class Batcher:
         self._linger = max(0.0, linger_seconds)
         self._pending: deque[_Slice] = deque()
         self._drainer: asyncio.Task[None] | None = None
+        self._slots = asyncio.Semaphore(max(1, concurrency))
+        self._calls: set[asyncio.Task[None]] = set()
         self.stats = BatcherStats()
 
     async def submit(self, texts: list[str]) -> list[list[float]]:
@@ -103,9 +108,20 @@ class Batcher:
         if self._linger and self._queued() < self._max:
             await asyncio.sleep(self._linger)
         while self._pending:
+            await self._slots.acquire()
             group = self._take()
-            if group:
-                await self._run(group)
+            if not group:
+                self._slots.release()
+                continue
+            call = asyncio.create_task(self._call(group))
+            self._calls.add(call)  # held: the loop keeps only weak references to tasks
+            call.add_done_callback(self._calls.discard)
+
+    async def _call(self, group: list[_Slice]) -> None:
+        try:
+            await self._run(group)
+        finally:
+            self._slots.release()
 
     def _queued(self) -> int:
         return sum(s.end - s.start for s in self._pending)

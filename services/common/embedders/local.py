@@ -4,15 +4,18 @@
     ├── OnnxEncoder      onnxruntime over a cached export of the weights
     ├── TorchEncoder     sentence-transformers on torch: fp32 (`KBMESH_LOCAL_BACKEND=torch`,
     │                    the reference) or bfloat16 for document batches
-    └── LaneEncoder      queries on one, documents on the other
+    ├── LaneEncoder      queries on one, documents on the other
+    ├── ProcessEncoder   an encoder in a child process
+    └── EncoderGroup     several encoders, each call on a free one
 
 `KBMESH_LOCAL_BACKEND=auto` (the default): queries on onnxruntime fp32; document batches in
 bfloat16 on torch where the CPU computes bfloat16 in hardware (AMX), else onnxruntime fp32.
 `onnx`: onnxruntime for both (torch never imported).
 
 Documents and queries take separate lanes. Document chunks of concurrent `kb.index`
-messages are coalesced into batches of up to `max_batch` texts (`Batcher`), run one batch at
-a time on their own thread. Queries (a few short texts) run on another thread with their own
+messages are coalesced into batches of up to `max_batch` texts (`Batcher`); an in-process
+encoder runs one batch at a time on its own thread, bfloat16 child processes one batch each
+(`document_processes`). Queries (a few short texts) run on another thread with their own
 onnxruntime session, so a search never waits for a document batch to finish.
 """
 
@@ -23,6 +26,7 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -163,9 +167,19 @@ class TorchEncoder:
     2.4x the chunks/s of fp32 here, at cosine >= 0.9999 to it."""
 
     def __init__(
-        self, model_dir: Path, spec: LocalModelSpec, batch_size: int, *, bf16: bool = False
+        self,
+        model_dir: Path,
+        spec: LocalModelSpec,
+        batch_size: int,
+        *,
+        bf16: bool = False,
+        threads: int | None = None,
     ) -> None:
+        import torch
         from sentence_transformers import SentenceTransformer
+
+        if threads:  # process-wide: only for an encoder with a process of its own
+            torch.set_num_threads(threads)
 
         st = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
         if st.max_seq_length != spec.max_seq_length:
@@ -278,6 +292,51 @@ class ProcessEncoder:
                     self._child.kill()
 
 
+class EncoderGroup:
+    """Several encoders (child processes) behind one: each call takes a free one, so as
+    many calls run at once as there are members."""
+
+    def __init__(self, members: list[Encoder]) -> None:
+        self._free: queue.SimpleQueue[Encoder] = queue.SimpleQueue()
+        self.members = members
+        for member in members:
+            self._free.put(member)
+
+    def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
+        member = self._free.get()
+        try:
+            return member.encode(texts, query=query)
+        finally:
+            self._free.put(member)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a
+    container's CPU limit, which affinity does not show)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def document_workers(cores: int, processes: int = 0) -> tuple[int, int]:
+    """(child processes, threads each) for the bfloat16 document encoder on `cores` cores;
+    `processes` above 0 is an operator's choice, the cores shared among them.
+
+    One single-threaded child per core, up to four: torch's threads of one forward wait for
+    each other at every operation, so when the server's own work (chunking, BM25, storing,
+    serving) takes a core for a moment, every thread of a two-thread encoder stalls with it.
+    Measured on 2 cores with a process beside it busy 40 % of the time: one two-thread child
+    59 chunks/s, two one-thread children 80 (89 and 95 on idle cores). Beyond four cores the
+    children take several threads each, which keeps memory bounded (~0.45 GB a child)."""
+    processes = processes or max(1, min(cores, 4))
+    return processes, max(1, cores // processes)
+
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX), where torch's
     bfloat16 autocast is fast; elsewhere it is emulated and slower than fp32."""
@@ -308,11 +367,16 @@ class LocalEmbedder:
         batch_size: int = 32,
         max_batch: int = 64,
         linger_seconds: float = 0.005,
+        document_processes: int = 0,
     ) -> None:
         self._spec = local_spec(model)
         self._model = LOCAL_PREFIX + model.removeprefix(LOCAL_PREFIX)
         # The quantised ids only exist as ONNX graphs.
         self.backend: Backend = "onnx" if self._spec.quantized else backend
+        # (children, threads each) of a bfloat16 document encoder; None: in this process.
+        self._children: tuple[int, int] | None = None
+        if self.backend == "auto" and not self._spec.quantized and native_bf16():
+            self._children = document_workers(usable_cores(), document_processes)
         self._cache_dir = cache_dir or default_cache_dir()
         self._batch_size = batch_size
         self._encoder: Encoder | None = None
@@ -321,12 +385,14 @@ class LocalEmbedder:
         self._embed_count = 0
         # One thread per lane: a document batch and a query can run at the same time, and
         # neither competes with chunking and BM25 work in the default thread pool.
-        self._document_thread = ThreadPoolExecutor(1, thread_name_prefix="embed-documents")
+        workers = self._children[0] if self._children else 1
+        self._document_thread = ThreadPoolExecutor(workers, thread_name_prefix="embed-documents")
         self._query_thread = ThreadPoolExecutor(1, thread_name_prefix="embed-queries")
         self.documents = Batcher(
             self._encode_documents,
             max_texts=max_batch,
             linger_seconds=linger_seconds,
+            concurrency=workers,
             observe=metrics.EMBED_BATCH_SECONDS.observe,
         )
         # Concurrent queries share one call too: 16 short queries cost about 3 single ones.
@@ -381,15 +447,23 @@ class LocalEmbedder:
                     quantized=self._spec.quantized,
                 )
                 encoder = OnnxEncoder(path, self.model_dir, self._spec, self._batch_size)
-                if self.backend == "auto" and not self._spec.quantized and native_bf16():
+                if self._children:
                     # Single queries stay on onnxruntime (fastest for one short text);
                     # document batches go to bfloat16 where the CPU has it.
-                    batches = ProcessEncoder(
-                        functools.partial(
-                            TorchEncoder, self.model_dir, self._spec, self._batch_size, bf16=True
-                        ),
-                        start=documents,
+                    processes, threads = self._children
+                    factory = functools.partial(
+                        TorchEncoder,
+                        self.model_dir,
+                        self._spec,
+                        self._batch_size,
+                        bf16=True,
+                        threads=threads,
                     )
+                    with ThreadPoolExecutor(processes) as starting:  # ~5 s each, so at once
+                        children = starting.map(
+                            lambda _: ProcessEncoder(factory, start=documents), range(processes)
+                        )
+                        batches = EncoderGroup(list(children))
                     encoder = LaneEncoder(queries=encoder, documents=batches)
             # The first run pays for lazy initialisation inside the runtime.
             probe = encoder.encode(["warm up"], query=True)
@@ -405,7 +479,7 @@ class LocalEmbedder:
                 "embedder_loaded model=%s backend=%s documents=%s path=%s",
                 self._model,
                 self.backend,
-                "torch-bf16" if isinstance(encoder, LaneEncoder) else type(encoder).__name__,
+                f"torch-bf16 x{self._children[0]}" if self._children else type(encoder).__name__,
                 self.model_dir,
             )
 

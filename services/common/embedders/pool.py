@@ -36,6 +36,7 @@ class EmbedderPool:
         api_key: str | None = None,
         query_cache_size: int = 1024,
         local_backend: Backend = "onnx",
+        document_processes: int = 0,
         cache_dir: Path | None = None,
         egress: EgressPolicy | None = None,
     ) -> None:
@@ -46,6 +47,7 @@ class EmbedderPool:
         self._max_batch = max_batch
         self._api_key = api_key
         self._local_backend: Backend = local_backend
+        self._document_processes = document_processes
         self._cache_dir = cache_dir
         self._embedders: dict[tuple[str, str | None], Embedder] = {}
         self._lock = threading.Lock()
@@ -64,6 +66,7 @@ class EmbedderPool:
                         cache_dir=self._cache_dir,
                         batch_size=self._batch_size,
                         max_batch=self._max_batch,
+                        document_processes=self._document_processes,
                     )
                 else:
                     embedder = LiteLLMEmbedder(
