@@ -25,6 +25,7 @@ from services.common.embedders import (
     model_limits,
 )
 from services.common.embedders.base import LOCAL_PREFIX
+from services.common.embedders.encoder_process import NICENESS
 from services.common.embedders.local import (
     LOCAL_MODELS,
     EncoderGroup,
@@ -206,6 +207,9 @@ def test_a_process_encoder_restarts_after_its_child_dies(
         first = encoder.encode(real_chunks[:4], query=False)
         assert np.allclose(first, local.encode(real_chunks[:4]), atol=1e-3)
         assert encoder._child is not None
+        # Below the server's priority, so searches get the cores first during an ingest.
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, encoder._child.pid) == min(19, own + NICENESS)
         dead = encoder._child
         dead.kill()
         dead.wait()

@@ -8,8 +8,14 @@ from __future__ import annotations
 import os
 from multiprocessing.connection import Connection
 
+# Below the server's priority: when a search and a document batch want the same core, the
+# search gets it (the batch only finishes a little later). At equal priority a search during
+# an ingest on 2 cores took 54 ms (p50) instead of 12; niced, 21.
+NICENESS = 10
+
 
 def serve() -> None:
+    os.nice(NICENESS)
     out = os.dup(1)
     os.dup2(2, 1)  # stray prints of libraries go to stderr, not into the pipe
     receive = Connection(os.dup(0), writable=False)
