@@ -35,7 +35,6 @@ from services.common.embedders.local import (
     TorchEncoder,
     document_workers,
     local_spec,
-    native_bf16,
     usable_cores,
 )
 from services.common.errors import Forbidden, InvalidInput, Transient
@@ -166,9 +165,9 @@ def test_onnx_and_torch_agree_on_real_chunks(local: LocalEmbedder, real_chunks: 
 def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     local: LocalEmbedder, real_chunks: list[str]
 ) -> None:
-    """On a CPU with AMX, `auto` embeds document batches in bfloat16 on torch, at cosine
-    ≥ 0.999 to fp32 on every real chunk, and queries on onnxruntime fp32; elsewhere it is
-    plain onnxruntime."""
+    """`auto` embeds document batches in child processes, one single-threaded child per core
+    (up to four), each call on a free one; on a CPU with AMX in bfloat16 on torch, at cosine
+    ≥ 0.999 to fp32 on every real chunk. Queries stay on onnxruntime fp32 in-process."""
     auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
     auto.load()
     texts = [*real_chunks, "word " * 400]
@@ -179,16 +178,37 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     queries = auto.encode(real_chunks[:3], query=True)
     assert np.allclose(queries, local.encode(real_chunks[:3], query=True), atol=1e-5)
     lanes = auto._encoder
-    if native_bf16():
-        assert isinstance(lanes, LaneEncoder)
-        # One single-threaded child per core (up to four), each call on a free one.
-        assert isinstance(lanes._documents, EncoderGroup)
-        members = lanes._documents.members
-        assert len(members) == document_workers(usable_cores())[0]
-        assert all(isinstance(m, ProcessEncoder) for m in members)
-        assert isinstance(lanes._queries, OnnxEncoder)
-    else:
-        assert isinstance(lanes, OnnxEncoder)
+    assert isinstance(lanes, LaneEncoder)
+    assert isinstance(lanes._queries, OnnxEncoder)
+    assert isinstance(lanes._documents, EncoderGroup)
+    members = lanes._documents.members
+    assert len(members) == document_workers(usable_cores())[0]
+    assert all(isinstance(m, ProcessEncoder) for m in members)
+
+
+def test_auto_backend_without_amx_embeds_documents_on_onnxruntime_children(
+    local: LocalEmbedder, real_chunks: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the CPU has no AMX, `auto`'s document children run onnxruntime fp32 on one
+    thread each: the same vectors as the in-process encoder (torch never loaded in them)."""
+    import services.common.embedders.local as local_module
+
+    monkeypatch.setattr(local_module, "native_bf16", lambda: False)
+    auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR, document_processes=2)
+    auto.load()
+    lanes = auto._encoder
+    assert isinstance(lanes, LaneEncoder) and isinstance(lanes._documents, EncoderGroup)
+    children = lanes._documents.members
+    assert len(children) == 2
+    first, second = (
+        auto.encode(real_chunks[: len(real_chunks) // 2]),
+        auto.encode(real_chunks[len(real_chunks) // 2 :]),
+    )
+    assert np.allclose(np.vstack([first, second]), local.encode(real_chunks), atol=1e-5)
+    for child in children:
+        assert isinstance(child, ProcessEncoder) and child._child is not None
+        maps = Path(f"/proc/{child._child.pid}/maps").read_text()
+        assert "onnxruntime" in maps and "libtorch" not in maps
 
 
 def test_a_process_encoder_restarts_after_its_child_dies(

@@ -8,15 +8,16 @@
     ├── ProcessEncoder   an encoder in a child process
     └── EncoderGroup     several encoders, each call on a free one
 
-`KBMESH_LOCAL_BACKEND=auto` (the default): queries on onnxruntime fp32; document batches in
+`KBMESH_LOCAL_BACKEND=auto` (the default): queries on onnxruntime fp32 in this process;
+document batches in child processes at a lower CPU priority (`document_processes`), in
 bfloat16 on torch where the CPU computes bfloat16 in hardware (AMX), else onnxruntime fp32.
-`onnx`: onnxruntime for both (torch never imported).
+`onnx`: onnxruntime for both, in this process (torch never imported, no children).
 
 Documents and queries take separate lanes. Document chunks of concurrent `kb.index`
 messages are coalesced into batches of up to `max_batch` texts (`Batcher`); an in-process
-encoder runs one batch at a time on its own thread, bfloat16 child processes one batch each
-(`document_processes`). Queries (a few short texts) run on another thread with their own
-onnxruntime session, so a search never waits for a document batch to finish.
+encoder runs one batch at a time on its own thread, child processes one batch each.
+Queries (a few short texts) run on another thread with their own onnxruntime session, so a
+search never waits for a document batch to finish.
 """
 
 from __future__ import annotations
@@ -113,16 +114,28 @@ class OnnxEncoder:
     """Mean pooling and normalisation over the exported graph's last hidden state, exactly as
     sentence-transformers does them for this model."""
 
-    def __init__(self, onnx_path: Path, model_dir: Path, spec: LocalModelSpec, batch_size: int):
+    def __init__(
+        self,
+        onnx_path: Path,
+        model_dir: Path,
+        spec: LocalModelSpec,
+        batch_size: int,
+        *,
+        lanes: Literal["both", "documents", "queries"] = "both",
+        document_threads: int = 0,
+    ) -> None:
+        """`lanes`: the sessions to open (documents elsewhere, in child processes: queries
+        only; such a child: documents only). `document_threads`: 0 is one per physical
+        core."""
         import onnxruntime as ort
 
         self._tok = model_input_tokenizer(model_dir, spec.max_seq_length)
         self._dim = spec.dim
         self._batch_size = batch_size
 
-        def session(*, spin: bool) -> ort.InferenceSession:
+        def session(*, spin: bool, threads: int = 0) -> ort.InferenceSession:
             options = ort.SessionOptions()
-            options.intra_op_num_threads = 0  # one thread per physical core
+            options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
             options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spin)))
             return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
@@ -132,8 +145,13 @@ class OnnxEncoder:
         # runs in ~3 ms over dozens of parallel sections: threads that park between them
         # (and after idle gaps) made it ~2x slower, so the query lane's threads spin
         # briefly after each run.
-        self._documents = session(spin=False)
-        self._queries = session(spin=True)
+        if lanes == "queries":
+            self._documents = self._queries = session(spin=True)
+        elif lanes == "documents":
+            self._documents = self._queries = session(spin=False, threads=document_threads)
+        else:
+            self._documents = session(spin=False, threads=document_threads)
+            self._queries = session(spin=True)
 
     def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
         sess = self._queries if query else self._documents
@@ -373,10 +391,12 @@ class LocalEmbedder:
         self._model = LOCAL_PREFIX + model.removeprefix(LOCAL_PREFIX)
         # The quantised ids only exist as ONNX graphs.
         self.backend: Backend = "onnx" if self._spec.quantized else backend
-        # (children, threads each) of a bfloat16 document encoder; None: in this process.
+        # `auto` embeds document batches in child processes (children, threads each):
+        # bfloat16 on torch where the CPU has AMX, else onnxruntime. None: in this process.
         self._children: tuple[int, int] | None = None
-        if self.backend == "auto" and not self._spec.quantized and native_bf16():
+        if self.backend == "auto" and not self._spec.quantized:
             self._children = document_workers(usable_cores(), document_processes)
+        self._bf16 = self._children is not None and native_bf16()
         self._cache_dir = cache_dir or default_cache_dir()
         self._batch_size = batch_size
         self._encoder: Encoder | None = None
@@ -446,18 +466,36 @@ class LocalEmbedder:
                     name=self.name,
                     quantized=self._spec.quantized,
                 )
-                encoder = OnnxEncoder(path, self.model_dir, self._spec, self._batch_size)
+                encoder = OnnxEncoder(
+                    path,
+                    self.model_dir,
+                    self._spec,
+                    self._batch_size,
+                    lanes="queries" if self._children else "both",
+                )
                 if self._children:
-                    # Single queries stay on onnxruntime (fastest for one short text);
-                    # document batches go to bfloat16 where the CPU has it.
+                    # Single queries stay here on onnxruntime (fastest for one short text);
+                    # document batches go to the children, in bfloat16 where the CPU has it.
                     processes, threads = self._children
-                    factory = functools.partial(
-                        TorchEncoder,
-                        self.model_dir,
-                        self._spec,
-                        self._batch_size,
-                        bf16=True,
-                        threads=threads,
+                    factory: Callable[[], Encoder] = (
+                        functools.partial(
+                            TorchEncoder,
+                            self.model_dir,
+                            self._spec,
+                            self._batch_size,
+                            bf16=True,
+                            threads=threads,
+                        )
+                        if self._bf16
+                        else functools.partial(
+                            OnnxEncoder,
+                            path,
+                            self.model_dir,
+                            self._spec,
+                            self._batch_size,
+                            lanes="documents",
+                            document_threads=threads,
+                        )
                     )
                     with ThreadPoolExecutor(processes) as starting:  # ~5 s each, so at once
                         children = starting.map(
@@ -479,7 +517,9 @@ class LocalEmbedder:
                 "embedder_loaded model=%s backend=%s documents=%s path=%s",
                 self._model,
                 self.backend,
-                f"torch-bf16 x{self._children[0]}" if self._children else type(encoder).__name__,
+                f"{'torch-bf16' if self._bf16 else 'onnx'} x{self._children[0]}"
+                if self._children
+                else type(encoder).__name__,
                 self.model_dir,
             )
 
