@@ -306,6 +306,9 @@ class EdgeStore:
         if shard is None:
             return False
         write = _Write(shard, ops, asyncio.get_running_loop().create_future())
+        # A caller cancelled while queued may still have its write committed (or failed) by
+        # another: its outcome then has nobody to read it, and asyncio would log that.
+        write.done.add_done_callback(lambda done: done.cancelled() or done.exception())
         self._queued.setdefault(name, []).append(write)
         async with self._write_lock(name):
             group = self._queued.pop(name, [])
