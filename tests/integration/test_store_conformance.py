@@ -738,6 +738,27 @@ async def test_edge_commits_concurrent_writes_together(tmp_path: Path) -> None:
         await store.close()
 
 
+async def test_edge_write_cancelled_while_queued_never_happens(tmp_path: Path) -> None:
+    """A write whose caller goes away while it waits behind another's flush is dropped from
+    the queue: the next commit does not apply it."""
+    store = EdgeStore(tmp_path / "shards")
+    name = f"kb_{uuid.uuid4().hex}"
+    await store.ensure_collection(name, DIM)
+    try:
+        first = asyncio.create_task(store.replace_document(name, "first", [chunk("first")]))
+        await asyncio.sleep(0)  # first holds the shard's lock, flushing
+        gone = asyncio.create_task(store.replace_document(name, "gone", [chunk("gone")]))
+        await asyncio.sleep(0)  # queued behind it
+        gone.cancel()
+        await first
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await store.replace_document(name, "later", [chunk("later")])
+        assert set(documents(await store.scroll(name, Filter(), 10))) == {"first", "later"}
+    finally:
+        await store.close()
+
+
 # ---- Edge index builds -------------------------------------------------------------------------
 
 

@@ -306,14 +306,20 @@ class EdgeStore:
         if shard is None:
             return False
         write = _Write(shard, ops, asyncio.get_running_loop().create_future())
-        # A caller cancelled while queued may still have its write committed (or failed) by
-        # another: its outcome then has nobody to read it, and asyncio would log that.
+        # A caller cancelled after its write was taken into another's commit has nobody to
+        # read the outcome, and asyncio would log a failure nobody read.
         write.done.add_done_callback(lambda done: done.cancelled() or done.exception())
-        self._queued.setdefault(name, []).append(write)
-        async with self._write_lock(name):
-            group = self._queued.pop(name, [])
-            if group:
-                await self._commit(name, group)
+        queued = self._queued.setdefault(name, [])
+        queued.append(write)
+        try:
+            async with self._write_lock(name):
+                group = self._queued.pop(name, [])
+                if group:
+                    await self._commit(name, group)
+        except asyncio.CancelledError:
+            if self._queued.get(name) is queued and write in queued:
+                queued.remove(write)  # not taken into a commit yet: it never happens
+            raise
         return await write.done
 
     async def _commit(self, name: str, group: list[_Write]) -> None:
