@@ -39,7 +39,7 @@ import httpx2
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
-from benchmarks.common import kbmesh_up_at
+from benchmarks.common import kbmesh_ingest, kbmesh_up_at, pct
 
 K = 10
 METADATA = re.compile(r"<metadata>(.*?)</metadata>", re.S)
@@ -139,30 +139,6 @@ async def peer_find(session: ClientSession, query: str) -> tuple[float, list[str
     return elapsed, ids
 
 
-async def kbmesh_ingest(client: httpx.AsyncClient, kb_id: str, corpus: list[dict]) -> tuple:
-    gate = asyncio.Semaphore(8)
-    ids: dict[str, str] = {}
-
-    async def one(doc: dict) -> None:
-        async with gate:
-            r = await client.post(
-                f"/v1/kbs/{kb_id}/documents", json={"name": doc["_id"], "content": doc["text"]}
-            )
-            r.raise_for_status()
-            ids[r.json()["document_id"]] = doc["_id"]
-
-    started = time.perf_counter()
-    await asyncio.gather(*(one(d) for d in corpus))
-    while True:
-        stats = (await client.get(f"/v1/kbs/{kb_id}/stats")).json()
-        if stats["document_count"] + stats.get("failed_count", 0) >= len(corpus):
-            return time.perf_counter() - started, ids, stats
-        # Not more often: a stats call reads every document record of the org (~20 ms of
-        # the server's CPU at 200 documents); polling every 50 ms took 3-4 s off the
-        # ingest it measured. The end is known to within this interval.
-        await asyncio.sleep(0.5)
-
-
 async def kbmesh_find(
     client: httpx.AsyncClient, kb_id: str, query: str, names: dict[str, str]
 ) -> tuple[float, list[str]]:
@@ -185,11 +161,6 @@ def mrr(ranked: list[list[str]], relevant: list[str]) -> float:
         if want in got[:K]:
             total += 1 / (got.index(want) + 1)
     return total / len(relevant)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1000
 
 
 async def run(beir: Path, peers: Path, max_queries: int | None, warmup: int) -> None:

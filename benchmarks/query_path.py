@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import nats
 
-from benchmarks.common import kbmesh_up_at, stdlib_documents
+from benchmarks.common import kbmesh_up_at, pct, stdlib_documents
 from services.common.embedders import LocalEmbedder
 from services.common.events import Subject
 from services.common.queries import SearchRequest
@@ -45,11 +45,6 @@ def queries_from(docs: list[tuple[str, str]], count: int) -> list[str]:
         if 30 < len(line.strip()) < 80 and not line.strip().startswith(("|", "-", "="))
     ]
     return lines[:: max(1, len(lines) // count)][:count]
-
-
-def p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1000
 
 
 async def run(
@@ -117,7 +112,7 @@ async def run(
             result = call()
             return float(await result if asyncio.iscoroutine(result) else result)
 
-        warmup = 50 if blocks else 5
+        warmup = min(50 if blocks else 5, len(queries))  # the first rounds are not counted
         rounds = list(enumerate(queries[:warmup] + queries))
         if blocks:
             for v in range(len(variants_of(0, ""))):
@@ -126,14 +121,15 @@ async def run(
                     elapsed = await measure(call)
                     if i >= warmup:
                         times[name].append(elapsed)
-        for i, q in [] if blocks else rounds:
-            variants = variants_of(i, q)
-            # A different variant goes first each time, so none always follows the same one.
-            shift = i % len(variants)
-            for name, call in variants[shift:] + variants[:shift]:
-                elapsed = await measure(call)
-                if i >= warmup:
-                    times[name].append(elapsed)
+        else:
+            for i, q in rounds:
+                variants = variants_of(i, q)
+                # A different variant goes first each time, so none always follows the same.
+                shift = i % len(variants)
+                for name, call in variants[shift:] + variants[:shift]:
+                    elapsed = await measure(call)
+                    if i >= warmup:
+                        times[name].append(elapsed)
     await nc.close()
     return times
 
@@ -168,7 +164,7 @@ def main() -> None:
     print(f"queries {len(times['onnx'])} per variant, {order}\n")
     print("| measured | p50 ms | p90 ms |\n| --- | --- | --- |")
     for k, v in times.items():
-        print(f"| {k} | {med[k]:.2f} | {p(v, 0.9):.2f} |")
+        print(f"| {k} | {med[k]:.2f} | {pct(v, 0.9):.2f} |")
     hops = [
         ("HTTP + auth + gateway (REST − NATS, hybrid)", med["rest_hybrid"] - med["nats_hybrid"]),
         ("NATS + search service + engine + score lookups (NATS keyword)", med["nats_keyword"]),

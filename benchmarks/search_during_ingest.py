@@ -22,33 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import kbmesh_up_at
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1000
-
-
-async def upload(client: httpx.AsyncClient, kb_id: str, docs: list[dict]) -> None:
-    gate = asyncio.Semaphore(8)
-
-    async def one(doc: dict) -> None:
-        async with gate:
-            r = await client.post(
-                f"/v1/kbs/{kb_id}/documents", json={"name": doc["_id"], "content": doc["text"]}
-            )
-            r.raise_for_status()
-
-    await asyncio.gather(*(one(d) for d in docs))
-
-
-async def indexed(client: httpx.AsyncClient, kb_id: str, count: int) -> None:
-    while True:
-        stats = (await client.get(f"/v1/kbs/{kb_id}/stats")).json()
-        if stats["document_count"] + stats.get("failed_count", 0) >= count:
-            return
-        await asyncio.sleep(0.5)
+from benchmarks.common import kbmesh_ingest, kbmesh_up_at, pct
 
 
 async def run(directory: Path, warmup: int) -> None:
@@ -59,8 +33,7 @@ async def run(directory: Path, warmup: int) -> None:
         async with httpx.AsyncClient(base_url=base, timeout=600) as client:
             searched = (await client.post("/v1/kbs", json={"name": "searched"})).json()["kb_id"]
             loaded = (await client.post("/v1/kbs", json={"name": "loaded"})).json()["kb_id"]
-            await upload(client, searched, corpus[:half])
-            await indexed(client, searched, half)
+            await kbmesh_ingest(client, searched, corpus[:half])
             round_ = 0
 
             async def search() -> float:
@@ -78,12 +51,10 @@ async def run(directory: Path, warmup: int) -> None:
             idle = [await search() for _ in range(len(queries))]
 
             busy: list[float] = []
-            started = time.perf_counter()
-            ingest = asyncio.create_task(_ingest(client, loaded, corpus[half:]))
+            ingest = asyncio.create_task(kbmesh_ingest(client, loaded, corpus[half:]))
             while not ingest.done():
                 busy.append(await search())
-            await ingest
-            ingest_seconds = time.perf_counter() - started
+            ingest_seconds, _, _ = await ingest
     print(f"date {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC  set {directory}")
     print(f"searched KB {half} documents; loaded KB {len(corpus) - half} documents")
     print("| phase | searches | p50 ms | p90 ms | p99 ms | max ms |")
@@ -94,11 +65,6 @@ async def run(directory: Path, warmup: int) -> None:
             f"{pct(times, 0.9):.1f} | {pct(times, 0.99):.1f} | {max(times) * 1000:.1f} |"
         )
     print(f"ingest of the loaded KB while searching: {ingest_seconds:.1f} s")
-
-
-async def _ingest(client: httpx.AsyncClient, kb_id: str, docs: list[dict]) -> None:
-    await upload(client, kb_id, docs)
-    await indexed(client, kb_id, len(docs))
 
 
 def main() -> None:
