@@ -170,8 +170,8 @@ class Settings(BaseSettings):
     local_document_processes: int = Field(
         0,
         ge=0,
-        description="child processes of the bfloat16 document encoder (auto on AMX); 0: one "
-        "per core, up to 4, each ~0.45 GB",
+        description="child processes that embed document batches with the auto backend; 0: "
+        "one per core, up to 4 (each ~0.45 GB in bfloat16 on AMX, ~0.17 GB on onnxruntime)",
     )
     model_cache_dir: Path | None = Field(
         None, description="ONNX exports of the local models; default <data_dir>/models"
