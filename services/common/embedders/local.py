@@ -23,7 +23,6 @@ search never waits for a document batch to finish.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -182,7 +181,7 @@ class OnnxEncoder:
 class TorchEncoder:
     """sentence-transformers on torch: the fp32 reference the ONNX path is tested against,
     or, with `bf16`, document batches in bfloat16 on CPUs that compute it natively (AMX):
-    2.4x the chunks/s of fp32 here, at cosine >= 0.9999 to it."""
+    ~2.6x the chunks/s of fp32 here, at cosine >= 0.9998 to it."""
 
     def __init__(
         self,
@@ -205,19 +204,18 @@ class TorchEncoder:
                 f"{model_dir} has max_seq_length={st.max_seq_length}, "
                 f"expected {spec.max_seq_length}"
             )
+        if bf16:
+            # Weights cast once, not by autocast at every operation of every batch (~18 % of
+            # the time under autocast): ~10 % more chunks/s, cosine to fp32 >= 0.9998 on
+            # 1,500 real chunks.
+            st = st.to(torch.bfloat16)
         self._st = st
         self._batch_size = batch_size
-        self._bf16 = bf16
         # torch already uses every core for one encode; two at once only thrash.
         self._lock = threading.Lock()
 
     def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
-        import torch
-
-        precision = (
-            torch.autocast("cpu", dtype=torch.bfloat16) if self._bf16 else contextlib.nullcontext()
-        )
-        with self._lock, precision:
+        with self._lock:
             vectors = self._st.encode(
                 texts,
                 batch_size=self._batch_size,
