@@ -24,6 +24,7 @@ from services.common.embedders import (
     LocalEmbedder,
     model_limits,
 )
+from services.common.embedders import fused as fused_module
 from services.common.embedders.base import LOCAL_PREFIX
 from services.common.embedders.encoder_process import NICENESS
 from services.common.embedders.local import (
@@ -35,6 +36,7 @@ from services.common.embedders.local import (
     TorchEncoder,
     document_workers,
     local_spec,
+    native_bf16,
     usable_cores,
 )
 from services.common.errors import Forbidden, InvalidInput, Transient
@@ -184,6 +186,58 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     members = lanes._documents.members
     assert len(members) == document_workers(usable_cores())[0]
     assert all(isinstance(m, ProcessEncoder) for m in members)
+
+
+def test_bfloat16_encoder_fuses_its_dense_blocks_without_changing_its_vectors(
+    real_chunks: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU with AMX the bfloat16 document encoder runs its dense blocks fused (bias,
+    GELU and residual add inside the multiply) and embeds every real chunk as the unfused
+    bfloat16 model does, to within bfloat16 rounding (cosine ≥ 0.9998)."""
+    if not native_bf16():
+        pytest.skip("this CPU has no AMX: document batches run on onnxruntime, never fused")
+    spec = local_spec(MINILM)
+    fused = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
+    monkeypatch.setattr(fused_module, "_pointwise", None)  # a torch without the kernel
+    plain = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
+    monkeypatch.undo()
+    assert fused.fused and not plain.fused
+    layers = fused._st[0].auto_model.encoder.layer
+    assert all(isinstance(layer.intermediate, fused_module.DenseGelu) for layer in layers)
+    assert not any(
+        isinstance(layer.intermediate, fused_module.DenseGelu)
+        for layer in plain._st[0].auto_model.encoder.layer
+    )
+    texts = [*real_chunks, "word " * 400, ""]
+    cos = np.sum(fused.encode(texts, query=False) * plain.encode(texts, query=False), axis=1)
+    assert float(cos.min()) >= 0.9998
+
+
+def test_fusion_is_undone_when_its_check_disagrees_and_refused_in_training() -> None:
+    """`fuse_bert` puts the original modules back when the fused model's probe differs
+    from the unfused one's, and leaves a model in training mode alone."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    spec = local_spec(MINILM)
+    model = SentenceTransformer(spec.path(), device="cpu", local_files_only=True)[0].auto_model
+    model = model.to(torch.bfloat16)
+    before = [
+        (layer.intermediate, layer.output, layer.attention.output) for layer in model.encoder.layer
+    ]
+    answers = iter([torch.ones(2, 384), -torch.ones(2, 384)])
+    assert not fused_module.fuse_bert(model, lambda: next(answers))
+    after = [
+        (layer.intermediate, layer.output, layer.attention.output) for layer in model.encoder.layer
+    ]
+    assert all(
+        a is b
+        for old, new in zip(before, after, strict=True)
+        for a, b in zip(old, new, strict=True)
+    )
+    model.train()
+    assert not fused_module.fuse_bert(model, lambda: torch.ones(2, 384))
+    assert model.encoder.layer[0].intermediate is before[0][0]
 
 
 def test_auto_backend_without_amx_embeds_documents_on_onnxruntime_children(
