@@ -243,9 +243,12 @@ def _fuse(st: Any) -> bool:
     from services.common.embedders.fused import fuse_bert
 
     model = getattr(st[0], "auto_model", None)
-    return model is not None and fuse_bert(
+    fused = model is not None and fuse_bert(
         model, lambda: st.encode(_PROBE, convert_to_tensor=True, show_progress_bar=False).float()
     )
+    if not fused:  # correct, only slower: say so where an operator looks
+        log.warning("bfloat16 encoder runs unfused: this torch or model is not the one expected")
+    return fused
 
 
 class LaneEncoder:
