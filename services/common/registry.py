@@ -314,7 +314,8 @@ class KbRegistry(Registry[KnowledgeBase]):
         for kb_id in ids:
             if (kb := await self.get(self.key(org_id, kb_id))) is not None:
                 return kb
-        return _named(await self.of_org(org_id), ref)
+        # Names come from the mirror either way (`of_org`): already looked at above.
+        return None if mirror is not None else _named(await self.of_org(org_id), ref)
 
 
 def _named(kbs: list[KnowledgeBase], name: str) -> KnowledgeBase | None:

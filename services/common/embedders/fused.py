@@ -15,13 +15,24 @@ below, or a torch without the kernel, keeps its own modules.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+log = logging.getLogger(__name__)
+
 _pointwise: Any = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+# Two texts of different lengths, so that the check covers padding and the attention mask.
+_PROBE = [
+    "Restart the service after changing its configuration file.",
+    "The scheduler assigns each task to the least loaded worker; when a worker stops "
+    "answering, its tasks return to the queue and are retried with exponential back-off, "
+    "at most five times, before they are reported as failed to the caller.",
+]
 
 
 class DenseGelu(nn.Module):
@@ -106,3 +117,15 @@ def fuse_bert(model: nn.Module, check: Callable[[], torch.Tensor]) -> bool:
             layer.intermediate, layer.output = intermediate, output
             layer.attention.output = attention_output
     return agree
+
+
+def fuse_sentence_transformer(st: Any) -> bool:
+    """A bfloat16 sentence-transformers model's BERT fused in place (`fuse_bert`), checked
+    on `_PROBE`; True when fused."""
+    model = getattr(st[0], "auto_model", None)
+    fused = model is not None and fuse_bert(
+        model, lambda: st.encode(_PROBE, convert_to_tensor=True, show_progress_bar=False).float()
+    )
+    if not fused:  # correct, only slower: say so where an operator looks
+        log.warning("bfloat16 encoder runs unfused: this torch or model is not the one expected")
+    return fused

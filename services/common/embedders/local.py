@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
@@ -196,6 +196,8 @@ class TorchEncoder:
         import torch
         from sentence_transformers import SentenceTransformer
 
+        from services.common.embedders.fused import fuse_sentence_transformer
+
         if threads:  # process-wide: only for an encoder with a process of its own
             torch.set_num_threads(threads)
 
@@ -210,7 +212,7 @@ class TorchEncoder:
             # the time under autocast): ~10 % more chunks/s, cosine to fp32 >= 0.9998 on
             # 1,500 real chunks.
             st = st.to(torch.bfloat16)
-        self.fused = bf16 and _fuse(st)
+        self.fused = bf16 and fuse_sentence_transformer(st)
         self._st = st
         self._batch_size = batch_size
         # torch already uses every core for one encode; two at once only thrash.
@@ -227,28 +229,6 @@ class TorchEncoder:
             )
         # Renormalised in float32: bfloat16 outputs are unit length only to ~3 digits.
         return normalise(np.asarray(vectors, dtype=np.float32))
-
-
-# Two texts of different lengths, so that the check covers padding and the attention mask.
-_PROBE = [
-    "Restart the service after changing its configuration file.",
-    "The scheduler assigns each task to the least loaded worker; when a worker stops "
-    "answering, its tasks return to the queue and are retried with exponential back-off, "
-    "at most five times, before they are reported as failed to the caller.",
-]
-
-
-def _fuse(st: Any) -> bool:
-    """The bfloat16 model's dense blocks fused (see fused.py), if it is a known BERT."""
-    from services.common.embedders.fused import fuse_bert
-
-    model = getattr(st[0], "auto_model", None)
-    fused = model is not None and fuse_bert(
-        model, lambda: st.encode(_PROBE, convert_to_tensor=True, show_progress_bar=False).float()
-    )
-    if not fused:  # correct, only slower: say so where an operator looks
-        log.warning("bfloat16 encoder runs unfused: this torch or model is not the one expected")
-    return fused
 
 
 class LaneEncoder:
@@ -379,8 +359,8 @@ def document_workers(cores: int, processes: int = 0) -> tuple[int, int]:
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX), where torch's
-    bfloat16 autocast is fast; elsewhere it is emulated and slower than fp32."""
+    """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX), where torch in
+    bfloat16 is fast; elsewhere it is emulated and slower than fp32."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
             flags = next((line for line in info if line.startswith("flags")), "")
