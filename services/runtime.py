@@ -150,8 +150,7 @@ async def _wire(rt: Runtime) -> None:
         )
     if "search" in rt.services:
         from services.search.ask import AskService
-        from services.search.handlers import DEFAULT_MAX_PAYLOAD
-        from services.search.handlers import create_router as search_router
+        from services.search.handlers import DEFAULT_MAX_PAYLOAD, create_responders
         from services.search.rerank import LiteLLMReranker
         from services.search.service import SearchService
 
@@ -173,14 +172,12 @@ async def _wire(rt: Runtime) -> None:
                 url, field="api_base", what="call the chat model at"
             ),
         )
-        rt.bus.broker.include_router(
-            search_router(
-                rt.search,
-                rt.ask,
-                concurrency=rt.settings.search.concurrency,
-                ask_concurrency=rt.settings.ask.concurrency,
-                max_payload=lambda: rt.bus.nc.max_payload if rt.bus.nc else DEFAULT_MAX_PAYLOAD,
-            )
+        rt.bus.responders += create_responders(
+            rt.search,
+            rt.ask,
+            concurrency=rt.settings.search.concurrency,
+            ask_concurrency=rt.settings.ask.concurrency,
+            max_payload=lambda: rt.bus.nc.max_payload if rt.bus.nc else DEFAULT_MAX_PAYLOAD,
         )
     if "gateway" in rt.services:
         from services.gateway.service import GatewayService

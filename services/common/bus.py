@@ -33,6 +33,7 @@ from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableErr
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
 
+from services.common import replies
 from services.common.errors import InvalidInput, KbmeshError, Transient
 from services.common.events import (
     DLQ_STREAM,
@@ -99,6 +100,8 @@ class Bus:
         self.nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
         self.consumers: dict[str, ConsumerConfig] = {}  # durable name → settings we own
+        self.responders: list[replies.Responder] = []  # request/reply, started with the rest
+        self._tracer = tracer_provider.get_tracer("kbmesh.bus")
 
     @property
     def js(self) -> JetStreamContext:
@@ -125,9 +128,11 @@ class Bus:
         await self.broker.connect()
 
     async def start(self) -> None:
-        """Start consuming (after every router was included)."""
+        """Start consuming and answering (after every router and responder was added)."""
         await self._update_consumers()
         await self.broker.start()
+        for responder in self.responders:
+            await responder.start(self._connection(), self._tracer)
 
     async def _update_consumers(self) -> None:
         """Durable consumers outlive processes and binding to one keeps its old settings:
@@ -144,6 +149,8 @@ class Bus:
                 )
 
     async def close(self) -> None:
+        for responder in self.responders:
+            await responder.stop()
         await self.broker.stop()
         if self.nc is not None:
             await self.nc.drain()
@@ -160,9 +167,16 @@ class Bus:
         )
 
     async def request(self, subject: str, payload: BaseModel, timeout: float) -> dict[str, Any]:
-        reply = await self.broker.request(payload.model_dump_json(), subject, timeout=timeout)
-        body: dict[str, Any] = json.loads(reply.body)
+        """Ask a `Responder` on `subject` (see replies.py) and decode its JSON reply."""
+        data = payload.model_dump_json().encode()
+        reply = await replies.request(self._connection(), self._tracer, subject, data, timeout)
+        body: dict[str, Any] = json.loads(reply)
         return body
+
+    def _connection(self) -> nats.NATS:
+        if self.nc is None:
+            raise RuntimeError("bus not connected")
+        return self.nc
 
 
 async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:

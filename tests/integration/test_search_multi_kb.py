@@ -13,7 +13,7 @@ import pytest
 from opentelemetry import trace
 
 from services.common.bus import Bus
-from services.search.handlers import create_router
+from services.search.handlers import create_responders
 from services.search.service import SearchService
 from tests.conftest import running_stack
 from tests.support.corpus import DOCS
@@ -148,7 +148,7 @@ async def test_search_replicas_share_the_load(stack, kbs):
     counting("first", first)
     counting("second", second)
     bus = Bus(rt.settings, rt.bus.url, trace.get_tracer_provider())
-    bus.broker.include_router(create_router(second))
+    bus.responders += create_responders(second)
     try:
         await bus.connect()
         await bus.start()
