@@ -137,13 +137,16 @@ class OnnxEncoder:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
             options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spin)))
+            if spin:  # within a run only: see below
+                options.add_session_config_entry("session.force_spinning_stop", "1")
             return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
 
         # A document batch is long enough that waking parked threads costs nothing, and
         # spinning would take the cores from queries, chunking and other processes. A query
         # runs in ~3 ms over dozens of parallel sections: threads that park between them
-        # (and after idle gaps) made it ~2x slower, so the query lane's threads spin
-        # briefly after each run.
+        # made it ~2x slower, so the query lane's threads spin while a run lasts. They stop
+        # when it ends: spinning on after it took a core from the engine's search that
+        # follows (1.1 ms of a 14.4 ms search at 100k chunks, docs/benchmarks.md).
         if lanes == "queries":
             self._documents = self._queries = session(spin=True)
         elif lanes == "documents":
