@@ -117,6 +117,28 @@ def distinct(queries: list[str], count: int) -> list[str]:
     ]
 
 
+def wait_for_document_ids(base: str, timeout: float = 300.0) -> float:
+    """Seconds until search's background read of document ids has ended (its gauge in
+    `/metrics` back at 0)."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        body = httpx.get(f"{base}/metrics", timeout=30).text
+        reads = next(
+            (
+                float(line.split()[-1])
+                for line in body.splitlines()
+                if line.startswith("kbmesh_search_document_id_reads ")
+            ),
+            None,
+        )
+        if reads is None:
+            raise RuntimeError("/metrics has no kbmesh_search_document_id_reads")
+        if reads == 0:
+            return time.perf_counter() - started
+        time.sleep(0.5)
+    raise TimeoutError("search's document ids were still being read")
+
+
 def measure(
     base: str,
     kb: str,
@@ -201,9 +223,10 @@ def main() -> None:
             pool = distinct(queries, 9 * n + 315)
             # Unmeasured and never reused: 5 queries before each later run.
             warmups = [pool[9 * n + 5 * i : 9 * n + 5 * (i + 1)] for i in range(3)]
-            # The first few hundred queries after a start are slower (the engine's mapped
-            # index pages, caches): measured on their own, then 300 more queries unmeasured,
-            # then every run in steady state.
+            # The first queries after a start are slower (the engine's mapped index pages,
+            # caches, and search reading every chunk's document id in the background, ~15 s
+            # at 100k): measured on their own; then, once that read has ended, 300 more
+            # queries unmeasured, and every run in steady state.
             runs = [
                 ("hybrid, concurrency 1, first queries after start", pool[:n], 1, None, []),
                 ("hybrid, concurrency 1", pool[n : 2 * n], 1, None, pool[9 * n + 15 :]),
@@ -215,6 +238,9 @@ def main() -> None:
             for name, batch, concurrency, filters, warmup in runs:
                 rows.append((name, measure(base, "latency", batch, concurrency, filters, warmup)))
                 print(f"  {name}: {rows[-1][1]}", flush=True)
+                if len(rows) == 1:
+                    waited = wait_for_document_ids(base)
+                    print(f"  document ids read {waited:.1f} s after the first run", flush=True)
     print(f"date {datetime.date.today()}  chunks {args.chunks}  real embeddings {args.real}")
     print("| run | queries | p50 ms | p99 ms | requests/s |\n| --- | --- | --- | --- | --- |")
     for name, m in rows:

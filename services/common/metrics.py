@@ -55,6 +55,14 @@ PENDING_MESSAGES = Gauge(
     ["consumer"],
 )
 DEAD_LETTERS = Gauge("kbmesh_dead_letters", "Messages in the dead-letter stream")
+DOCUMENT_ID_READS = Gauge(
+    "kbmesh_search_document_id_reads",
+    "Collections whose chunks' document ids search is still reading in the background (each "
+    "from its first search on); until a read ends, searches of that collection run slower",
+)
+DOCUMENT_IDS = Gauge(
+    "kbmesh_search_document_ids", "Chunks whose document id search remembers (services/search)"
+)
 
 
 def index_latency(accepted_at: datetime | None) -> None:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable
 from itertools import islice
 
+from services.common import metrics
 from services.common.store import VectorStore
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class DocumentIds:
 
     async def _read_all(self, collection: str) -> None:
         offset: str | None = None
+        began = time.monotonic()
+        points = 0
+        metrics.DOCUMENT_ID_READS.inc()
         try:
             # Only while there is room: past it, each page would push out as many as it adds.
             while len(self._of) < self.max_points:
@@ -52,12 +56,21 @@ class DocumentIds:
                 hits, offset = await self.store.page(collection, offset, PAGE, ("document_id",))
                 for hit in hits:
                     self._of.setdefault(hit.id, hit.payload["document_id"])
+                points += len(hits)
                 self._trim()
                 if offset is None:
-                    return
+                    break
                 await asyncio.sleep(3 * (time.monotonic() - started))
+            log.info(
+                "document_ids_read collection=%s points=%d seconds=%.1f",
+                collection,
+                points,
+                time.monotonic() - began,
+            )
         except Exception:  # a search then reads what it needs itself
             log.exception("document_ids_read_failed collection=%s", collection)
+        finally:
+            metrics.DOCUMENT_ID_READS.dec()
 
     async def close(self) -> None:
         reading = list(self._reading.values())
@@ -82,3 +95,4 @@ class DocumentIds:
         """Oldest first out: about 200 bytes a point, 40 MB at the default bound."""
         for key in list(islice(self._of, max(0, len(self._of) - self.max_points))):
             del self._of[key]
+        metrics.DOCUMENT_IDS.set(len(self._of))

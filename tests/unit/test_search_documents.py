@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+from services.common import metrics
 from services.common.ids import point_id
 from services.common.store import ChunkPoint, SparseVector
 from services.common.store.edge import EdgeStore
@@ -72,15 +74,21 @@ async def test_a_collection_is_read_in_the_background_once(tmp_path: Path) -> No
     await store.upsert("c", points)
     ids = DocumentIds(store)
     try:
+        reads = metrics.DOCUMENT_ID_READS._value.get()
         ids.read_all("c")
         ids.read_all("c")  # already under way: not started twice
         assert len(ids._reading) == 1
+        await asyncio.sleep(0)  # the read has begun: operators see it under way
+        assert metrics.DOCUMENT_ID_READS._value.get() == reads + 1
         await ids._reading["c"]
+        assert metrics.DOCUMENT_ID_READS._value.get() == reads
+        assert metrics.DOCUMENT_IDS._value.get() == 600
         found = await ids.get("c", [p.id for p in points])
         assert ids.reads == 0
         assert found == {p.id: p.payload["document_id"] for p in points}
         ids.read_all("missing")  # a collection that does not exist ends its read quietly
         await ids._reading["missing"]
+        assert metrics.DOCUMENT_ID_READS._value.get() == reads
     finally:
         await ids.close()
         await store.close()
