@@ -213,6 +213,31 @@ def test_bfloat16_encoder_fuses_its_dense_blocks_without_changing_its_vectors(
     assert float(cos.min()) >= 0.9998
 
 
+def test_bfloat16_batches_are_padded_to_multiples_of_16_tokens_without_changing_vectors(
+    real_chunks: list[str],
+) -> None:
+    """The bfloat16 encoder runs sub-batches of at most 16 texts padded to a multiple of 16
+    tokens (torch's flash attention is faster there) and embeds every real chunk as it would
+    unpadded, to within bfloat16 rounding."""
+    if not native_bf16():
+        pytest.skip("this CPU has no AMX: document batches run on onnxruntime")
+    spec = local_spec(MINILM)
+    encoder = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
+    shapes: list[tuple[int, int]] = []
+    hook = encoder._st[0].register_forward_pre_hook(  # the transformer module, given features
+        lambda _module, args: shapes.append(tuple(args[0]["input_ids"].shape))
+    )
+    texts = [*real_chunks, "word " * 400, "x"]
+    try:
+        padded = encoder.encode(texts, query=False)
+    finally:
+        hook.remove()
+    assert shapes and all(rows <= 16 and width % 16 == 0 for rows, width in shapes), shapes
+    plain = encoder._st.encode(texts, batch_size=16, normalize_embeddings=True)
+    cos = np.sum(padded * plain, axis=1) / np.linalg.norm(plain, axis=1)
+    assert float(cos.min()) >= 0.9999
+
+
 def test_fusion_is_undone_when_its_check_disagrees_and_refused_in_training() -> None:
     """`fuse_bert` puts the original modules back when the fused model's probe differs
     from the unfused one's, and leaves a model in training mode alone."""
