@@ -36,8 +36,8 @@ def create_responders(
     async def search(request: SearchRequest) -> SearchResponse:
         return reply.fit(await service.search(request), max_payload())
 
-    # Requests are answered concurrently: a reply spends most of its time waiting on the
-    # model and engine threads, and concurrent query embeddings are coalesced.
+    # Requests are answered concurrently: a reply spends much of its time waiting on the
+    # model's thread, and concurrent query embeddings are coalesced.
     async def on_search(body: bytes) -> bytes:
         metrics.SEARCH_REQUESTS.inc()
         with metrics.SEARCH_SECONDS.time():
@@ -75,22 +75,18 @@ async def _answer(
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
-        return _error(
-            RemoteError(
-                error_type="ValidationError", message=f"{field}: {first['msg']}", field=field
-            )
+        error = RemoteError(
+            error_type="ValidationError", message=f"{field}: {first['msg']}", field=field
         )
     except KbmeshError as err:
-        return _error(RemoteError(error_type=err.error_type, message=err.message, field=err.field))
+        error = RemoteError(error_type=err.error_type, message=err.message, field=err.field)
     except Exception as err:
         log.exception("search request failed")
-        return _error(
-            RemoteError(error_type="InternalError", message=f"search failed: {type(err).__name__}")
+        error = RemoteError(
+            error_type="InternalError", message=f"search failed: {type(err).__name__}"
         )
-    return _envelope("result", result)
-
-
-def _error(error: RemoteError) -> bytes:
+    else:
+        return _envelope("result", result)
     return _envelope("error", error)
 
 

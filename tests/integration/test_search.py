@@ -4,6 +4,7 @@ isolation, at the service level and through REST."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -816,3 +817,18 @@ async def test_scoped_key_searches_only_its_kbs(stack, corpus):
         "/v1/search", json={"query": FILTER_QUERY, "kb_ids": ["default"]}, headers=headers
     )
     assert r.status_code == 404, r.text
+
+
+async def test_a_malformed_request_on_the_bus_gets_an_error_reply_and_search_answers_on(stack):
+    """Bytes that are not a search request, sent straight to `search.query`, come back as a
+    `ValidationError` body; the responder goes on answering."""
+    rt, _ = stack
+    assert rt.bus.nc is not None
+    for junk in (b"not json", b'{"query": 3}', b"\xff\xfe", b"[" * 10_000):
+        reply = await rt.bus.nc.request("search.query", junk, timeout=10)
+        error = json.loads(reply.data)["error"]
+        assert error["error_type"] == "ValidationError", error
+    reply = await rt.bus.request(
+        "search.query", SearchRequest(query="anything", org_id="any-org"), timeout=10
+    )
+    assert reply["result"]["hits"] == []  # an org without KBs: answered, nothing found
