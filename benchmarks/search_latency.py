@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import ROOT, kbmesh_up_at, stdlib_documents
 from services.common import bm25
@@ -123,17 +124,15 @@ def wait_for_document_ids(base: str, timeout: float = 300.0) -> float:
     started = time.perf_counter()
     while time.perf_counter() - started < timeout:
         body = httpx.get(f"{base}/metrics", timeout=30).text
-        reads = next(
-            (
-                float(line.split()[-1])
-                for line in body.splitlines()
-                if line.startswith("kbmesh_search_document_id_reads ")
-            ),
-            None,
-        )
-        if reads is None:
+        reads = [
+            sample.value
+            for family in text_string_to_metric_families(body)
+            for sample in family.samples
+            if sample.name == "kbmesh_search_document_id_reads"
+        ]
+        if not reads:
             raise RuntimeError("/metrics has no kbmesh_search_document_id_reads")
-        if reads == 0:
+        if reads[0] == 0:
             return time.perf_counter() - started
         time.sleep(0.5)
     raise TimeoutError("search's document ids were still being read")

@@ -31,8 +31,6 @@ log = logging.getLogger("kbmesh.bus")
 
 Handler = Callable[[bytes], Awaitable[bytes]]
 
-_SYSTEM = {"messaging.system": "nats"}
-
 
 class Responder:
     """Answers requests on `subject` as a member of queue group `queue` (replicas share the
@@ -115,4 +113,4 @@ async def request(
 
 
 def _destination(subject: str) -> dict[str, str]:
-    return {**_SYSTEM, "messaging.destination.name": subject}
+    return {"messaging.system": "nats", "messaging.destination.name": subject}
