@@ -168,8 +168,9 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     local: LocalEmbedder, real_chunks: list[str]
 ) -> None:
     """`auto` embeds document batches in child processes, one single-threaded child per core
-    (up to four), each call on a free one; on a CPU with AMX in bfloat16 on torch, at cosine
-    ≥ 0.999 to fp32 on every real chunk. Queries stay on onnxruntime fp32 in-process."""
+    (up to four), each call on a free one; on a CPU with bfloat16 instructions in bfloat16
+    on torch, at cosine ≥ 0.999 to fp32 on every real chunk. Queries stay on onnxruntime
+    fp32 in-process."""
     auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
     auto.load()
     texts = [*real_chunks, "word " * 400]
@@ -191,11 +192,11 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
 def test_bfloat16_encoder_fuses_its_dense_blocks_without_changing_its_vectors(
     real_chunks: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a CPU with AMX the bfloat16 document encoder runs its dense blocks fused (bias,
-    GELU and residual add inside the multiply) and embeds every real chunk as the unfused
-    bfloat16 model does, to within bfloat16 rounding (cosine ≥ 0.9998)."""
+    """On a CPU with bfloat16 instructions the bfloat16 document encoder runs its dense
+    blocks fused (bias, GELU and residual add inside the multiply) and embeds every real
+    chunk as the unfused bfloat16 model does, to within bfloat16 rounding (cosine ≥ 0.9998)."""
     if not native_bf16():
-        pytest.skip("this CPU has no AMX: document batches run on onnxruntime, never fused")
+        pytest.skip("this CPU has no bfloat16 instructions: document batches run on onnxruntime")
     spec = local_spec(MINILM)
     fused = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
     monkeypatch.setattr(fused_module, "_pointwise", None)  # a torch without the kernel
@@ -220,7 +221,7 @@ def test_bfloat16_batches_are_padded_to_multiples_of_16_tokens_without_changing_
     tokens (torch's flash attention is faster there) and embeds every real chunk as it would
     unpadded, to within bfloat16 rounding."""
     if not native_bf16():
-        pytest.skip("this CPU has no AMX: document batches run on onnxruntime")
+        pytest.skip("this CPU has no bfloat16 instructions: document batches run on onnxruntime")
     spec = local_spec(MINILM)
     encoder = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
     shapes: list[tuple[int, int]] = []
@@ -265,11 +266,12 @@ def test_fusion_is_undone_when_its_check_disagrees_and_refused_in_training() -> 
     assert model.encoder.layer[0].intermediate is before[0][0]
 
 
-def test_auto_backend_without_amx_embeds_documents_on_onnxruntime_children(
+def test_auto_backend_without_bfloat16_instructions_embeds_documents_on_onnxruntime_children(
     local: LocalEmbedder, real_chunks: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the CPU has no AMX, `auto`'s document children run onnxruntime fp32 on one
-    thread each: the same vectors as the in-process encoder (torch never loaded in them)."""
+    """Where the CPU has no bfloat16 instructions, `auto`'s document children run onnxruntime
+    fp32 on one thread each: the same vectors as the in-process encoder (torch never loaded
+    in them)."""
     import services.common.embedders.local as local_module
 
     monkeypatch.setattr(local_module, "native_bf16", lambda: False)
