@@ -1,0 +1,94 @@
+"""Chunks/s of each local document encoder on one thread, on the pipeline's own chunks, and
+which one `auto` picks on this CPU: the figures behind `native_bf16`.
+
+    .venv/bin/python -m benchmarks.encoders [--docs 20] [--chunks 480] [--rounds 2]
+
+Each encoder embeds the same chunks (stdlib pydoc pages, chunked and titled as a default KB
+does) in batches of 32, one thread each, the encoders taking turns round by round so the
+machine's drift falls on all of them. Cosine to torch fp32 is over the first 64 chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import numpy as np
+
+from benchmarks.common import stdlib_documents
+from benchmarks.embedding_throughput import MODEL, pipeline_chunks
+from services.common.embedders import LocalEmbedder
+from services.common.embedders.local import (
+    BF16_FLAGS,
+    Encoder,
+    OnnxEncoder,
+    TorchEncoder,
+    default_cache_dir,
+    local_spec,
+    native_bf16,
+)
+from services.common.embedders.onnx_export import ensure_onnx
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+        line = next((line for line in info if line.startswith("flags")), "")
+    return set(line.split())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=20)
+    parser.add_argument("--chunks", type=int, default=480)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    onnx = LocalEmbedder(MODEL, backend="onnx")
+    onnx.load(documents=False)
+    texts = pipeline_chunks(onnx, stdlib_documents(args.docs))[: args.chunks]
+    spec = local_spec(onnx.name)
+
+    def onnx_encoder(quantized: bool) -> Encoder:
+        name = onnx.name + ("-int8" if quantized else "")
+        path = ensure_onnx(onnx.model_dir, default_cache_dir(), name=name, quantized=quantized)
+        return OnnxEncoder(path, onnx.model_dir, spec, 32, lanes="documents", document_threads=1)
+
+    encoders: dict[str, Encoder] = {
+        "torch fp32 (the reference)": TorchEncoder(onnx.model_dir, spec, 32, threads=1),
+        "onnxruntime fp32": onnx_encoder(False),
+        "torch bfloat16, fused, padded": TorchEncoder(
+            onnx.model_dir, spec, 32, bf16=True, threads=1
+        ),
+        "onnxruntime int8 per channel (opt-in model id)": onnx_encoder(True),
+    }
+    reference = encoders["torch fp32 (the reference)"].encode(texts[:64], query=False)
+    cosine = {
+        name: float(np.min(np.sum(enc.encode(texts[:64], query=False) * reference, axis=1)))
+        for name, enc in encoders.items()
+    }
+    rates: dict[str, list[float]] = {name: [] for name in encoders}
+    for _ in range(args.rounds):
+        for name, enc in encoders.items():
+            started = time.perf_counter()
+            for i in range(0, len(texts), 32):
+                enc.encode(texts[i : i + 32], query=False)
+            rates[name].append(len(texts) / (time.perf_counter() - started))
+
+    flags = sorted(BF16_FLAGS & cpu_flags())
+    print(f"date {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC  chunks {len(texts)}")
+    print(f"bfloat16 flags: {', '.join(flags) or 'none'}  ->  `auto` embeds documents on ", end="")
+    print("torch bfloat16" if native_bf16() else "onnxruntime fp32")
+    base = float(np.mean(rates["torch fp32 (the reference)"]))
+    print("\n| encoder, one thread | chunks/s per round | vs torch fp32 | min cosine to fp32 |")
+    print("| --- | --- | --- | --- |")
+    for name, values in rates.items():
+        runs = " / ".join(f"{v:.1f}" for v in values)
+        print(f"| {name} | {runs} | {np.mean(values) / base:.2f} | {cosine[name]:.5f} |")
+
+
+if __name__ == "__main__":
+    main()
