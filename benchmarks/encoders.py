@@ -24,17 +24,12 @@ from services.common.embedders.local import (
     Encoder,
     OnnxEncoder,
     TorchEncoder,
+    cpu_flags,
     default_cache_dir,
     local_spec,
     native_bf16,
 )
 from services.common.embedders.onnx_export import ensure_onnx
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-        line = next((line for line in info if line.startswith("flags")), "")
-    return set(line.split())
 
 
 def main() -> None:

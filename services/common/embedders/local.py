@@ -386,15 +386,19 @@ def document_workers(cores: int, processes: int = 0) -> tuple[int, int]:
 BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as the kernel lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            return set(next((line for line in info if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (`BF16_FLAGS`), where
     torch in bfloat16 is fast, and torch is installed."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            flags = next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return False
-    if BF16_FLAGS.isdisjoint(flags.split()):
+    if BF16_FLAGS.isdisjoint(cpu_flags()):
         return False
     try:
         import importlib.util
