@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -380,6 +381,57 @@ def test_model_cache_is_built_offline_and_reused_across_restarts(tmp_path: Path)
     assert "onnx_export" not in second.stderr
     assert list(cache.rglob("model.onnx")) == [built] and built.stat().st_mtime_ns == stamp
     assert second.stdout.splitlines() == [*first.stdout.splitlines(), "False"]
+
+
+_THREADS_PROBE = """
+import json, os, sys
+from pathlib import Path
+if sys.argv[2] != "all":
+    os.sched_setaffinity(0, {int(sys.argv[2])})  # as a container limited to one CPU
+from services.common.embedders import LocalEmbedder
+from services.common.embedders.local import usable_physical_cores
+e = LocalEmbedder(cache_dir=Path(sys.argv[1]))
+e.load()
+e.encode(["which threads run this query"], query=True)
+e.encode(["and this document"] * 8)
+sessions = [e._encoder._queries, e._encoder._documents]
+allowed = set()
+for task in Path("/proc/self/task").iterdir():
+    for line in (task / "status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list"):
+            allowed.add(line.split()[1])
+print(json.dumps({
+    "threads": [s.get_session_options().intra_op_num_threads for s in sessions],
+    "cores": usable_physical_cores(),
+    "affinity": sorted(os.sched_getaffinity(0)),
+    "allowed": sorted(allowed),
+}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+@pytest.mark.parametrize("cpus", ["all", "0"])
+def test_onnx_threads_follow_the_cpus_this_process_may_use(cpus: str) -> None:
+    """onnxruntime's own default starts a thread per physical core of the host and pins each
+    to its core, whatever CPUs the process was given. Every session here gets an explicit
+    count, the process's usable physical cores (one where it may use one CPU), and no thread
+    is pinned narrower than the process."""
+    root = Path(__file__).resolve().parents[2]
+    probe = subprocess.run(
+        [sys.executable, "-c", _THREADS_PROBE, str(MODEL_CACHE_DIR), cpus],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+    )
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    seen = json.loads(probe.stdout.splitlines()[-1])
+    assert seen["threads"] == [seen["cores"], seen["cores"]]
+    if cpus == "0":
+        assert seen["cores"] == 1 and seen["affinity"] == [0]
+    else:
+        assert 1 <= seen["cores"] <= len(seen["affinity"])
+    # Every thread may run on every CPU of the process (the kernel's list of its CPUs).
+    assert len(seen["allowed"]) == 1
 
 
 async def test_loop_stays_responsive_while_the_model_encodes(local: LocalEmbedder) -> None:

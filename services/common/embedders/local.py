@@ -126,7 +126,7 @@ class OnnxEncoder:
     ) -> None:
         """`lanes`: the sessions to open (documents elsewhere, in child processes: queries
         only; such a child: documents only). `document_threads`: 0 is one per physical
-        core."""
+        core this process may use."""
         import onnxruntime as ort
 
         self._tok = model_input_tokenizer(model_dir, spec.max_seq_length)
@@ -135,7 +135,9 @@ class OnnxEncoder:
 
         def session(*, spin: bool, threads: int = 0) -> ort.InferenceSession:
             options = ort.SessionOptions()
-            options.intra_op_num_threads = threads
+            # Always a number: left at 0, onnxruntime starts a thread for every physical
+            # core of the host, blind to a container's CPU limit, and pins each to its core.
+            options.intra_op_num_threads = threads or usable_physical_cores()
             options.inter_op_num_threads = 1
             options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spin)))
             if spin:  # within a run only: see below
@@ -361,6 +363,19 @@ def usable_cores() -> int:
     except (OSError, ValueError):
         pass
     return cores
+
+
+def usable_physical_cores() -> int:
+    """`usable_cores`, counting the hyperthreads of one core once, as onnxruntime's own
+    default counts cores."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        try:
+            topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+            cores.add(topology.read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, min(len(cores), usable_cores()))
 
 
 def document_workers(cores: int, processes: int = 0) -> tuple[int, int]:
