@@ -29,7 +29,7 @@ from services.common.embedders.local import (
     local_spec,
     native_bf16,
 )
-from services.common.embedders.onnx_export import ensure_onnx
+from services.common.embedders.onnx_export import Variant, ensure_onnx
 
 
 def main() -> None:
@@ -49,7 +49,8 @@ def main() -> None:
 
     def onnx_encoder(quantized: bool) -> Encoder:
         name = onnx.name + ("-int8" if quantized else "")
-        path = ensure_onnx(onnx.model_dir, default_cache_dir(), name=name, quantized=quantized)
+        variant: Variant = "int8" if quantized else "fp32"
+        path = ensure_onnx(onnx.model_dir, default_cache_dir(), name=name, variant=variant)
         return OnnxEncoder(path, onnx.model_dir, spec, 32, lanes="documents", document_threads=1)
 
     encoders: dict[str, Encoder] = {

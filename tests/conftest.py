@@ -38,7 +38,7 @@ def model_cache() -> Path:
     from services.common.settings import DEFAULT_MODEL
 
     model = LocalEmbedder(DEFAULT_MODEL, cache_dir=MODEL_CACHE_DIR)
-    return ensure_onnx(model.model_dir, MODEL_CACHE_DIR, name=model.name, quantized=False)
+    return ensure_onnx(model.model_dir, MODEL_CACHE_DIR, name=model.name, variant="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -163,9 +163,10 @@ class Settings(BaseSettings):
     )
     local_backend: Literal["auto", "onnx", "torch"] = Field(
         "auto",
-        description="runtime for local/... models: auto (queries on onnxruntime, document "
-        "batches in bfloat16 on torch where the CPU has AMX, else onnxruntime), onnx, or "
-        "torch fp32 (the reference)",
+        description="runtime for local/... models: auto (queries on onnxruntime, with 8-bit "
+        "weights where the CPU has int8 dot products; document batches in child processes, in "
+        "bfloat16 on torch where the CPU has bfloat16 instructions, else onnxruntime), onnx "
+        "(fp32, one process), or torch fp32 (the reference)",
     )
     local_document_processes: int = Field(
         0,

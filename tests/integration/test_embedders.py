@@ -38,8 +38,10 @@ from services.common.embedders.local import (
     document_workers,
     local_spec,
     native_bf16,
+    query_variant,
     usable_cores,
 )
+from services.common.embedders.onnx_export import ensure_onnx
 from services.common.errors import Forbidden, InvalidInput, Transient
 from services.common.models import KnowledgeBase
 from services.common.settings import BUNDLED_MODELS
@@ -171,7 +173,7 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     """`auto` embeds document batches in child processes, one single-threaded child per core
     (up to four), each call on a free one; on a CPU with bfloat16 instructions in bfloat16
     on torch, at cosine ≥ 0.999 to fp32 on every real chunk. Queries stay on onnxruntime
-    fp32 in-process."""
+    in-process, on this CPU's query graph (`query_variant`), also at cosine ≥ 0.999."""
     auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
     auto.load()
     texts = [*real_chunks, "word " * 400]
@@ -180,7 +182,10 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     assert float(np.min(np.sum(documents * fp32, axis=1))) >= 0.999
     assert np.allclose(np.linalg.norm(documents, axis=1), 1.0, atol=1e-5)
     queries = auto.encode(real_chunks[:3], query=True)
-    assert np.allclose(queries, local.encode(real_chunks[:3], query=True), atol=1e-5)
+    graph = ensure_onnx(auto.model_dir, MODEL_CACHE_DIR, name=auto.name, variant=query_variant())
+    alone = OnnxEncoder(graph, auto.model_dir, local_spec(MINILM), 32, lanes="queries")
+    assert np.allclose(queries, alone.encode(real_chunks[:3], query=True), atol=1e-5)
+    assert float(np.min(np.sum(queries * fp32[:3], axis=1))) >= 0.999
     lanes = auto._encoder
     assert isinstance(lanes, LaneEncoder)
     assert isinstance(lanes._queries, OnnxEncoder)
@@ -319,6 +324,46 @@ def test_a_process_encoder_restarts_after_its_child_dies(
         assert encoder._child is not None and encoder._child is not dead
     finally:
         encoder.close()
+
+
+def test_query_graph_with_8_bit_weights_stays_close_to_torch_fp32(real_chunks: list[str]) -> None:
+    """The `w8` graph (8-bit weights in blocks of 32, int8 products) embeds real queries and
+    real chunks at cosine ≥ 0.999 to sentence-transformers on torch fp32, and really holds
+    8-bit weights: each of the six blocks' dense layers outside the fused attention (its
+    output and the two feed-forward layers) is a `MatMulNBits` of 8 bits."""
+    import onnx
+
+    torch = LocalEmbedder(MINILM, backend="torch")
+    path = ensure_onnx(torch.model_dir, MODEL_CACHE_DIR, name=torch.name, variant="w8")
+    w8 = OnnxEncoder(path, torch.model_dir, local_spec(MINILM), 32, lanes="queries")
+    queries = [chunk.split(".")[0][:80] for chunk in real_chunks]
+    for texts in (queries, real_chunks):
+        cos = np.sum(w8.encode(texts, query=True) * torch.encode(texts, query=True), axis=1)
+        assert float(cos.min()) >= 0.999
+    nodes = [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == 6 * 3
+    assert all(a.i == 8 for n in nodes for a in n.attribute if a.name == "bits")
+
+
+@pytest.mark.parametrize(
+    ("backend", "flags", "expected"),
+    [
+        ("auto", {"avx512f", "avx512_vnni"}, "w8"),
+        ("auto", {"avx2", "avx_vnni"}, "w8"),
+        ("auto", {"avx2", "avx512f"}, "fp32"),
+        ("onnx", {"avx512_vnni"}, None),
+    ],
+)
+def test_auto_embeds_queries_with_8_bit_weights_only_where_the_cpu_multiplies_int8(
+    backend: str, flags: set[str], expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a CPU with int8 dot products in hardware gets the 8-bit query graph; `onnx`
+    keeps one fp32 graph for documents and queries."""
+    import services.common.embedders.local as local_module
+
+    monkeypatch.setattr(local_module, "cpu_flags", lambda: flags)
+    embedder = LocalEmbedder(MINILM, backend=backend, cache_dir=MODEL_CACHE_DIR)  # type: ignore[arg-type]
+    assert embedder._query_variant == expected
 
 
 def test_int8_model_stays_close_to_fp32(real_chunks: list[str]) -> None:
