@@ -366,6 +366,34 @@ def test_auto_embeds_queries_with_8_bit_weights_only_where_the_cpu_multiplies_in
     assert embedder._query_variant == expected
 
 
+def test_a_failed_8_bit_query_graph_falls_back_to_fp32(
+    local: LocalEmbedder,
+    real_chunks: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The 8-bit graph only makes queries faster: when its build fails the model still
+    serves, queries on the fp32 graph, and the log names the failure."""
+    import services.common.embedders.local as local_module
+    import services.common.embedders.onnx_export as export_module
+
+    def failing(model_dir: Path, cache_dir: Path, *, name: str, variant: str) -> Path:
+        if variant == "w8":
+            raise RuntimeError("exporting all-MiniLM-L6-v2 to ONNX failed (exit 1): no space")
+        return ensure_onnx(model_dir, cache_dir, name=name, variant="fp32")
+
+    monkeypatch.setattr(local_module, "cpu_flags", lambda: {"avx512_vnni"})
+    monkeypatch.setattr(export_module, "ensure_onnx", failing)
+    auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
+    assert auto._query_variant == "w8"
+    with caplog.at_level("WARNING", logger=local_module.__name__):
+        auto.load(documents=False)
+    assert auto._query_variant == "fp32"
+    assert "query_graph_fallback" in caplog.text and "no space" in caplog.text
+    texts = real_chunks[:3]
+    assert np.allclose(auto.encode(texts, query=True), local.encode(texts, query=True), atol=1e-5)
+
+
 def test_int8_model_stays_close_to_fp32(real_chunks: list[str]) -> None:
     """The opt-in per-channel int8 model is its own id, ONNX only, and stays within cosine
     0.95 of fp32 on every real chunk (0.98 on average)."""

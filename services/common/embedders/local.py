@@ -534,8 +534,20 @@ class LocalEmbedder:
                     )
 
                 base: Variant = "int8" if self._spec.quantized else "fp32"
+
+                def query_graph() -> Path:
+                    if self._query_variant == "w8":
+                        try:
+                            return graph("w8")
+                        except RuntimeError as err:
+                            # A speed-up only: its failed build must not keep the model from
+                            # serving. The fp32 graph answers, and the log says why.
+                            log.warning("query_graph_fallback model=%s error=%s", self._model, err)
+                            self._query_variant = base
+                    return graph(self._query_variant or base)
+
                 encoder = OnnxEncoder(
-                    graph(self._query_variant or base),
+                    query_graph(),
                     self.model_dir,
                     self._spec,
                     self._batch_size,
