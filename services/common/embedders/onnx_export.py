@@ -178,7 +178,7 @@ def _weights8(fused: Path, out: Path) -> None:
     in int8 against activations quantised per block (`accuracy_level` 4): the attention
     output and feed-forward layers; the fused attention keeps its fp32 input projection.
     On Zen 4 a single query embeds ~22 % faster than fp32 at cosine ≥ 0.9997 to it. With fp32
-    products (levels 0-1) it is 4x slower; blocks of 128 fall to cosine 0.9992; unfused
+    products (level 0) it is 4x slower; blocks of 128 fall to cosine 0.9992; unfused
     attention with all 36 layers in 8 bits is no faster once other work has run between two
     queries, at 0.9995 (docs/benchmarks.md)."""
     import onnx
