@@ -155,10 +155,18 @@ async def test_local_batches_off_the_event_loop(
     assert cosine(single, vectors[40]) == pytest.approx(1.0, abs=1e-4)
 
 
-def test_onnx_and_torch_agree_on_real_chunks(local: LocalEmbedder, real_chunks: list[str]) -> None:
+@pytest.fixture(scope="module")
+def torch_fp32() -> LocalEmbedder:
+    """sentence-transformers on torch fp32: the reference the other paths are held to."""
+    return LocalEmbedder(MINILM, backend="torch")
+
+
+def test_onnx_and_torch_agree_on_real_chunks(
+    local: LocalEmbedder, torch_fp32: LocalEmbedder, real_chunks: list[str]
+) -> None:
     """The default onnxruntime path gives the vectors sentence-transformers on torch gives
     (cosine ≥ 0.999 on every real chunk, and on inputs past the 256-token cut)."""
-    torch = LocalEmbedder(MINILM, backend="torch")
+    torch = torch_fp32
     texts = [*real_chunks, "word " * 400, "  padded  ", ""]
     onnx_vectors = local.encode(texts)
     torch_vectors = torch.encode(texts)
@@ -326,14 +334,16 @@ def test_a_process_encoder_restarts_after_its_child_dies(
         encoder.close()
 
 
-def test_query_graph_with_8_bit_weights_stays_close_to_torch_fp32(real_chunks: list[str]) -> None:
+def test_query_graph_with_8_bit_weights_stays_close_to_torch_fp32(
+    torch_fp32: LocalEmbedder, real_chunks: list[str]
+) -> None:
     """The `w8` graph (8-bit weights in blocks of 32, int8 products) embeds real queries and
     real chunks at cosine ≥ 0.999 to sentence-transformers on torch fp32, and really holds
     8-bit weights: each of the six blocks' dense layers outside the fused attention (its
     output and the two feed-forward layers) is a `MatMulNBits` of 8 bits."""
     import onnx
 
-    torch = LocalEmbedder(MINILM, backend="torch")
+    torch = torch_fp32
     path = ensure_onnx(torch.model_dir, MODEL_CACHE_DIR, name=torch.name, variant="w8")
     w8 = OnnxEncoder(path, torch.model_dir, local_spec(MINILM), 32, lanes="queries")
     queries = [chunk.split(".")[0][:80] for chunk in real_chunks]
