@@ -49,6 +49,9 @@ async def test_knowledge_base_lifecycle(page, stack, screenshots):
 
     # ---- create, first refused ---------------------------------------------------------
     await page.get_by_role("link", name="New knowledge base").first.click()
+    # The form replaces the list after a route change; until it is drawn, the list's own
+    # name search and "Sort by name" button would be what "Name" finds.
+    await expect(page.get_by_role("heading", name="New knowledge base")).to_be_visible()
     await page.get_by_label("Name").fill(name)
     await page.get_by_label("Description").fill("Volcano facts for the geology agents.")
     await page.get_by_label("Tags").fill("geology, volcanoes")
