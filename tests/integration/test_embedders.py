@@ -166,13 +166,12 @@ def test_onnx_and_torch_agree_on_real_chunks(
 ) -> None:
     """The default onnxruntime path gives the vectors sentence-transformers on torch gives
     (cosine ≥ 0.999 on every real chunk, and on inputs past the 256-token cut)."""
-    torch = torch_fp32
     texts = [*real_chunks, "word " * 400, "  padded  ", ""]
     onnx_vectors = local.encode(texts)
-    torch_vectors = torch.encode(texts)
+    torch_vectors = torch_fp32.encode(texts)
     assert len(real_chunks) > 20
     assert float(np.min(np.sum(onnx_vectors * torch_vectors, axis=1))) >= 0.999
-    assert local.backend == "onnx" and torch.backend == "torch"
+    assert local.backend == "onnx" and torch_fp32.backend == "torch"
 
 
 def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
@@ -343,12 +342,11 @@ def test_query_graph_with_8_bit_weights_stays_close_to_torch_fp32(
     output and the two feed-forward layers) is a `MatMulNBits` of 8 bits."""
     import onnx
 
-    torch = torch_fp32
-    path = ensure_onnx(torch.model_dir, MODEL_CACHE_DIR, name=torch.name, variant="w8")
-    w8 = OnnxEncoder(path, torch.model_dir, local_spec(MINILM), 32, lanes="queries")
+    path = ensure_onnx(torch_fp32.model_dir, MODEL_CACHE_DIR, name=torch_fp32.name, variant="w8")
+    w8 = OnnxEncoder(path, torch_fp32.model_dir, local_spec(MINILM), 32, lanes="queries")
     queries = [chunk.split(".")[0][:80] for chunk in real_chunks]
     for texts in (queries, real_chunks):
-        cos = np.sum(w8.encode(texts, query=True) * torch.encode(texts, query=True), axis=1)
+        cos = np.sum(w8.encode(texts, query=True) * torch_fp32.encode(texts, query=True), axis=1)
         assert float(cos.min()) >= 0.999
     nodes = [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
     assert len(nodes) == 6 * 3
