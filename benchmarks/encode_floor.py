@@ -40,14 +40,14 @@ def work(lengths: list[int], layers: int, hidden: int, inner: int) -> float:
     return 2.0 * layers * sum(n * per_token + 2 * n * n * hidden for n in lengths)
 
 
-def _rate(kind: str, hidden: int, inner: int, seconds: float, start: object) -> float:
+def _rate(kind: str, hidden: int, inner: int, seconds: float, start: Any) -> float:
     """Operations/s of the fastest single-threaded product of `kind` (a worker process)."""
     import torch
 
     torch.set_num_threads(1)
     rows = 16 * 192  # one of the bfloat16 encoder's sub-batches of 16 chunk-length texts
     shapes = [(2048, 2048, 2048), (rows, hidden, inner), (rows, inner, hidden)]
-    start.wait()  # type: ignore[attr-defined]
+    start.wait()  # a manager Event: every process starts its products at once
     product: Callable[[Any, Any], Any] = torch._int_mm if kind == "int8" else torch.matmul
     best = 0.0
     for m, k, n in shapes:
