@@ -206,8 +206,9 @@ def test_bfloat16_encoder_fuses_its_dense_blocks_without_changing_its_vectors(
     real_chunks: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a CPU with bfloat16 instructions the bfloat16 document encoder runs its dense
-    blocks fused (bias, GELU and residual add inside the multiply) and embeds every real
-    chunk as the unfused bfloat16 model does, to within bfloat16 rounding (cosine ≥ 0.9998)."""
+    blocks fused (bias, GELU and residual add inside the multiply; query, key and value in
+    one multiply) and embeds every real chunk as the unfused bfloat16 model does, to within
+    bfloat16 rounding (cosine ≥ 0.9998), padded texts in a batch included."""
     if not native_bf16():
         pytest.skip("this CPU has no bfloat16 instructions: document batches run on onnxruntime")
     spec = local_spec(MINILM)
@@ -218,6 +219,9 @@ def test_bfloat16_encoder_fuses_its_dense_blocks_without_changing_its_vectors(
     assert fused.fused and not plain.fused
     layers = fused._st[0].auto_model.encoder.layer
     assert all(isinstance(layer.intermediate, fused_module.DenseGelu) for layer in layers)
+    assert all(
+        isinstance(layer.attention.self, fused_module.FusedSelfAttention) for layer in layers
+    )
     assert not any(
         isinstance(layer.intermediate, fused_module.DenseGelu)
         for layer in plain._st[0].auto_model.encoder.layer
@@ -252,6 +256,24 @@ def test_bfloat16_batches_are_padded_to_multiples_of_16_tokens_without_changing_
     assert float(cos.min()) >= 0.9999
 
 
+def test_fused_attention_takes_one_mask_row_per_text_only_where_all_rows_agree() -> None:
+    """The fused self-attention's mask is reduced to one row per text once per forward pass
+    (every layer gets the same tensor), and only when the rows are equal, as BERT's padding
+    mask's are; any other mask reaches attention unchanged."""
+    import torch
+
+    valid = torch.tensor([[True, True, False], [True, True, True]])
+    square = valid[:, None, None, :].expand(2, 1, 3, 3).clone()
+    masks = fused_module.PaddingMask()
+    rows = masks(square)
+    assert rows is not None and rows.shape == (2, 1, 1, 3)
+    assert torch.equal(rows[:, 0, 0], valid)
+    assert masks(square) is rows
+    causal = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+    assert masks(causal) is causal
+    assert masks(None) is None
+
+
 def test_fusion_is_undone_when_its_check_disagrees_and_refused_in_training() -> None:
     """`fuse_bert` puts the original modules back when the fused model's probe differs
     from the unfused one's, and leaves a model in training mode alone."""
@@ -261,14 +283,17 @@ def test_fusion_is_undone_when_its_check_disagrees_and_refused_in_training() -> 
     spec = local_spec(MINILM)
     model = SentenceTransformer(spec.path(), device="cpu", local_files_only=True)[0].auto_model
     model = model.to(torch.bfloat16)
-    before = [
-        (layer.intermediate, layer.output, layer.attention.output) for layer in model.encoder.layer
-    ]
+
+    def modules() -> list[tuple[object, ...]]:
+        return [
+            (layer.intermediate, layer.output, layer.attention.self, layer.attention.output)
+            for layer in model.encoder.layer
+        ]
+
+    before = modules()
     answers = iter([torch.ones(2, 384), -torch.ones(2, 384)])
     assert not fused_module.fuse_bert(model, lambda: next(answers))
-    after = [
-        (layer.intermediate, layer.output, layer.attention.output) for layer in model.encoder.layer
-    ]
+    after = modules()
     assert all(
         a is b
         for old, new in zip(before, after, strict=True)
