@@ -96,6 +96,10 @@ def create_app(
         version="0.1.0",
         description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
         lifespan=lifespan,
+        # FastAPI's own OpenTelemetry (0.165+) would wrap `TracedRequests`' span in a second
+        # server span of the same name, plus an operation span, for every request, and keep
+        # HTTP metrics of its own beside /metrics. (An older FastAPI keeps this as `extra`.)
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.add_middleware(JsonBodyGuard)
     app.state.service = service

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from tests.conftest import running_stack
 
@@ -23,7 +24,9 @@ async def test_one_trace_spans_gateway_ingest_and_embed(tmp_path, embedders):
         )
         assert r.json()["status"] == "complete"
     spans = exporter.get_finished_spans()
-    request = next(s for s in spans if s.name == "POST /v1/kbs/{kb}/documents")
+    servers = [s for s in spans if s.kind is SpanKind.SERVER]
+    assert [s.name for s in servers] == ["POST /v1/kbs/{kb}/documents"], "one span per request"
+    request = servers[0]
     trace_id = request.context.trace_id
     in_trace = [s for s in spans if s.context.trace_id == trace_id]
     names = {s.name for s in in_trace}
