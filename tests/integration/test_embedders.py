@@ -274,6 +274,27 @@ def test_fused_attention_takes_one_mask_row_per_text_only_where_all_rows_agree()
     assert masks(None) is None
 
 
+def test_an_attention_of_another_shape_keeps_its_module_and_the_dense_blocks_still_fuse() -> None:
+    """A self-attention that `FusedSelfAttention` does not serve (here: marked as a
+    decoder's, whose cache it would ignore) keeps its own module; the dense blocks around it
+    are fused all the same."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    if not native_bf16():
+        pytest.skip("this CPU has no bfloat16 instructions: document batches run on onnxruntime")
+    spec = local_spec(MINILM)
+    st = SentenceTransformer(spec.path(), device="cpu", local_files_only=True).to(torch.bfloat16)
+    layers = st[0].auto_model.encoder.layer
+    for layer in layers:
+        layer.attention.self.is_decoder = True
+    assert fused_module.fuse_sentence_transformer(st)
+    assert all(isinstance(layer.intermediate, fused_module.DenseGelu) for layer in layers)
+    assert not any(
+        isinstance(layer.attention.self, fused_module.FusedSelfAttention) for layer in layers
+    )
+
+
 def test_fusion_is_undone_when_its_check_disagrees_and_refused_in_training() -> None:
     """`fuse_bert` puts the original modules back when the fused model's probe differs
     from the unfused one's, and leaves a model in training mode alone."""

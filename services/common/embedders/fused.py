@@ -13,7 +13,7 @@ Self-attention gets the same treatment: its query, key and value projections run
 multiply with their bias inside it, and attention takes the padding mask as one row per text
 instead of a full square per text (torch's CPU attention converts the mask it is given to
 floats at every layer). On a Xeon with AMX, 256 man-page chunks, one thread: the three
-projections took 10 % of a batch and that mask conversion 4 %; with both fused, 1.1x the
+projections took 10 % of a batch and that mask conversion 4 %; with both fused, 1.07x the
 chunks/s (docs/benchmarks.md).
 
 Only what is known is replaced: a layer whose structure or activation is not the one
@@ -140,9 +140,13 @@ def _output_block(block: object) -> bool:
     )
 
 
-def _self_attention(block: object) -> bool:
+def _self_attention(attention: object) -> bool:
+    """Whether a layer's attention is an encoder's self-attention as `FusedSelfAttention`
+    computes it; one that is not keeps its module, and the dense blocks are fused alone."""
+    block = getattr(attention, "self", None)
     return (
-        not getattr(block, "is_decoder", True)
+        not getattr(attention, "is_cross_attention", False)
+        and not getattr(block, "is_decoder", True)
         and all(isinstance(getattr(block, p, None), nn.Linear) for p in ("query", "key", "value"))
         and isinstance(getattr(block, "scaling", None), float)
     )
@@ -152,9 +156,7 @@ def _fusable(layer: nn.Module) -> bool:
     intermediate = getattr(layer, "intermediate", None)
     attention = getattr(layer, "attention", None)
     return (
-        not getattr(attention, "is_cross_attention", False)
-        and _self_attention(getattr(attention, "self", None))
-        and isinstance(getattr(intermediate, "dense", None), nn.Linear)
+        isinstance(getattr(intermediate, "dense", None), nn.Linear)
         and _exact_gelu(getattr(intermediate, "intermediate_act_fn", None))
         and _output_block(getattr(layer, "output", None))
         and _output_block(getattr(attention, "output", None))
@@ -179,7 +181,8 @@ def fuse_bert(model: nn.Module, check: Callable[[], torch.Tensor]) -> bool:
         layer.intermediate = DenseGelu(layer.intermediate.dense)
         layer.output = DenseAddNorm(layer.output.dense, layer.output.LayerNorm)
         attention = layer.attention
-        attention.self = FusedSelfAttention(attention.self, masks)
+        if _self_attention(attention):
+            attention.self = FusedSelfAttention(attention.self, masks)
         attention.output = DenseAddNorm(attention.output.dense, attention.output.LayerNorm)
     try:
         after = check()
