@@ -96,7 +96,7 @@ class FusedSelfAttention(nn.Module):
         **_: object,
     ) -> tuple[torch.Tensor, None]:
         if encoder_hidden_states is not None or cache is not None:
-            # Only an encoder is fused (`_fusable`); a decoder's cache would be ignored.
+            # Only an encoder's is fused (`_self_attention`); a decoder's cache would be ignored.
             raise RuntimeError("fused self-attention serves encoders only")
         batch, length, _hidden = hidden_states.shape
         qkv = _pointwise(hidden_states, self.weight, self.bias, "none", [], "")
