@@ -80,13 +80,18 @@ class DocumentIds:
 
     async def get(self, collection: str, ids: Iterable[str]) -> dict[str, str]:
         """Document id by point id; points the collection no longer holds are left out."""
-        wanted = list(dict.fromkeys(ids))
         known = self._of
-        missing = [i for i in wanted if i not in known]
-        found = {i: known[i] for i in wanted if i in known}
+        found: dict[str, str] = {}
+        missing: dict[str, None] = {}  # in order, once each
+        for i in ids:
+            document = known.get(i)
+            if document is None:
+                missing[i] = None
+            else:
+                found[i] = document
         if missing:
             self.reads += len(missing)
-            for hit in await self.store.retrieve(collection, missing):
+            for hit in await self.store.retrieve(collection, list(missing)):
                 found[hit.id] = known[hit.id] = hit.payload["document_id"]
             self._trim()
         return found

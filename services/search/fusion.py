@@ -45,8 +45,7 @@ class CandidateList:
     candidates: Sequence[Candidate]
 
 
-@dataclass(frozen=True)
-class Fused:
+class Fused(NamedTuple):  # one per candidate chunk of every search, as Candidate
     chunk: ChunkKey
     document: DocKey
     score: float  # 0..1, see `fuse`
@@ -54,13 +53,25 @@ class Fused:
 
 def merge_by_scale(lists: Sequence[CandidateList]) -> list[CandidateList]:
     """Lists on one scale (same signal, lead flag and scale) become one list by score."""
-    groups: dict[tuple[Signal, bool, str], list[Candidate]] = {}
+    groups: dict[tuple[Signal, bool, str], list[CandidateList]] = {}
     for ranked in lists:
-        groups.setdefault((ranked.signal, ranked.lead, ranked.scale), []).extend(ranked.candidates)
+        groups.setdefault((ranked.signal, ranked.lead, ranked.scale), []).append(ranked)
     return [
-        CandidateList(signal, lead, scale, sorted(found, key=lambda c: -c.score))
+        # A list alone on its scale (one KB searched) is already best first.
+        found[0]
+        if len(found) == 1
+        else CandidateList(
+            signal,
+            lead,
+            scale,
+            sorted((c for ranked in found for c in ranked.candidates), key=_by_score, reverse=True),
+        )
         for (signal, lead, scale), found in groups.items()
     ]
+
+
+def _by_score(candidate: Candidate) -> float:
+    return candidate.score
 
 
 def fuse(
@@ -80,17 +91,21 @@ def fuse(
     chunk_score: dict[ChunkKey, float] = {}
     document: dict[ChunkKey, DocKey] = {}
     prior: dict[DocKey, float] = {}
+    # (Hundreds of candidates a search: the loops below are written for speed; k + rank
+    # counted from k + 1 is the same integer, so the same floats, as k plus a rank from 1.)
     for ranked in merged:
-        for rank, c in enumerate(ranked.candidates, start=1):
-            if ranked.lead:
-                prior[c.document] = prior.get(c.document, 0.0) + 1.0 / (k + rank)
-            else:
-                chunk_score[c.chunk] = chunk_score.get(c.chunk, 0.0) + 1.0 / (k + rank)
-                document.setdefault(c.chunk, c.document)
+        if ranked.lead:
+            for rank, c in enumerate(ranked.candidates, start=k + 1):
+                prior[c.document] = prior.get(c.document, 0.0) + 1.0 / rank
+        else:
+            for rank, c in enumerate(ranked.candidates, start=k + 1):
+                chunk = c.chunk
+                chunk_score[chunk] = chunk_score.get(chunk, 0.0) + 1.0 / rank
+                if chunk not in document:
+                    document[chunk] = c.document
     # Both normalised by their best possible value: rank 1 in each signal's list.
     best = len(signals) / (k + 1) if signals else 1.0
     boost = lead_weight * lead_agreement(merged, lead_floor) if prior else 0.0
-    order = {chunk: i for i, chunk in enumerate(chunk_score)}
     fused = [
         Fused(
             chunk,
@@ -101,7 +116,13 @@ def fuse(
         )
         for chunk, s in chunk_score.items()
     ]
-    return sorted(fused, key=lambda f: (-f.score, order[f.chunk]))
+    # Stable, so ties keep the order in which chunks were first seen.
+    fused.sort(key=_fused_score, reverse=True)
+    return fused
+
+
+def _fused_score(fused: Fused) -> float:
+    return fused.score
 
 
 def lead_agreement(merged: Sequence[CandidateList], floor: float) -> float:

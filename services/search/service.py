@@ -281,15 +281,17 @@ class SearchService:
         documents = await self.documents.get(name, (h.id for hits in results for h in hits))
         lists: list[CandidateList] = []
         points: dict[ChunkKey, Hit] = {}
+        kb_id = kb.kb_id
         for (signal, lead, _), hits in zip(searches, results, strict=True):
             found = []
             for h in hits:
                 document = documents.get(h.id)
                 if document is None:
                     continue  # deleted since the engine ranked it
-                key = (kb.kb_id, h.id)
-                points.setdefault(key, h)
-                found.append(Candidate(key, (kb.kb_id, document), h.score or 0.0))
+                key = (kb_id, h.id)
+                if key not in points:
+                    points[key] = h
+                found.append(Candidate(key, (kb_id, document), h.score or 0.0))
             # Cosines are comparable between KBs of one model; BM25 between all KBs.
             scale = model if signal == "dense" else "bm25"
             lists.append(CandidateList(signal, lead, scale, found))

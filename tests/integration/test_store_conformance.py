@@ -384,6 +384,30 @@ async def test_query_many_answers_each_query_as_query_does(store: VectorStore, k
     assert await store.query_many("kb_missing", queries) == [[], []]
 
 
+async def test_edge_point_ids_stay_exact_when_its_id_memo_fills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Edge remembers the string of each point id it hands out; when that memo is full it
+    starts over, and every id is still the point's own."""
+    from services.common.store import edge
+
+    monkeypatch.setattr(edge, "_ID_STRINGS", {})
+    monkeypatch.setattr(edge, "_ID_STRINGS_MAX", 2)
+    store = EdgeStore(tmp_path / "edge")
+    try:
+        await store.ensure_collection("kb_memo", DIM)
+        await load(store, "kb_memo", MODE_POINTS)
+        want = {p.id for p in MODE_POINTS}
+        for _ in range(3):  # fills the memo, clears it, fills it again
+            for mode in LIST_MODES:
+                hits = await store.query("kb_memo", mode_query(mode))
+                assert hits and {h.id for h in hits} <= want
+                assert all(h.id == point_id(h.payload["document_id"], 0) for h in hits)
+        assert len(edge._ID_STRINGS) <= 2
+    finally:
+        await store.close()
+
+
 @pytest.mark.parametrize("mode", LIST_MODES)
 async def test_query_needs_the_vectors_its_mode_uses(
     store: VectorStore, kb: str, mode: Mode
