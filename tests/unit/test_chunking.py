@@ -196,3 +196,31 @@ def test_long_runs_are_cut_at_spaces_when_there_are_some(minilm: LocalEmbedder) 
     assert_spans(text, chunks)
     assert max(len(c.text) for c in chunks) <= 200 * MAX_CHARS_PER_TOKEN
     assert [w for c in chunks for w in c.text.split()] == words
+
+
+@pytest.mark.parametrize("size", [64, 100, MINILM_MAX])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_recursive_chunk_counts_match_a_recount(
+    size: int, seed: int, minilm: LocalEmbedder
+) -> None:
+    """The recursive chunker's own counts are kept for the bundled WordPiece tokenizer
+    instead of counting each chunk again: they must equal a recount of the chunk."""
+    text = long_text(seed)
+    chunks = chunk_text(
+        text, kb(Chunker.recursive, chunk_size=size), minilm.tokenizer(), max_tokens=MINILM_MAX
+    )
+    assert [c.token_count for c in chunks] == [minilm.count_tokens(c.text) for c in chunks]
+    assert max(c.token_count for c in chunks) <= size
+
+
+def test_only_wordpiece_counts_are_taken_from_the_chunker(minilm: LocalEmbedder) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from services.embed.chunking import _counts_add_up
+
+    byte_level = Tokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert _counts_add_up(minilm.tokenizer())
+    assert not _counts_add_up(byte_level)
+    assert not _counts_add_up("character")
+    assert not _counts_add_up(LiteLLMEmbedder("openai/text-embedding-3-small").tokenizer())
