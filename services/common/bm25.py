@@ -10,6 +10,7 @@ of all of them together (`shared_idf_queries`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import unicodedata
@@ -73,6 +74,13 @@ def stem(word: str) -> str:
     return w
 
 
+# Words repeat: a document's terms are mostly ones seen before, and stemming and hashing each
+# occurrence again took most of `encode_document` (200 man pages, 1,155 chunks: 0.20 s, 0.11
+# with these memos).
+_MEMO_TERMS = 1 << 15
+
+
+@functools.lru_cache(maxsize=_MEMO_TERMS)
 def _normalise(term: str) -> str | None:
     if term in STOPWORDS:
         return None
@@ -103,6 +111,7 @@ def tokenize(text: str) -> list[str]:
     return terms
 
 
+@functools.lru_cache(maxsize=_MEMO_TERMS)
 def term_id(term: str) -> int:
     """Stable unsigned 32-bit id for a term (Python's `hash()` is salted per process)."""
     return int.from_bytes(hashlib.blake2b(term.encode("utf-8"), digest_size=4).digest(), "big")
