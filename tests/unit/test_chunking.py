@@ -224,3 +224,23 @@ def test_only_wordpiece_counts_are_taken_from_the_chunker(minilm: LocalEmbedder)
     assert not _counts_add_up(byte_level)
     assert not _counts_add_up("character")
     assert not _counts_add_up(LiteLLMEmbedder("openai/text-embedding-3-small").tokenizer())
+
+
+def test_documents_chunked_on_several_threads_at_once_chunk_as_alone(
+    minilm: LocalEmbedder,
+) -> None:
+    """The recursive chunker is shared by every document of a tokenizer and size, and the
+    embed service chunks documents on worker threads: at once, each still comes out as it
+    does alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [long_text(seed) for seed in range(8)]
+
+    def chunks(text: str) -> list[Chunk]:
+        return chunk_text(
+            text, kb(Chunker.recursive, chunk_size=120), minilm.tokenizer(), max_tokens=MINILM_MAX
+        )
+
+    alone = [chunks(t) for t in texts]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(chunks, texts * 3)) == alone * 3
