@@ -61,15 +61,7 @@ def chunk_text(text: str, kb: KnowledgeBase, tokenizer: object, *, max_tokens: i
     if kb.chunker is Chunker.token:
         spans = _token_spans(text, tokenizer, counter, size, overlap)
     else:
-        if kb.chunker is Chunker.sentence:
-            chunker: RecursiveChunker | SentenceChunker = SentenceChunker(
-                tokenizer=_protocol(tokenizer), chunk_size=size, chunk_overlap=overlap
-            )
-        else:
-            # RecursiveChunker has no overlap parameter in chonkie 1.7: it splits on
-            # paragraphs, then sentences, then words, and never repeats text across chunks,
-            # so `chunk_overlap` only applies to the sentence and token chunkers.
-            chunker = _recursive_chunker(tokenizer, size)
+        chunker = _chunker(kb.chunker, tokenizer, size, overlap)
         spans = []
         cursor = 0
         exact = kb.chunker is Chunker.recursive and _counts_add_up(tokenizer)
@@ -120,10 +112,20 @@ def chunk_text(text: str, kb: KnowledgeBase, tokenizer: object, *, max_tokens: i
 
 
 @functools.lru_cache(maxsize=32)
-def _recursive_chunker(tokenizer: object, size: int) -> RecursiveChunker:
-    """One chunker per tokenizer and size, shared by every document (and thread: it keeps
-    no state between calls). Building one logs the tokenizer's `str()`, which for a
-    WordPiece tokenizer prints its whole vocabulary: 0.3 ms a document."""
+def _chunker(
+    kind: Chunker, tokenizer: object, size: int, overlap: int
+) -> RecursiveChunker | SentenceChunker:
+    """One chonkie chunker per kind, tokenizer and size, shared by every document (and
+    thread: chonkie's chunkers keep no state between calls). Building one logs the
+    tokenizer's `str()`, which for a WordPiece tokenizer prints its whole vocabulary:
+    0.3 ms a document."""
+    if kind is Chunker.sentence:
+        return SentenceChunker(
+            tokenizer=_protocol(tokenizer), chunk_size=size, chunk_overlap=overlap
+        )
+    # RecursiveChunker has no overlap parameter in chonkie 1.7: it splits on paragraphs,
+    # then sentences, then words, and never repeats text across chunks, so `chunk_overlap`
+    # only applies to the sentence and token chunkers.
     return RecursiveChunker(tokenizer=_protocol(tokenizer), chunk_size=size, rules=_RULES)
 
 

@@ -226,10 +226,12 @@ def test_only_wordpiece_counts_are_taken_from_the_chunker(minilm: LocalEmbedder)
     assert not _counts_add_up(LiteLLMEmbedder("openai/text-embedding-3-small").tokenizer())
 
 
+@pytest.mark.parametrize("chunker", [Chunker.recursive, Chunker.sentence])
 def test_documents_chunked_on_several_threads_at_once_chunk_as_alone(
+    chunker: Chunker,
     minilm: LocalEmbedder,
 ) -> None:
-    """The recursive chunker is shared by every document of a tokenizer and size, and the
+    """A chonkie chunker is shared by every document of a tokenizer and size, and the
     embed service chunks documents on worker threads: at once, each still comes out as it
     does alone."""
     from concurrent.futures import ThreadPoolExecutor
@@ -238,7 +240,10 @@ def test_documents_chunked_on_several_threads_at_once_chunk_as_alone(
 
     def chunks(text: str) -> list[Chunk]:
         return chunk_text(
-            text, kb(Chunker.recursive, chunk_size=120), minilm.tokenizer(), max_tokens=MINILM_MAX
+            text,
+            kb(chunker, chunk_size=120, chunk_overlap=20 if chunker is Chunker.sentence else 0),
+            minilm.tokenizer(),
+            max_tokens=MINILM_MAX,
         )
 
     alone = [chunks(t) for t in texts]
