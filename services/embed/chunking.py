@@ -129,20 +129,42 @@ def _chunker(
     return RecursiveChunker(tokenizer=_protocol(tokenizer), chunk_size=size, rules=_RULES)
 
 
+# Paragraphs, sentences, pauses, words longer than a chunk, accents and CJK: what the
+# recursive chunker cuts at, for the check in `_counts_add_up`.
+_PROBE = (
+    "Überprüfung der Konfiguration: nats-server v2.10.3 (JetStream) — naïve café 東京.\n\n"
+    "The scheduler assigns each task to the least loaded worker; when a worker stops "
+    "answering, its tasks return to the queue, are retried with back-off, and reported as "
+    "failed after five tries. Antidisestablishmentarianism-like identifiers ERR_4521 "
+    "and foo.bar_baz(x, y) stay whole?\n" * 3
+)
+
+
+@functools.lru_cache(maxsize=8)
 def _counts_add_up(tokenizer: object) -> bool:
-    """Whether the tokenizer's count of a text is the sum of its counts of pieces cut at
-    whitespace or punctuation, which is where the recursive chunker cuts: chonkie counts
-    each split and adds the counts of the splits it merges. True of BERT's WordPiece (the
-    bundled model's): its normaliser works character by character, its pre-tokeniser cuts
-    at whitespace and at every punctuation mark, and each word is split on its own.
-    (Byte-level BPE, for one, merges across a leading space and is counted again.)"""
+    """Whether the recursive chunker's token counts are exact for this tokenizer, so that
+    a chunk need not be counted again.
+
+    chonkie counts each split and adds up the counts of the splits it merges, so the counts
+    are exact when the tokenizer's count of a text is the sum of its counts of pieces cut
+    at whitespace or punctuation, where the chunker cuts. That holds for BERT's WordPiece
+    (the bundled model's): its normaliser works character by character, its pre-tokeniser
+    cuts at whitespace and at every punctuation mark, and each word is split on its own.
+    (Byte-level BPE, for one, merges across a leading space.) And chonkie must count rather
+    than estimate, as 1.7 does: checked once per tokenizer on a probe text."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-    return (
+    if not (
         isinstance(tokenizer, Tokenizer)
         and isinstance(tokenizer.model, models.WordPiece)
         and isinstance(tokenizer.pre_tokenizer, pre_tokenizers.BertPreTokenizer)
         and isinstance(tokenizer.normalizer, normalizers.BertNormalizer | None)
+    ):
+        return False
+    pieces = _chunker(Chunker.recursive, tokenizer, 24, 0).chunk(_PROBE)
+    return len(pieces) > 1 and all(
+        piece.token_count == len(tokenizer.encode(piece.text, add_special_tokens=False).ids)
+        for piece in pieces
     )
 
 

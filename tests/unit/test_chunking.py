@@ -249,3 +249,33 @@ def test_documents_chunked_on_several_threads_at_once_chunk_as_alone(
     alone = [chunks(t) for t in texts]
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(chunks, texts * 3)) == alone * 3
+
+
+def test_a_chunker_that_estimates_its_counts_is_counted_again(
+    minilm: LocalEmbedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """chonkie's counts are trusted only after a probe shows them exact: a release that
+    estimated them would otherwise put wrong counts (and chunks over the limit) into the
+    index."""
+    from dataclasses import replace as replaced
+
+    from services.embed import chunking
+
+    real = chunking._chunker
+
+    class Estimating:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def chunk(self, text: str) -> list[object]:
+            return [replaced(c, token_count=c.token_count - 1) for c in self.inner.chunk(text)]
+
+    monkeypatch.setattr(chunking, "_chunker", lambda *a: Estimating(real(*a)))
+    chunking._counts_add_up.cache_clear()
+    try:
+        assert not chunking._counts_add_up(minilm.tokenizer())
+        text = long_text(4)
+        chunks = chunk_text(text, kb(Chunker.recursive), minilm.tokenizer(), max_tokens=MINILM_MAX)
+        assert [c.token_count for c in chunks] == [minilm.count_tokens(c.text) for c in chunks]
+    finally:
+        chunking._counts_add_up.cache_clear()
