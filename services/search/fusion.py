@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Literal, NamedTuple
 
 from services.common.queries import SearchHit
@@ -27,6 +28,7 @@ from services.common.queries import SearchHit
 DocKey = tuple[str, str]  # (kb_id, document_id)
 ChunkKey = tuple[str, str]  # (kb_id, chunk_id)
 Signal = Literal["dense", "keyword"]
+_SCORE = attrgetter("score")  # of a Candidate or a Fused
 
 
 class Candidate(NamedTuple):  # hundreds per search: a tuple is the cheapest to build
@@ -64,14 +66,10 @@ def merge_by_scale(lists: Sequence[CandidateList]) -> list[CandidateList]:
             signal,
             lead,
             scale,
-            sorted((c for ranked in found for c in ranked.candidates), key=_by_score, reverse=True),
+            sorted((c for ranked in found for c in ranked.candidates), key=_SCORE, reverse=True),
         )
         for (signal, lead, scale), found in groups.items()
     ]
-
-
-def _by_score(candidate: Candidate) -> float:
-    return candidate.score
 
 
 def fuse(
@@ -117,12 +115,8 @@ def fuse(
         for chunk, s in chunk_score.items()
     ]
     # Stable, so ties keep the order in which chunks were first seen.
-    fused.sort(key=_fused_score, reverse=True)
+    fused.sort(key=_SCORE, reverse=True)
     return fused
-
-
-def _fused_score(fused: Fused) -> float:
-    return fused.score
 
 
 def lead_agreement(merged: Sequence[CandidateList], floor: float) -> float:
