@@ -141,6 +141,49 @@ def kbmesh_up_at(data_dir: Path | None, **env: str) -> Iterator[str]:
             log.close()
 
 
+def kbmesh_cpu(data_dir: Path) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the `kbmesh up` serving `data_dir` and the
+    processes it started, by role: the server itself, its document encoder children, its
+    nats-server. Compare two readings to see where a piece of work spent the CPU."""
+    processes: dict[int, tuple[int, str, float]] = {}  # pid -> (parent, command line, cpu)
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # ended meanwhile
+            continue
+        # The fields after the command name, which may itself hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        processes[int(entry.name)] = (
+            int(fields[1]),
+            command,
+            (int(fields[11]) + int(fields[12])) / tick,
+        )
+    marker = f"--data-dir {data_dir}"
+    roots = [pid for pid, (_, command, _) in processes.items() if marker in command]
+    usage = {"server": 0.0, "encoders": 0.0, "nats-server": 0.0}
+    below = set(roots)
+    while True:
+        more = {pid for pid, (parent, _, _) in processes.items() if parent in below} - below
+        if not more:
+            break
+        below |= more
+    for pid in below:
+        _, command, cpu = processes[pid]
+        role = (
+            "encoders"
+            if "encoder_process" in command
+            else "nats-server"
+            if "nats-server" in command
+            else "server"
+        )
+        usage[role] += cpu
+    return usage
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-quantile of `values` (seconds), in milliseconds."""
     ordered = sorted(values)

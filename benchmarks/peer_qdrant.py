@@ -12,9 +12,12 @@ says so and exits.
 Ingest: each system gets every document once, kbmesh through REST uploads (8 at a time, then
 waiting until all are indexed: chunked, every chunk embedded), the peer through its
 `qdrant-store` tool (one call per document, as its interface takes them; it keeps only the
-first 256 word pieces of each). Search: kbmesh `POST /v1/search` (hybrid, top 10 chunks) and
-the peer's `qdrant-find` (top 10), after `--warmup` unmeasured searches each (100), in two
-passes over the queries:
+first 256 word pieces of each). Over kbmesh's ingest the benchmark also reads the CPU time of
+kbmesh's processes (the server, its document encoder children, its nats-server) and their
+share of the cores: near 100 %, the ingest is bound by CPU, not by waiting.
+
+Search: kbmesh `POST /v1/search` (hybrid, top 10 chunks) and the peer's `qdrant-find`
+(top 10), after `--warmup` unmeasured searches each (100), in two passes over the queries:
 
 - query by query, alternating which system goes first;
 - in blocks of `--block` queries (20) a system, alternating, with a pause of
@@ -52,7 +55,7 @@ import httpx2
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
-from benchmarks.common import kbmesh_ingest, kbmesh_up_at, pct
+from benchmarks.common import kbmesh_cpu, kbmesh_ingest, kbmesh_up_at, pct
 
 K = 10
 METADATA = re.compile(r"<metadata>(.*?)</metadata>", re.S)
@@ -200,12 +203,15 @@ async def run(
     corpus, queries = load_set(beir)
     queries = queries[:max_queries] if max_queries else queries
     with tempfile.TemporaryDirectory() as tmp, kbmesh_up_at(Path(tmp) / "kbmesh") as base:
+        data = Path(tmp) / "kbmesh"
         async with (
             peer_server(peers, Path(tmp) / "peer" / "qdrant") as peer,
             httpx.AsyncClient(base_url=base, timeout=600) as client,
         ):
             kb_id = (await client.post("/v1/kbs", json={"name": "peer-bench"})).json()["kb_id"]
+            before = kbmesh_cpu(data)
             kb_seconds, names, stats = await kbmesh_ingest(client, kb_id, corpus)
+            used = {role: cpu - before[role] for role, cpu in kbmesh_cpu(data).items()}
             print(f"kbmesh ingest {kb_seconds:.1f}s {stats}", flush=True)
             peer_seconds = await peer_ingest(peer, corpus)
             print(f"peer ingest {peer_seconds:.1f}s", flush=True)
@@ -246,6 +252,12 @@ async def run(
     print(
         f"| ingest, seconds | {kb_seconds:.1f} | {peer_seconds:.1f} | "
         f"{kb_seconds / peer_seconds:.2f} |"
+    )
+    cores = len(os.sched_getaffinity(0))
+    print(
+        "| kbmesh CPU over its ingest, seconds | "
+        + ", ".join(f"{role} {cpu:.2f}" for role, cpu in used.items())
+        + f" ({sum(used.values()) / (kb_seconds * cores):.0%} of {cores} cores) | | |"
     )
     for done in (one_by_one, blocks):
         kb_times, peer_times = done.times
