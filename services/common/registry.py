@@ -253,22 +253,24 @@ class TextStore:
                 return data
         raise Transient(f"object {name} keeps changing while it is read")
 
+    def _chunk_subject(self, nuid: str) -> str:
+        return OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.store._name, obj=nuid)
+
     async def _only_chunk(self, nuid: str) -> bytes | None:
         """An object of one chunk (a text up to 128 kB, most documents) read as the last
         message on its chunk subject: one request, where a consumer costs the server a
         consumer's creation and deletion and two advisories per read."""
-        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.store._name, obj=nuid)
         try:
-            msg = await self.store._js.get_last_msg(self.store._stream, subject)
+            msg = await self.store._js.get_last_msg(self.store._stream, self._chunk_subject(nuid))
         except NotFoundError:
             return None  # purged by a replacement (or deleted) under us
         return msg.data or b""
 
     async def _chunks(self, nuid: str) -> bytes | None:
-        js = self.store._js
-        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.store._name, obj=nuid)
         # The stream named: no request to look it up by subject first.
-        sub = await js.subscribe(subject, stream=self.store._stream, ordered_consumer=True)
+        sub = await self.store._js.subscribe(
+            self._chunk_subject(nuid), stream=self.store._stream, ordered_consumer=True
+        )
         data = bytearray()
         try:
             while True:

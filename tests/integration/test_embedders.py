@@ -58,6 +58,12 @@ def cosine(a: list[float], b: list[float]) -> float:
     return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+needs_bf16 = pytest.mark.skipif(
+    not native_bf16(),
+    reason="this CPU has no bfloat16 instructions: document batches run on onnxruntime",
+)
+
+
 @pytest.fixture(scope="module")
 def local() -> LocalEmbedder:
     embedder = LocalEmbedder(MINILM, cache_dir=MODEL_CACHE_DIR)
@@ -202,6 +208,7 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     assert all(isinstance(m, ProcessEncoder) for m in members)
 
 
+@needs_bf16
 def test_bfloat16_encoder_fuses_its_dense_blocks_without_changing_its_vectors(
     real_chunks: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -209,8 +216,6 @@ def test_bfloat16_encoder_fuses_its_dense_blocks_without_changing_its_vectors(
     blocks fused (bias, GELU and residual add inside the multiply; query, key and value in
     one multiply) and embeds every real chunk as the unfused bfloat16 model does, to within
     bfloat16 rounding (cosine ≥ 0.9998), padded texts in a batch included."""
-    if not native_bf16():
-        pytest.skip("this CPU has no bfloat16 instructions: document batches run on onnxruntime")
     spec = local_spec(MINILM)
     fused = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
     monkeypatch.setattr(fused_module, "_pointwise", None)  # a torch without the kernel
@@ -231,14 +236,13 @@ def test_bfloat16_encoder_fuses_its_dense_blocks_without_changing_its_vectors(
     assert float(cos.min()) >= 0.9998
 
 
+@needs_bf16
 def test_bfloat16_batches_are_padded_to_multiples_of_16_tokens_without_changing_vectors(
     real_chunks: list[str],
 ) -> None:
     """The bfloat16 encoder runs sub-batches of at most 16 texts padded to a multiple of 16
     tokens (torch's flash attention is faster there) and embeds every real chunk as it would
     unpadded, to within bfloat16 rounding."""
-    if not native_bf16():
-        pytest.skip("this CPU has no bfloat16 instructions: document batches run on onnxruntime")
     spec = local_spec(MINILM)
     encoder = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
     shapes: list[tuple[int, int]] = []
@@ -274,6 +278,7 @@ def test_fused_attention_takes_one_mask_row_per_text_only_where_all_rows_agree()
     assert masks(None) is None
 
 
+@needs_bf16
 def test_an_attention_of_another_shape_keeps_its_module_and_the_dense_blocks_still_fuse() -> None:
     """A self-attention that `FusedSelfAttention` does not serve (here: marked as a
     decoder's, whose cache it would ignore) keeps its own module; the dense blocks around it
@@ -281,8 +286,6 @@ def test_an_attention_of_another_shape_keeps_its_module_and_the_dense_blocks_sti
     import torch
     from sentence_transformers import SentenceTransformer
 
-    if not native_bf16():
-        pytest.skip("this CPU has no bfloat16 instructions: document batches run on onnxruntime")
     spec = local_spec(MINILM)
     st = SentenceTransformer(spec.path(), device="cpu", local_files_only=True).to(torch.bfloat16)
     layers = st[0].auto_model.encoder.layer
