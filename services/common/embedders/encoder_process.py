@@ -27,7 +27,7 @@ def serve() -> None:
     except BaseException as err:  # reported to the parent, which fails its start
         send.send(("error", repr(err)))
         return
-    send.send(("ready", None))
+    send.send(("ready", getattr(encoder, "kind", type(encoder).__name__)))
     while True:
         try:
             texts = receive.recv()

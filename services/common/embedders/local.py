@@ -211,10 +211,12 @@ class TorchEncoder:
         *,
         bf16: bool = False,
         threads: int | None = None,
+        amx_kernels: Path | None = None,
     ) -> None:
         import torch
         from sentence_transformers import SentenceTransformer
 
+        from services.common.embedders import amx
         from services.common.embedders.fused import fuse_sentence_transformer
 
         if threads:  # process-wide: only for an encoder with a process of its own
@@ -231,7 +233,15 @@ class TorchEncoder:
             # the time under autocast): ~10 % more chunks/s, cosine to fp32 >= 0.9998 on
             # 1,500 real chunks.
             st = st.to(torch.bfloat16)
-        self.fused = bf16 and fuse_sentence_transformer(st)
+        # Attention and layer norms in amx.c where `amx.build` gave the library (bfloat16).
+        kernels = amx.load(amx_kernels) if bf16 else None
+        self.fused = bf16 and fuse_sentence_transformer(st, kernels)
+        # What runs, for the log: e.g. "torch-bf16-fused-amx".
+        self.kind = "-".join(
+            ("torch", "bf16" if bf16 else "fp32")
+            + (("fused",) if self.fused else ())
+            + (("amx",) if self.fused and kernels else ())
+        )
         self._st = st
         self._batch_size = min(batch_size, BF16_BATCH) if bf16 else batch_size
         # The fp32 reference stays as sentence-transformers has it.
@@ -281,6 +291,7 @@ class ProcessEncoder:
         self._child: subprocess.Popen[bytes] | None = None
         self._send: Connection | None = None
         self._receive: Connection | None = None
+        self.kind = "not started"  # the child's encoder's `kind` once it is ready
         if start:
             self._start()
 
@@ -308,6 +319,7 @@ class ProcessEncoder:
             child.wait(10)
             raise RuntimeError(f"document encoder failed to start: {detail}")
         self._child, self._send, self._receive = child, send, receive
+        self.kind = str(detail)
 
     def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
         with self._lock:
@@ -557,6 +569,9 @@ class LocalEmbedder:
                     # Single queries stay here on onnxruntime (fastest for one short text);
                     # document batches go to the children, in bfloat16 where the CPU has it.
                     processes, threads = self._children
+                    # One thread a child (the default up to four cores): amx.c's kernels
+                    # are single-threaded, and beside a child's other threads one would wait.
+                    kernels = self._amx_kernels() if self._bf16 and threads == 1 else None
                     factory: Callable[[], Encoder] = (
                         functools.partial(
                             TorchEncoder,
@@ -565,6 +580,7 @@ class LocalEmbedder:
                             self._batch_size,
                             bf16=True,
                             threads=threads,
+                            amx_kernels=kernels,
                         )
                         if self._bf16
                         else functools.partial(
@@ -598,11 +614,18 @@ class LocalEmbedder:
                 self._model,
                 self.backend,
                 self._query_variant or "same",
-                f"{'torch-bf16' if self._bf16 else 'onnx'} x{self._children[0]}"
+                f"{getattr(batches.members[0], 'kind', '?')} x{len(batches.members)}"
                 if self._children
                 else type(encoder).__name__,
                 self.model_dir,
             )
+
+    def _amx_kernels(self) -> Path | None:
+        """The AMX library for the bfloat16 children (amx.py), built here once so that they
+        do not all compile it at their first start; None where it does not apply."""
+        from services.common.embedders import amx
+
+        return amx.build(self._cache_dir, cpu_flags())
 
     def encode(self, texts: list[str], *, query: bool = False) -> np.ndarray:
         """Blocking encode on the caller's thread (benchmarks, tests)."""

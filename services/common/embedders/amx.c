@@ -1,0 +1,263 @@
+/* Two steps of a bfloat16 BERT layer on a CPU with AMX, one thread each, for `amx.py`.
+
+   Self-attention (`kb_attention`). For each text and head: scores S = Q K^T on AMX tiles (16 queries x 16 keys at a time,
+   the 32 dims of a head in one tile step), a softmax of each row in fp32 with AVX-512 over
+   the text's real keys only, then P V on tiles, divided by the row's sum and rounded to
+   bfloat16 straight into the layer's output. Padded keys are skipped rather than masked,
+   and blocks of 16 padded queries are written as zeros (nothing reads them: padded
+   positions are hidden as keys in every layer and left out of the pooling).
+
+   Layer norm (`kb_layer_norm`), in place on the fused multiply's output. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define D 32 /* the head size this kernel computes */
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands AMX's tile state to a process only once it asks; 0 when granted. */
+int kb_attention_init(void) {
+    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
+
+/* 2^t for t <= 0: 2^floor(t) (exact, by scalef, which floors its exponent) times 2^f for
+   f = t - floor(t) in [0, 1), by a polynomial of degree 4 fitted to it (relative error
+   2.7e-6, far below bfloat16's 3.9e-3). Scores far below the row's largest give 0. */
+static inline __m512 exp2_nonpositive(__m512 t) {
+    __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(1.3520616815e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2037519892e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4142734380e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300668062e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000025127f));
+    return _mm512_scalef_ps(p, t);
+}
+
+static inline void store_bf16(uint16_t *dst, __m512 v) {
+    __m256bh h = _mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)h);
+}
+
+static inline __m512 load_bf16(const uint16_t *src) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline __mmask16 valid_lanes(int valid) {
+    return valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+}
+
+/* Scores of 16 queries (tile 2, loaded here) against the text's key tiles `kt`, into
+   `s` ([16][stride]): three tiles at a time, so that they do not wait on each other. */
+static inline void scores(const uint16_t *q, long row, const uint32_t *kt, int blocks, float *s,
+                          int stride) {
+    _tile_loadd(2, q, row * 2);
+    int j = 0;
+    for (; j + 3 <= blocks; j += 3) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(5);
+        _tile_loadd(3, kt + j * 256, 64);
+        _tile_loadd(4, kt + (j + 1) * 256, 64);
+        _tile_loadd(6, kt + (j + 2) * 256, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+        _tile_dpbf16ps(5, 2, 6);
+        _tile_stored(0, s + j * 16, stride * 4);
+        _tile_stored(1, s + (j + 1) * 16, stride * 4);
+        _tile_stored(5, s + (j + 2) * 16, stride * 4);
+    }
+    for (; j < blocks; j++) {
+        _tile_zero(0);
+        _tile_loadd(3, kt + j * 256, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_stored(0, s + j * 16, stride * 4);
+    }
+}
+
+/* Each row's e^(scale (s - max)) over the first `len` keys, rounded to bfloat16 into `p`
+   ([16][kp], zeros past `len`), and 1 / their sum into `inverse_sum`. */
+static inline void softmax(const float *s, int stride, int len, float scale, uint16_t *p, int kp,
+                           float *inverse_sum) {
+    const int blocks = (len + 15) / 16;
+    const float factor = scale * 1.4426950408889634f; /* e^x = 2^(x log2 e) */
+    const __m512 scaling = _mm512_set1_ps(factor);
+    for (int r = 0; r < 16; r++) {
+        const float *scores = s + r * stride;
+        uint16_t *numerators = p + r * kp;
+        __m512 m = _mm512_set1_ps(-3.0e38f);
+        for (int j = 0; j < blocks; j++)
+            m = _mm512_mask_max_ps(m, valid_lanes(len - 16 * j), m, _mm512_loadu_ps(scores + 16 * j));
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(m) * factor);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < blocks; j++) {
+            __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + 16 * j), scaling, shift);
+            __m512 e = exp2_nonpositive(x);
+            if (len - 16 * j < 16) e = _mm512_maskz_mov_ps(valid_lanes(len - 16 * j), e);
+            sum = _mm512_add_ps(sum, e);
+            store_bf16(numerators + 16 * j, e);
+        }
+        for (int j = blocks * 16; j < kp; j += 16) store_bf16(numerators + j, _mm512_setzero_ps());
+        inverse_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* P V for 16 queries over `steps` steps of 32 keys, divided by each row's sum, into 16 rows
+   of `dst` (`hidden` apart) in bfloat16. */
+static inline void weigh(const uint16_t *p, int kp, const uint32_t *vp, int steps,
+                         const float *inverse_sum, float *o, uint16_t *dst, int hidden) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int t = 0; t < steps; t++) {
+        _tile_loadd(2, p + t * 32, kp * 2);
+        _tile_loadd(3, vp + t * 16 * D, D * 4);
+        _tile_loadd(4, vp + t * 16 * D + 16, D * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, o, D * 4);
+    _tile_stored(1, o + 16, D * 4);
+    for (int r = 0; r < 16; r++) {
+        __m512 w = _mm512_set1_ps(inverse_sum[r]);
+        store_bf16(dst + (long)r * hidden, _mm512_mul_ps(_mm512_loadu_ps(o + r * D), w));
+        store_bf16(dst + (long)r * hidden + 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16), w));
+    }
+}
+
+/* qkv: [batch, n, 3 * heads * 32] bfloat16, the fused projection's output (queries, keys,
+   values, each head by head); out: [batch, n, heads * 32] bfloat16; lengths: each text's
+   unpadded length. n must be a multiple of 16. Returns 0, or < 0 when it did nothing. */
+int kb_attention(const uint16_t *qkv, uint16_t *out, const int32_t *lengths, int batch, int n,
+                 int heads, float scale) {
+    if (n <= 0 || n % 16 != 0 || heads <= 0 || batch < 0) return -1;
+    const int hidden = heads * D;
+    const long row = 3L * hidden;      /* elements from one token to the next in qkv */
+    const int kp = (n + 31) / 32 * 32; /* keys rounded up to whole steps of P V */
+    uint32_t *kt = aligned_alloc(64, (size_t)n * 16 * 4);     /* [n/16][16 dim pairs][16 keys] */
+    uint32_t *vp = aligned_alloc(64, (size_t)kp / 2 * D * 4); /* [kp/2 key pairs][32 dims] */
+    float *s = aligned_alloc(64, (size_t)2 * 16 * n * 4);     /* scores, two blocks' [16][n] */
+    uint16_t *p = aligned_alloc(64, (size_t)16 * kp * 2);     /* softmax numerators, [16][kp] */
+    float *o = aligned_alloc(64, 16 * D * 4);                 /* one block's output, [16][32] */
+    if (!kt || !vp || !s || !p || !o) {
+        free(kt), free(vp), free(s), free(p), free(o);
+        return -2;
+    }
+
+    /* Tiles 0, 1 and 5 accumulate, 2 holds Q or P, 3, 4 and 6 hold K or V: all 16 rows of
+       64 bytes. */
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 7; i++) config.rows[i] = 16, config.colsb[i] = 64;
+    _tile_loadconfig(&config);
+
+    /* Gather offsets of 16 keys' rows, and the interleaving of two value rows by pairs. */
+    int32_t key_rows[16];
+    int16_t low[32], high[32];
+    for (int i = 0; i < 16; i++) {
+        key_rows[i] = (int32_t)(i * (row / 2));
+        low[2 * i] = (int16_t)i, low[2 * i + 1] = (int16_t)(32 + i);
+        high[2 * i] = (int16_t)(16 + i), high[2 * i + 1] = (int16_t)(48 + i);
+    }
+    const __m512i gather = _mm512_loadu_si512(key_rows);
+    const __m512i pair_low = _mm512_loadu_si512(low), pair_high = _mm512_loadu_si512(high);
+
+    for (int b = 0; b < batch; b++) {
+        int len = lengths[b] < n ? lengths[b] : n;
+        if (len < 1) len = 1;
+        const int blocks = (len + 15) / 16; /* blocks of 16 queries, and tiles of 16 keys */
+        const int steps = (len + 31) / 32;  /* steps of 32 keys in P V */
+        const uint16_t *text = qkv + (long)b * n * row;
+        for (int h = 0; h < heads; h++) {
+            const uint16_t *q = text + h * D;
+            const uint32_t *k = (const uint32_t *)(text + hidden + h * D);
+            const uint16_t *v = text + 2 * hidden + h * D;
+            uint16_t *dst = out + (long)b * n * hidden + h * D;
+            /* K^T as AMX wants it: tile j, row r = dims 2r and 2r+1 of keys 16j..16j+15. */
+            for (int j = 0; j < blocks; j++) {
+                const uint32_t *keys = k + (long)16 * j * (row / 2);
+                for (int r = 0; r < 16; r++)
+                    _mm512_store_si512(kt + (j * 16 + r) * 16,
+                                       _mm512_i32gather_epi32(gather, keys + r, 4));
+            }
+            /* V by pairs of keys; keys past the text are zeros, so P V ignores them. */
+            for (int i = 0; i < steps * 16; i++) {
+                __m512i even = 2 * i < len ? _mm512_loadu_si512(v + 2L * i * row)
+                                           : _mm512_setzero_si512();
+                __m512i odd = 2 * i + 1 < len ? _mm512_loadu_si512(v + (2L * i + 1) * row)
+                                              : _mm512_setzero_si512();
+                _mm512_store_si512(vp + i * D, _mm512_permutex2var_epi16(even, pair_low, odd));
+                _mm512_store_si512(vp + i * D + 16,
+                                   _mm512_permutex2var_epi16(even, pair_high, odd));
+            }
+            /* The next block's scores go to the tiles between this block's softmax and its
+               P V, so that the tiles do not wait for P's stores. */
+            scores(q, row, kt, blocks, s, n);
+            for (int qb = 0; qb < blocks; qb++) {
+                float inverse_sum[16];
+                softmax(s + (qb & 1) * 16 * n, n, len, scale, p, kp, inverse_sum);
+                if (qb + 1 < blocks)
+                    scores(q + (qb + 1) * 16 * row, row, kt, blocks, s + ((qb + 1) & 1) * 16 * n, n);
+                weigh(p, kp, vp, steps, inverse_sum, o, dst + (long)qb * 16 * hidden, hidden);
+            }
+            for (int r = blocks * 16; r < n; r++) memset(dst + (long)r * hidden, 0, D * 2);
+        }
+    }
+    _tile_release();
+    free(kt), free(vp), free(s), free(p), free(o);
+    return 0;
+}
+
+/* Layer norm over the last `width` elements (a multiple of 16, at most 4096) of each of
+   `rows` rows, in fp32, rounded to bfloat16 into `out` (which may be `x`): what torch
+   computes for bfloat16 input and weights. Each row is read once from memory and kept in
+   L1 for the other two passes. Returns 0, or < 0 when it did nothing. */
+int kb_layer_norm(const uint16_t *x, const uint16_t *weight, const uint16_t *bias, uint16_t *out,
+                  long rows, int width, float eps) {
+    if (width <= 0 || width % 16 != 0 || width > 4096 || rows < 0) return -1;
+    static _Thread_local float values[4096] __attribute__((aligned(64)));
+    static _Thread_local float gain[4096] __attribute__((aligned(64)));
+    static _Thread_local float offset[4096] __attribute__((aligned(64)));
+    const int vectors = width / 16;
+    for (int j = 0; j < vectors; j++) {
+        _mm512_store_ps(gain + 16 * j, load_bf16(weight + 16 * j));
+        _mm512_store_ps(offset + 16 * j, load_bf16(bias + 16 * j));
+    }
+    for (long i = 0; i < rows; i++) {
+        const uint16_t *src = x + i * width;
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < vectors; j++) {
+            __m512 v = load_bf16(src + 16 * j);
+            _mm512_store_ps(values + 16 * j, v);
+            sum = _mm512_add_ps(sum, v);
+        }
+        const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / (float)width);
+        __m512 squares = _mm512_setzero_ps();
+        for (int j = 0; j < vectors; j++) {
+            __m512 d = _mm512_sub_ps(_mm512_load_ps(values + 16 * j), mean);
+            squares = _mm512_fmadd_ps(d, d, squares);
+        }
+        const float variance = _mm512_reduce_add_ps(squares) / (float)width;
+        const __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(variance + eps));
+        uint16_t *dst = out + i * width;
+        for (int j = 0; j < vectors; j++) {
+            __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(values + 16 * j), mean), inverse);
+            store_bf16(dst + 16 * j,
+                       _mm512_fmadd_ps(d, _mm512_load_ps(gain + 16 * j), _mm512_load_ps(offset + 16 * j)));
+        }
+    }
+    return 0;
+}

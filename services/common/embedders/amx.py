@@ -1,0 +1,168 @@
+"""Two steps of the bfloat16 document encoder in a small C library (`amx.c`), for CPUs with
+AMX, built once with the system's C compiler: self-attention on AMX tiles and layer norm.
+
+After the dense blocks were fused (fused.py), torch's attention for CPU (its flash kernel)
+was the largest part of a bfloat16 encode left: 37 % on a Xeon with AMX, at about a tenth
+of the bfloat16 peak, because a head of 32 dimensions makes each of its blocked products
+tiny. The kernel computes a text's scores for one head in AMX tiles, the softmax in fp32
+over the text's real keys only (padding is skipped, not masked), and the weighted values in
+tiles again. torch's layer norm on bfloat16 took another 10 %; the kernel's runs in place on
+the fused multiply's output. Both round as torch does (docs/benchmarks.md has the figures).
+
+The library is built into the model cache (`<cache>/native/amx-<hash>.so`) the first time
+an encoder needs it, offline, and reused after. Where the CPU lacks AMX, there is no C
+compiler or the build fails, nothing changes: the encoder keeps torch's kernels and the log
+says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("amx.c")
+HEAD_SIZE = 32  # the attention kernel's head size (all-MiniLM-L6-v2's)
+ROWS = 16  # lengths must be whole tiles of rows (the bfloat16 batches are padded to 16)
+MAX_WIDTH = 4096  # the widest layer norm the kernel takes
+# What the library's instructions need, as /proc/cpuinfo names them.
+CPU_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+CFLAGS = (
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mavx512bf16",
+    "-mfma",
+)
+
+
+def build(cache_dir: Path, cpu_flags: set[str]) -> Path | None:
+    """The library in `cache_dir`, compiled if it is not there yet; None where it cannot
+    run or be built (logged). Safe to call from several processes at once."""
+    if not CPU_FLAGS.issubset(cpu_flags):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("amx_kernels_unavailable reason=no C compiler (cc) on PATH")
+        return None
+    key = SOURCE.read_bytes() + " ".join((compiler, *CFLAGS)).encode()
+    target = cache_dir / "native" / f"amx-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        subprocess.run(
+            [compiler, *CFLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        stderr = getattr(err, "stderr", b"") or b""
+        detail = stderr.decode(errors="replace").strip().splitlines()[-1:] or [repr(err)]
+        log.warning("amx_kernels_unavailable reason=build failed: %s", detail[0])
+        partial.unlink(missing_ok=True)
+        return None
+    os.replace(partial, target)  # whole or not at all, for a process that builds beside us
+    return target
+
+
+class AmxKernels:
+    """The built library, loaded into this process (which it lets use AMX's tiles)."""
+
+    def __init__(self, library: Path) -> None:
+        import torch  # here, not at the top: the server builds the library without torch
+
+        self._torch = torch
+        lib = ctypes.CDLL(str(library))
+        if lib.kb_attention_init() != 0:
+            raise OSError("the kernel refused this process AMX's tile state")
+        pointers = [ctypes.c_void_p]
+        self._attention = lib.kb_attention
+        self._attention.argtypes = pointers * 3 + [ctypes.c_int] * 3 + [ctypes.c_float]
+        self._layer_norm = lib.kb_layer_norm
+        self._layer_norm.argtypes = pointers * 4 + [ctypes.c_long, ctypes.c_int, ctypes.c_float]
+
+    def _bf16(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype == self._torch.bfloat16 and tensor.is_contiguous()
+
+    def fits_attention(self, qkv: torch.Tensor, head_size: int) -> bool:
+        """Whether `attention` computes this layer's: a contiguous bfloat16 projection of
+        heads of 32, lengths a multiple of 16."""
+        return (
+            head_size == HEAD_SIZE and qkv.dim() == 3 and qkv.shape[1] % ROWS == 0
+        ) and self._bf16(qkv)
+
+    def attention(
+        self, qkv: torch.Tensor, lengths: torch.Tensor, heads: int, scale: float
+    ) -> torch.Tensor:
+        """Attention over `qkv` ([batch, n, 3 x heads x 32]: queries, keys, values), each
+        text attending to its first `lengths[i]` keys (int32); [batch, n, heads x 32]."""
+        batch, length, _ = qkv.shape
+        torch = self._torch
+        out = torch.empty(batch, length, heads * HEAD_SIZE, dtype=torch.bfloat16)
+        status = self._attention(
+            qkv.data_ptr(), out.data_ptr(), lengths.data_ptr(), batch, length, heads, scale
+        )
+        if status != 0:
+            raise RuntimeError(f"amx attention failed ({status})")
+        return out
+
+    def fits_layer_norm(self, x: torch.Tensor, norm: torch.nn.LayerNorm) -> bool:
+        """Whether `layer_norm_` computes `norm` of `x`: bfloat16 throughout, over the last
+        dimension, a multiple of 16 wide."""
+        width = x.shape[-1]
+        return (
+            norm.normalized_shape == (width,)
+            and width % 16 == 0
+            and width <= MAX_WIDTH
+            and norm.weight is not None
+            and norm.bias is not None
+            and self._bf16(x)
+            and self._bf16(norm.weight)
+            and self._bf16(norm.bias)
+        )
+
+    def layer_norm_(self, x: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+        """`norm(x)`, written over `x`."""
+        width = x.shape[-1]
+        status = self._layer_norm(
+            x.data_ptr(),
+            norm.weight.data_ptr(),
+            norm.bias.data_ptr(),
+            x.data_ptr(),
+            x.numel() // width,
+            width,
+            norm.eps,
+        )
+        if status != 0:
+            raise RuntimeError(f"amx layer norm failed ({status})")
+        return x
+
+
+def load(path: Path | None) -> AmxKernels | None:
+    """The library at `path` (from `build`), or None where it cannot be used here (logged)."""
+    if path is None:
+        return None
+    try:
+        return AmxKernels(path)
+    except OSError as err:
+        log.warning("amx_kernels_unavailable reason=%s", err)
+        return None
