@@ -88,31 +88,63 @@ static inline void scores(const uint16_t *q, long row, const uint32_t *kt, int b
     }
 }
 
+/* Lane r of the result: the largest (`max`) or the sum of the lanes of v[r], for 16 vectors
+   at once. Rows reduced one by one each end in a chain of dependent shuffles that the
+   softmax of the row has to wait for; four rounds over all 16 halve the lanes each time. */
+#define REDUCE16(name, op)                                                                   \
+    static inline __m512 name(const __m512 *v) {                                           \
+        __m512 a[8], b[4], c[2];                                                           \
+        for (int i = 0; i < 8; i++)                                                        \
+            a[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),                  \
+                      _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));                 \
+        for (int i = 0; i < 4; i++)                                                        \
+            b[i] = op(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),                  \
+                      _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));                 \
+        for (int i = 0; i < 2; i++)                                                        \
+            c[i] = op(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),                     \
+                      _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));                    \
+        __m512 d = op(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD)); \
+        /* the rounds leave row r's result in lane 4 (r % 4) + r / 4 */                  \
+        const __m512i rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); \
+        return _mm512_permutexvar_ps(rows, d);                                             \
+    }
+
+REDUCE16(max16, _mm512_max_ps)
+REDUCE16(sum16, _mm512_add_ps)
+
 /* Each row's e^(scale (s - max)) over the first `len` keys, rounded to bfloat16 into `p`
    ([16][kp], zeros past `len`), and 1 / their sum into `inverse_sum`. */
 static inline void softmax(const float *s, int stride, int len, float scale, uint16_t *p, int kp,
                            float *inverse_sum) {
     const int blocks = (len + 15) / 16;
+    const __mmask16 last = valid_lanes(len - 16 * (blocks - 1));
     const float factor = scale * 1.4426950408889634f; /* e^x = 2^(x log2 e) */
     const __m512 scaling = _mm512_set1_ps(factor);
+    __m512 partial[16];
+    for (int r = 0; r < 16; r++) {
+        const float *scores = s + r * stride;
+        __m512 m = _mm512_maskz_loadu_ps(last, scores + 16 * (blocks - 1));
+        m = _mm512_mask_blend_ps(last, _mm512_set1_ps(-3.0e38f), m);
+        for (int j = 0; j + 1 < blocks; j++) m = _mm512_max_ps(m, _mm512_loadu_ps(scores + 16 * j));
+        partial[r] = m;
+    }
+    const __m512 shifts = _mm512_mul_ps(max16(partial), scaling);
     for (int r = 0; r < 16; r++) {
         const float *scores = s + r * stride;
         uint16_t *numerators = p + r * kp;
-        __m512 m = _mm512_set1_ps(-3.0e38f);
-        for (int j = 0; j < blocks; j++)
-            m = _mm512_mask_max_ps(m, valid_lanes(len - 16 * j), m, _mm512_loadu_ps(scores + 16 * j));
-        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(m) * factor);
+        const __m512 shift = _mm512_permutexvar_ps(_mm512_set1_epi32(r), shifts);
         __m512 sum = _mm512_setzero_ps();
         for (int j = 0; j < blocks; j++) {
             __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + 16 * j), scaling, shift);
             __m512 e = exp2_nonpositive(x);
-            if (len - 16 * j < 16) e = _mm512_maskz_mov_ps(valid_lanes(len - 16 * j), e);
+            if (j == blocks - 1) e = _mm512_maskz_mov_ps(last, e);
             sum = _mm512_add_ps(sum, e);
             store_bf16(numerators + 16 * j, e);
         }
         for (int j = blocks * 16; j < kp; j += 16) store_bf16(numerators + j, _mm512_setzero_ps());
-        inverse_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+        partial[r] = sum;
     }
+    _mm512_storeu_ps(inverse_sum, _mm512_div_ps(_mm512_set1_ps(1.0f), sum16(partial)));
 }
 
 /* P V for 16 queries over `steps` steps of 32 keys, divided by each row's sum, into 16 rows
@@ -130,10 +162,11 @@ static inline void weigh(const uint16_t *p, int kp, const uint32_t *vp, int step
     }
     _tile_stored(0, o, D * 4);
     _tile_stored(1, o + 16, D * 4);
-    for (int r = 0; r < 16; r++) {
+    for (int r = 0; r < 16; r++) { /* a row of a head is one cache line: one store */
         __m512 w = _mm512_set1_ps(inverse_sum[r]);
-        store_bf16(dst + (long)r * hidden, _mm512_mul_ps(_mm512_loadu_ps(o + r * D), w));
-        store_bf16(dst + (long)r * hidden + 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16), w));
+        __m512bh both = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16), w),
+                                            _mm512_mul_ps(_mm512_loadu_ps(o + r * D), w));
+        _mm512_storeu_si512(dst + (long)r * hidden, (__m512i)both);
     }
 }
 
@@ -186,6 +219,13 @@ int kb_attention(const uint16_t *qkv, uint16_t *out, const int32_t *lengths, int
             const uint32_t *k = (const uint32_t *)(text + hidden + h * D);
             const uint16_t *v = text + 2 * hidden + h * D;
             uint16_t *dst = out + (long)b * n * hidden + h * D;
+            /* The next head's queries, keys and values (a cache line per token each) are
+               fetched while this one is computed, a share at each block of queries: without
+               it a quarter of the time went waiting for them at their first touch. */
+            const uint16_t *next = h + 1 < heads ? text + (h + 1) * D
+                                   : b + 1 < batch ? text + n * row : NULL;
+            const int ahead = !next ? 0 : h + 1 < heads ? len : lengths[b + 1] < n ? lengths[b + 1] : n;
+            const int share = (ahead + blocks - 1) / blocks;
             /* K^T as AMX wants it: tile j, row r = dims 2r and 2r+1 of keys 16j..16j+15. */
             for (int j = 0; j < blocks; j++) {
                 const uint32_t *keys = k + (long)16 * j * (row / 2);
@@ -207,6 +247,11 @@ int kb_attention(const uint16_t *qkv, uint16_t *out, const int32_t *lengths, int
                P V, so that the tiles do not wait for P's stores. */
             scores(q, row, kt, blocks, s, n);
             for (int qb = 0; qb < blocks; qb++) {
+                for (int t = qb * share; t < (qb + 1) * share && t < ahead; t++) {
+                    _mm_prefetch((const char *)(next + t * row), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(next + t * row + hidden), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(next + t * row + 2 * hidden), _MM_HINT_T0);
+                }
                 float inverse_sum[16];
                 softmax(s + (qb & 1) * 16 * n, n, len, scale, p, kp, inverse_sum);
                 if (qb + 1 < blocks)
