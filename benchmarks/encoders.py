@@ -1,24 +1,27 @@
 """Chunks/s of each local document encoder on one thread, on the pipeline's own chunks, and
-which one `auto` picks on this CPU: the figures behind `native_bf16`.
+which one `auto` picks on this CPU: the figures behind `native_bf16` and the AMX kernels.
 
-    .venv/bin/python -m benchmarks.encoders [--docs 20] [--chunks 480] [--rounds 2]
+    .venv/bin/python -m benchmarks.encoders [--docs 20] [--chunks 480] [--rounds 2] [--set DIR]
 
-Each encoder embeds the same chunks (stdlib pydoc pages, chunked and titled as a default KB
-does) in batches of 32, one thread each, the encoders taking turns round by round so the
-machine's drift falls on all of them. Cosine to torch fp32 is over the first 64 chunks.
+Each encoder embeds the same chunks (stdlib pydoc pages, or with `--set` the documents of a
+BEIR directory such as benchmarks/data/man200, chunked and titled as a default KB does) in
+batches of 32, one thread each, the encoders taking turns round by round so the machine's
+drift falls on all of them. Cosine to torch fp32 is over the first 64 chunks.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 
 from benchmarks.common import stdlib_documents
 from benchmarks.embedding_throughput import MODEL, pipeline_chunks
-from services.common.embedders import LocalEmbedder
+from services.common.embedders import LocalEmbedder, amx
 from services.common.embedders.local import (
     BF16_FLAGS,
     Encoder,
@@ -37,6 +40,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=20)
     parser.add_argument("--chunks", type=int, default=480)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--set", type=Path, help="a BEIR directory's corpus instead of stdlib")
     args = parser.parse_args()
 
     import torch
@@ -44,7 +48,12 @@ def main() -> None:
     torch.set_num_threads(1)
     onnx = LocalEmbedder(MODEL, backend="onnx")
     onnx.load(documents=False)
-    texts = pipeline_chunks(onnx, stdlib_documents(args.docs))[: args.chunks]
+    documents = (
+        [(d["_id"], d["text"]) for d in map(json.loads, (args.set / "corpus.jsonl").open())]
+        if args.set
+        else stdlib_documents(args.docs)
+    )
+    texts = pipeline_chunks(onnx, documents)[: args.chunks]
     spec = local_spec(onnx.name)
 
     def onnx_encoder(quantized: bool) -> Encoder:
@@ -61,6 +70,11 @@ def main() -> None:
         ),
         "onnxruntime int8 per channel (opt-in model id)": onnx_encoder(True),
     }
+    kernels = amx.build(default_cache_dir(), cpu_flags())
+    if kernels is not None:  # what `auto` runs on a CPU with AMX
+        encoders["torch bfloat16, fused, padded, AMX kernels"] = TorchEncoder(
+            onnx.model_dir, spec, 32, bf16=True, threads=1, amx_kernels=kernels
+        )
     reference = encoders["torch fp32 (the reference)"].encode(texts[:64], query=False)
     cosine = {
         name: float(np.min(np.sum(enc.encode(texts[:64], query=False) * reference, axis=1)))
