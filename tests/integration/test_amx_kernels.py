@@ -5,6 +5,7 @@ compiler; the build's fallbacks are tested everywhere."""
 from __future__ import annotations
 
 import logging
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -179,3 +180,24 @@ def test_a_failed_build_leaves_torchs_kernels_and_says_why(
         assert amx.build(tmp_path / "cache", set(amx.CPU_FLAGS)) is None
     assert "no C compiler" in caplog.text
     assert amx.load(None) is None
+
+
+def test_a_library_shipped_beside_the_source_is_used_without_a_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image compiles the library beside `amx.c` at build time (`python -m
+    services.common.embedders.amx`); at run time that one is used, with no compiler and
+    nothing written to the model cache."""
+    source = tmp_path / "package" / "amx.c"
+    source.parent.mkdir()
+    source.write_bytes(amx.SOURCE.read_bytes())
+    monkeypatch.setattr(amx, "SOURCE", source)
+    try:
+        amx.main()
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("no C compiler that builds the kernels here")
+    [shipped] = source.parent.glob("amx-*.so")
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert amx.build(tmp_path / "cache", set(amx.CPU_FLAGS)) == shipped
+    assert not (tmp_path / "cache").exists()

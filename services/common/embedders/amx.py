@@ -52,19 +52,18 @@ CFLAGS = (
 )
 
 
-def build(cache_dir: Path, cpu_flags: set[str]) -> Path | None:
-    """The library in `cache_dir`, compiled if it is not there yet; None where it cannot
-    run or be built (logged). Safe to call from several processes at once."""
-    if not CPU_FLAGS.issubset(cpu_flags):
-        return None
+def _library_name() -> str:
+    key = SOURCE.read_bytes() + " ".join(CFLAGS).encode()
+    return f"amx-{hashlib.sha256(key).hexdigest()[:16]}.so"
+
+
+def compile_library(target: Path) -> None:
+    """Compile `amx.c` into `target`, whole or not at all (a process building beside this
+    one sees either nothing or the finished file). Raises `OSError` or
+    `subprocess.SubprocessError` with the compiler's complaint."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("amx_kernels_unavailable reason=no C compiler (cc) on PATH")
-        return None
-    key = SOURCE.read_bytes() + " ".join((compiler, *CFLAGS)).encode()
-    target = cache_dir / "native" / f"amx-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    if target.exists():
-        return target
+        raise FileNotFoundError("no C compiler (cc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     try:
@@ -74,13 +73,31 @@ def build(cache_dir: Path, cpu_flags: set[str]) -> Path | None:
             capture_output=True,
             timeout=120,
         )
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def build(cache_dir: Path, cpu_flags: set[str]) -> Path | None:
+    """The library for this CPU: shipped beside the source (an image built it, see
+    `main`), else in `cache_dir`, compiled there if it is not there yet. None where it
+    cannot run or be built (logged)."""
+    if not CPU_FLAGS.issubset(cpu_flags):
+        return None
+    name = _library_name()
+    shipped = SOURCE.with_name(name)
+    if shipped.exists():
+        return shipped
+    target = cache_dir / "native" / name
+    if target.exists():
+        return target
+    try:
+        compile_library(target)
     except (OSError, subprocess.SubprocessError) as err:
         stderr = getattr(err, "stderr", b"") or b""
-        detail = stderr.decode(errors="replace").strip().splitlines()[-1:] or [repr(err)]
+        detail = stderr.decode(errors="replace").strip().splitlines()[-1:] or [str(err)]
         log.warning("amx_kernels_unavailable reason=build failed: %s", detail[0])
-        partial.unlink(missing_ok=True)
         return None
-    os.replace(partial, target)  # whole or not at all, for a process that builds beside us
     return target
 
 
@@ -166,3 +183,16 @@ def load(path: Path | None) -> AmxKernels | None:
     except OSError as err:
         log.warning("amx_kernels_unavailable reason=%s", err)
         return None
+
+
+def main() -> None:
+    """`python -m services.common.embedders.amx`: compile the library beside its source, for
+    an image whose runtime has no C compiler (the Dockerfile's build stage). Any x86-64
+    compiler that knows AMX's intrinsics builds it; it runs only where the CPU has AMX."""
+    target = SOURCE.with_name(_library_name())
+    compile_library(target)
+    print(target)
+
+
+if __name__ == "__main__":
+    main()
