@@ -10,8 +10,8 @@
 
 `KBMESH_LOCAL_BACKEND=auto` (the default): queries on onnxruntime fp32 in this process;
 document batches in child processes at a lower CPU priority (`document_processes`), in
-bfloat16 on torch where the CPU computes bfloat16 in hardware (AMX or AVX-512 BF16), else
-onnxruntime fp32.
+bfloat16 on torch where the CPU computes bfloat16 in hardware (AMX or AVX-512 BF16; with AMX,
+attention and layer norms in amx.c's kernels), else onnxruntime fp32.
 `onnx`: onnxruntime for both, in this process (torch never imported, no children).
 
 Documents and queries take separate lanes. Document chunks of concurrent `kb.index`
