@@ -1,11 +1,12 @@
 /* Two steps of a bfloat16 BERT layer on a CPU with AMX, one thread each, for `amx.py`.
 
-   Self-attention (`kb_attention`). For each text and head: scores S = Q K^T on AMX tiles (16 queries x 16 keys at a time,
-   the 32 dims of a head in one tile step), a softmax of each row in fp32 with AVX-512 over
-   the text's real keys only, then P V on tiles, divided by the row's sum and rounded to
-   bfloat16 straight into the layer's output. Padded keys are skipped rather than masked,
-   and blocks of 16 padded queries are written as zeros (nothing reads them: padded
-   positions are hidden as keys in every layer and left out of the pooling).
+   Self-attention (`kb_attention`). For each text and head: scores S = Q K^T on AMX tiles
+   (16 queries x 16 keys at a time, the 32 dims of a head in one tile step), a softmax of
+   each row in fp32 with AVX-512 over the text's real keys only, then P V on tiles, divided
+   by the row's sum and rounded to bfloat16 straight into the layer's output. Padded keys
+   are skipped rather than masked, and blocks of 16 padded queries are written as zeros
+   (nothing reads them: padded positions are hidden as keys in every layer and left out of
+   the pooling).
 
    Layer norm (`kb_layer_norm`), in place on the fused multiply's output. */
 #include <immintrin.h>
@@ -105,7 +106,8 @@ static inline void scores(const uint16_t *q, long row, const uint32_t *kt, int b
                       _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));                    \
         __m512 d = op(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD)); \
         /* the rounds leave row r's result in lane 4 (r % 4) + r / 4 */                  \
-        const __m512i rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); \
+        const __m512i rows =                                                               \
+            _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);       \
         return _mm512_permutexvar_ps(rows, d);                                             \
     }
 
@@ -224,7 +226,10 @@ int kb_attention(const uint16_t *qkv, uint16_t *out, const int32_t *lengths, int
                it a quarter of the time went waiting for them at their first touch. */
             const uint16_t *next = h + 1 < heads ? text + (h + 1) * D
                                    : b + 1 < batch ? text + n * row : NULL;
-            const int ahead = !next ? 0 : h + 1 < heads ? len : lengths[b + 1] < n ? lengths[b + 1] : n;
+            const int ahead = !next          ? 0
+                              : h + 1 < heads ? len
+                              : lengths[b + 1] < n ? lengths[b + 1]
+                                                   : n;
             const int share = (ahead + blocks - 1) / blocks;
             /* K^T as AMX wants it: tile j, row r = dims 2r and 2r+1 of keys 16j..16j+15. */
             for (int j = 0; j < blocks; j++) {
@@ -255,7 +260,8 @@ int kb_attention(const uint16_t *qkv, uint16_t *out, const int32_t *lengths, int
                 float inverse_sum[16];
                 softmax(s + (qb & 1) * 16 * n, n, len, scale, p, kp, inverse_sum);
                 if (qb + 1 < blocks)
-                    scores(q + (qb + 1) * 16 * row, row, kt, blocks, s + ((qb + 1) & 1) * 16 * n, n);
+                    scores(q + (qb + 1) * 16 * row, row, kt, blocks,
+                           s + ((qb + 1) & 1) * 16 * n, n);
                 weigh(p, kp, vp, steps, inverse_sum, o, dst + (long)qb * 16 * hidden, hidden);
             }
             for (int r = blocks * 16; r < n; r++) memset(dst + (long)r * hidden, 0, D * 2);
@@ -300,8 +306,9 @@ int kb_layer_norm(const uint16_t *x, const uint16_t *weight, const uint16_t *bia
         uint16_t *dst = out + i * width;
         for (int j = 0; j < vectors; j++) {
             __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(values + 16 * j), mean), inverse);
-            store_bf16(dst + 16 * j,
-                       _mm512_fmadd_ps(d, _mm512_load_ps(gain + 16 * j), _mm512_load_ps(offset + 16 * j)));
+            __m512 scaled = _mm512_fmadd_ps(d, _mm512_load_ps(gain + 16 * j),
+                                            _mm512_load_ps(offset + 16 * j));
+            store_bf16(dst + 16 * j, scaled);
         }
     }
     return 0;
