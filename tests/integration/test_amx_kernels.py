@@ -4,6 +4,7 @@ compiler; the build's fallbacks are tested everywhere."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 from pathlib import Path
@@ -13,7 +14,13 @@ import pytest
 import torch
 
 from services.common.embedders import amx
-from services.common.embedders.local import LocalEmbedder, TorchEncoder, cpu_flags, local_spec
+from services.common.embedders.local import (
+    LocalEmbedder,
+    OnnxEncoder,
+    TorchEncoder,
+    cpu_flags,
+    local_spec,
+)
 from tests.conftest import MODEL_CACHE_DIR
 from tests.integration.test_embedders import (  # noqa: F401 (fixture)
     MINILM,
@@ -139,10 +146,11 @@ def test_bfloat16_encoder_on_the_amx_kernels_embeds_as_on_torchs(
 
 
 def test_auto_children_run_on_the_amx_kernels(kernels: amx.AmxKernels) -> None:
-    """`auto` builds the library once in the server process and its single-threaded
-    bfloat16 children load it."""
+    """`auto` builds the library once in the server process, embeds queries there on it,
+    and its single-threaded bfloat16 children load it."""
     auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
     auto.load()
+    assert isinstance(auto._encoder._queries, amx.AmxQueryEncoder)  # type: ignore[union-attr]
     assert {m.kind for m in auto._encoder._documents.members} == {"torch-bf16-fused-amx"}  # type: ignore[union-attr]
 
 
@@ -201,3 +209,68 @@ def test_a_library_shipped_beside_the_source_is_used_without_a_compiler(
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert amx.build(tmp_path / "cache", set(amx.CPU_FLAGS)) == shipped
     assert not (tmp_path / "cache").exists()
+
+
+QUERIES = [
+    "copy files and directories",
+    "how do I find which process listens on a port",
+    "restart the service after changing its configuration",
+    "x",
+    "",
+    "word " * 400,  # past the model's 256 word pieces: cut as for every other path
+]
+
+
+def test_queries_on_amx_match_fp32(
+    kernels: amx.AmxKernels,
+    local: LocalEmbedder,  # noqa: F811
+    real_chunks: list[str],  # noqa: F811
+) -> None:
+    """The whole encoder in amx.c embeds queries (and real chunks, as long queries) as
+    fp32 does: cosine ≥ 0.9999 on every text, unit length."""
+    from services.common.embedders.tokenizing import model_input_tokenizer
+
+    spec = local_spec(MINILM)
+    model_dir = Path(spec.path())
+    encoder = amx.AmxQueryEncoder(
+        amx.build(MODEL_CACHE_DIR, cpu_flags()),  # type: ignore[arg-type]
+        model_dir,
+        model_input_tokenizer(model_dir, spec.max_seq_length),
+    )
+    texts = [*QUERIES, *real_chunks[:24]]
+    ours = encoder.encode(texts, query=True)
+    fp32 = local.encode(texts, query=True)  # onnxruntime fp32, the same as torch fp32
+    assert float(np.min(np.sum(ours * fp32, axis=1))) >= 0.9999
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_queries_on_amx_refuse_another_model_and_onnx_answers(
+    kernels: amx.AmxKernels,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`kb_encode_query` computes all-MiniLM-L6-v2's shape only: another config is refused,
+    and `auto` then embeds queries on onnxruntime, with the reason in the log."""
+    from services.common.embedders.tokenizing import model_input_tokenizer
+
+    spec = local_spec(MINILM)
+    model_dir = Path(spec.path())
+    other = tmp_path / "model"
+    other.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 12}))
+    library = amx.build(MODEL_CACHE_DIR, cpu_flags())
+    assert library is not None
+    with pytest.raises(ValueError, match="not the model"):
+        amx.AmxQueryEncoder(library, other, model_input_tokenizer(model_dir, 256))
+
+    def refuse(*_: object) -> None:
+        raise ValueError("not the model kb_encode_query computes")
+
+    monkeypatch.setattr(amx, "AmxQueryEncoder", refuse)
+    auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
+    with caplog.at_level(logging.WARNING):
+        auto.load(documents=False)
+    assert "amx_queries_unavailable" in caplog.text
+    assert isinstance(auto._encoder._queries, OnnxEncoder)  # type: ignore[union-attr]

@@ -23,6 +23,7 @@ from services.common.embedders import (
     EmbedderPool,
     LiteLLMEmbedder,
     LocalEmbedder,
+    amx,
     model_limits,
 )
 from services.common.embedders import fused as fused_module
@@ -35,6 +36,7 @@ from services.common.embedders.local import (
     OnnxEncoder,
     ProcessEncoder,
     TorchEncoder,
+    cpu_flags,
     document_workers,
     local_spec,
     native_bf16,
@@ -185,8 +187,9 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
 ) -> None:
     """`auto` embeds document batches in child processes, one single-threaded child per core
     (up to four), each call on a free one; on a CPU with bfloat16 instructions in bfloat16
-    on torch, at cosine ≥ 0.999 to fp32 on every real chunk. Queries stay on onnxruntime
-    in-process, on this CPU's query graph (`query_variant`), also at cosine ≥ 0.999."""
+    on torch, at cosine ≥ 0.999 to fp32 on every real chunk. Queries stay in-process, at
+    cosine ≥ 0.999 too: on amx.c where the CPU has AMX and the library builds, else on
+    onnxruntime with this CPU's query graph (`query_variant`)."""
     auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
     auto.load()
     texts = [*real_chunks, "word " * 400]
@@ -195,13 +198,18 @@ def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
     assert float(np.min(np.sum(documents * fp32, axis=1))) >= 0.999
     assert np.allclose(np.linalg.norm(documents, axis=1), 1.0, atol=1e-5)
     queries = auto.encode(real_chunks[:3], query=True)
-    graph = ensure_onnx(auto.model_dir, MODEL_CACHE_DIR, name=auto.name, variant=query_variant())
-    alone = OnnxEncoder(graph, auto.model_dir, local_spec(MINILM), 32, lanes="queries")
-    assert np.allclose(queries, alone.encode(real_chunks[:3], query=True), atol=1e-5)
     assert float(np.min(np.sum(queries * fp32[:3], axis=1))) >= 0.999
     lanes = auto._encoder
     assert isinstance(lanes, LaneEncoder)
-    assert isinstance(lanes._queries, OnnxEncoder)
+    if amx.build(MODEL_CACHE_DIR, cpu_flags()) is not None and native_bf16():
+        assert isinstance(lanes._queries, amx.AmxQueryEncoder)
+    else:
+        graph = ensure_onnx(
+            auto.model_dir, MODEL_CACHE_DIR, name=auto.name, variant=query_variant()
+        )
+        alone = OnnxEncoder(graph, auto.model_dir, local_spec(MINILM), 32, lanes="queries")
+        assert np.allclose(queries, alone.encode(real_chunks[:3], query=True), atol=1e-5)
+        assert isinstance(lanes._queries, OnnxEncoder)
     assert isinstance(lanes._documents, EncoderGroup)
     members = lanes._documents.members
     assert len(members) == document_workers(usable_cores())[0]

@@ -1,4 +1,5 @@
-/* Two steps of a bfloat16 BERT layer on a CPU with AMX, one thread each, for `amx.py`.
+/* BERT on a CPU with AMX, one thread, for `amx.py`: two steps of the bfloat16 document
+   encoder's layers, and a whole encoder for single queries.
 
    Self-attention (`kb_attention`). For each text and head: scores S = Q K^T on AMX tiles
    (16 queries x 16 keys at a time, the 32 dims of a head in one tile step), a softmax of
@@ -8,7 +9,10 @@
    (nothing reads them: padded positions are hidden as keys in every layer and left out of
    the pooling).
 
-   Layer norm (`kb_layer_norm`), in place on the fused multiply's output. */
+   Layer norm (`kb_layer_norm`), in place on the fused multiply's output.
+
+   A query (`kb_encode_query`): all-MiniLM-L6-v2's six layers for one text, weights in
+   bfloat16 tiles, activations in fp32 between the products, attention in fp32. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -30,7 +34,7 @@ typedef struct {
 } tile_config;
 
 /* Linux hands AMX's tile state to a process only once it asks; 0 when granted. */
-int kb_attention_init(void) {
+int kb_amx_init(void) {
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 }
 
@@ -312,4 +316,217 @@ int kb_layer_norm(const uint16_t *x, const uint16_t *weight, const uint16_t *bia
         }
     }
     return 0;
+}
+
+
+/* ---- a whole encoder for one query ---------------------------------------------------- */
+
+#define HIDDEN 384
+#define HEADS 12
+#define INNER 1536
+#define LAYERS 6
+#define POSITIONS 512
+
+/* e^(x ln 2) for any x: exp2_nonpositive's polynomial, the exponent floored at -126. */
+static inline __m512 exp2_any(__m512 t) {
+    return exp2_nonpositive(_mm512_max_ps(t, _mm512_set1_ps(-126.0f)));
+}
+
+/* erf(x) by Abramowitz and Stegun 7.1.26 (absolute error 1.5e-7), for BERT's exact GELU. */
+static inline __m512 erf_ps(__m512 x) {
+    const __m512 a = _mm512_abs_ps(x);
+    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                   _mm512_fmadd_ps(a, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.0f)));
+    __m512 y = _mm512_set1_ps(1.061405429f);
+    y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-1.453152027f));
+    y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(1.421413741f));
+    y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-0.284496736f));
+    y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(0.254829592f));
+    const __m512 e = exp2_any(_mm512_mul_ps(_mm512_mul_ps(a, a), _mm512_set1_ps(-1.4426950408889634f)));
+    const __m512 r = _mm512_fnmadd_ps(_mm512_mul_ps(y, t), e, _mm512_set1_ps(1.0f));
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+}
+
+static void round_bf16(const float *x, uint16_t *y, long n) { /* n a multiple of 32 */
+    for (long i = 0; i < n; i += 32) {
+        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+        _mm512_storeu_si512(y + i, (__m512i)v);
+    }
+}
+
+/* out[rows x n] = a[rows x k] (bfloat16) w + bias, rows a multiple of 16; w in tiles as
+   `amx.py` packs it: [n / 16][k / 32][16 pairs of inputs][16 outputs][2]. */
+static void dense(const uint16_t *a, int rows, int k, const uint16_t *w, const float *bias,
+                  float *out, int n) {
+    const int steps = k / 32, tiles = n / 16;
+    for (int block = 0; block < rows / 16; block++) {
+        const uint16_t *in = a + (long)block * 16 * k;
+        float *o = out + (long)block * 16 * n;
+        int t = 0;
+        for (; t + 3 <= tiles; t += 3) { /* three output tiles share each input tile */
+            const uint16_t *w0 = w + (long)t * steps * 512, *w1 = w0 + steps * 512,
+                           *w2 = w1 + steps * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(5);
+            for (int i = 0; i < steps; i++) {
+                _tile_loadd(2, in + i * 32, k * 2);
+                _tile_loadd(3, w0 + i * 512, 64);
+                _tile_loadd(4, w1 + i * 512, 64);
+                _tile_loadd(6, w2 + i * 512, 64);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+                _tile_dpbf16ps(5, 2, 6);
+            }
+            _tile_stored(0, o + t * 16, n * 4);
+            _tile_stored(1, o + (t + 1) * 16, n * 4);
+            _tile_stored(5, o + (t + 2) * 16, n * 4);
+        }
+        for (; t < tiles; t++) {
+            _tile_zero(0);
+            for (int i = 0; i < steps; i++) {
+                _tile_loadd(2, in + i * 32, k * 2);
+                _tile_loadd(3, w + ((long)t * steps + i) * 512, 64);
+                _tile_dpbf16ps(0, 2, 3);
+            }
+            _tile_stored(0, o + t * 16, n * 4);
+        }
+        for (int r = 0; r < 16; r++)
+            for (int j = 0; j < n; j += 16)
+                _mm512_storeu_ps(o + (long)r * n + j, _mm512_add_ps(_mm512_loadu_ps(o + (long)r * n + j),
+                                                                    _mm512_loadu_ps(bias + j)));
+    }
+}
+
+/* x = layer norm of (x + y), row by row (y may be NULL), eps 1e-12 as BERT's. */
+static void add_norm(float *x, const float *y, int rows, const float *gain, const float *offset) {
+    for (int i = 0; i < rows; i++) {
+        float *r = x + (long)i * HIDDEN;
+        __m512 v[HIDDEN / 16], sum = _mm512_setzero_ps(), squares = _mm512_setzero_ps();
+        for (int j = 0; j < HIDDEN / 16; j++) {
+            v[j] = _mm512_loadu_ps(r + 16 * j);
+            if (y) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(y + (long)i * HIDDEN + 16 * j));
+            sum = _mm512_add_ps(sum, v[j]);
+        }
+        const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / HIDDEN);
+        for (int j = 0; j < HIDDEN / 16; j++) {
+            v[j] = _mm512_sub_ps(v[j], mean);
+            squares = _mm512_fmadd_ps(v[j], v[j], squares);
+        }
+        const __m512 inverse =
+            _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / HIDDEN + 1e-12f));
+        for (int j = 0; j < HIDDEN / 16; j++)
+            _mm512_storeu_ps(r + 16 * j, _mm512_fmadd_ps(_mm512_mul_ps(v[j], inverse),
+                                                         _mm512_loadu_ps(gain + 16 * j),
+                                                         _mm512_loadu_ps(offset + 16 * j)));
+    }
+}
+
+/* Self-attention of `len` rows in fp32: qkv [rows x 3 HIDDEN] -> out [rows x HIDDEN]. */
+static void attention_fp32(const float *qkv, int len, int rows, float *keys, float *scores,
+                           float *out) {
+    const long row = 3 * HIDDEN;
+    const __m512 factor = _mm512_set1_ps(1.4426950408889634f / sqrtf(32.0f));
+    for (int h = 0; h < HEADS; h++) {
+        for (int j = 0; j < rows; j++) /* keys transposed: [32 dims][rows] */
+            for (int d = 0; d < 32; d++)
+                keys[d * rows + j] = j < len ? qkv[j * row + HIDDEN + h * 32 + d] : 0.0f;
+        for (int i = 0; i < len; i++) {
+            const float *q = qkv + i * row + h * 32;
+            __m512 m = _mm512_set1_ps(-3.0e38f);
+            for (int j = 0; j < rows; j += 16) {
+                __m512 s = _mm512_setzero_ps();
+                for (int d = 0; d < 32; d++)
+                    s = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(keys + d * rows + j), s);
+                s = _mm512_mul_ps(s, factor);
+                _mm512_storeu_ps(scores + j, s);
+                m = _mm512_mask_max_ps(m, valid_lanes(len - j), m, s);
+            }
+            const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < rows; j += 16) {
+                __m512 e = _mm512_maskz_mov_ps(
+                    valid_lanes(len - j), exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift)));
+                _mm512_storeu_ps(scores + j, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+            __m512 low = _mm512_setzero_ps(), high = _mm512_setzero_ps();
+            for (int j = 0; j < len; j++) {
+                const float *v = qkv + j * row + 2 * HIDDEN + h * 32;
+                const __m512 weight = _mm512_set1_ps(scores[j]);
+                low = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v), low);
+                high = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16), high);
+            }
+            _mm512_storeu_ps(out + (long)i * HIDDEN + h * 32, _mm512_mul_ps(low, inverse));
+            _mm512_storeu_ps(out + (long)i * HIDDEN + h * 32 + 16, _mm512_mul_ps(high, inverse));
+        }
+    }
+}
+
+/* The unit-length mean-pooled embedding of one text's `len` word pieces `ids` into out[384].
+   weights: word, position and token-type-0 embeddings and their layer norm's gain and
+   offset (fp32), then for each layer: query/key/value tiles and bias, attention output
+   tiles and bias, its layer norm's gain and offset, intermediate tiles and bias, output
+   tiles and bias, its layer norm's gain and offset. Returns 0, or < 0 when it did nothing. */
+int kb_encode_query(const int32_t *ids, int len, const void *const *weights, float *out) {
+    if (len < 1 || len > POSITIONS) return -1;
+    const int rows = (len + 15) / 16 * 16;
+    float *x = aligned_alloc(64, (size_t)rows * HIDDEN * 4);
+    float *wide = aligned_alloc(64, (size_t)rows * INNER * 4); /* query/key/value, or inner */
+    float *narrow = aligned_alloc(64, (size_t)rows * HIDDEN * 4);
+    uint16_t *input = aligned_alloc(64, (size_t)rows * INNER * 2); /* a product's input */
+    float *keys = aligned_alloc(64, (size_t)32 * rows * 4);
+    float *scores = aligned_alloc(64, (size_t)rows * 4);
+    int status = -2;
+    if (!x || !wide || !narrow || !input || !keys || !scores) goto done;
+    const float *word = weights[0], *position = weights[1], *type = weights[2];
+    memset(x, 0, (size_t)rows * HIDDEN * 4);
+    for (int i = 0; i < len; i++)
+        for (int j = 0; j < HIDDEN; j += 16)
+            _mm512_storeu_ps(x + (long)i * HIDDEN + j,
+                             _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(word + (long)ids[i] * HIDDEN + j),
+                                                         _mm512_loadu_ps(position + (long)i * HIDDEN + j)),
+                                           _mm512_loadu_ps(type + j)));
+    add_norm(x, NULL, len, weights[3], weights[4]);
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 7; i++) config.rows[i] = 16, config.colsb[i] = 64;
+    _tile_loadconfig(&config);
+    for (int l = 0; l < LAYERS; l++) {
+        const void *const *w = weights + 5 + 12 * l;
+        round_bf16(x, input, (long)rows * HIDDEN);
+        dense(input, rows, HIDDEN, w[0], w[1], wide, 3 * HIDDEN);
+        memset(narrow, 0, (size_t)rows * HIDDEN * 4);
+        attention_fp32(wide, len, rows, keys, scores, narrow);
+        round_bf16(narrow, input, (long)rows * HIDDEN);
+        dense(input, rows, HIDDEN, w[2], w[3], narrow, HIDDEN);
+        add_norm(x, narrow, len, w[4], w[5]);
+        round_bf16(x, input, (long)rows * HIDDEN);
+        dense(input, rows, HIDDEN, w[6], w[7], wide, INNER);
+        for (long i = 0; i < (long)rows * INNER; i += 16) { /* exact GELU */
+            __m512 v = _mm512_loadu_ps(wide + i);
+            __m512 cdf = _mm512_fmadd_ps(erf_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f))),
+                                         _mm512_set1_ps(0.5f), _mm512_set1_ps(0.5f));
+            _mm512_storeu_ps(wide + i, _mm512_mul_ps(v, cdf));
+        }
+        round_bf16(wide, input, (long)rows * INNER);
+        dense(input, rows, INNER, w[8], w[9], narrow, HIDDEN);
+        add_norm(x, narrow, len, w[10], w[11]);
+    }
+    _tile_release();
+    __m512 pooled[HIDDEN / 16], squares = _mm512_setzero_ps();
+    for (int j = 0; j < HIDDEN / 16; j++) pooled[j] = _mm512_setzero_ps();
+    for (int i = 0; i < len; i++)
+        for (int j = 0; j < HIDDEN / 16; j++)
+            pooled[j] = _mm512_add_ps(pooled[j], _mm512_loadu_ps(x + (long)i * HIDDEN + 16 * j));
+    for (int j = 0; j < HIDDEN / 16; j++) squares = _mm512_fmadd_ps(pooled[j], pooled[j], squares);
+    const __m512 unit = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares)));
+    for (int j = 0; j < HIDDEN / 16; j++) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(pooled[j], unit));
+    status = 0;
+done:
+    free(x), free(wide), free(narrow), free(input), free(keys), free(scores);
+    return status;
 }

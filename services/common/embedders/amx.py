@@ -1,5 +1,6 @@
-"""Two steps of the bfloat16 document encoder in a small C library (`amx.c`), for CPUs with
-AMX, built once with the system's C compiler: self-attention on AMX tiles and layer norm.
+"""BERT on CPUs with AMX in a small C library (`amx.c`), built once with the system's C
+compiler: self-attention on AMX tiles and layer norm for the bfloat16 document encoder,
+and a whole encoder for single queries (`AmxQueryEncoder`).
 
 After the dense blocks were fused (fused.py), torch's attention for CPU (its flash kernel)
 was the largest part of a bfloat16 encode left: 37 % on a Xeon with AMX, at about a tenth
@@ -8,6 +9,13 @@ tiny. The kernel computes a text's scores for one head in AMX tiles, the softmax
 over the text's real keys only (padding is skipped, not masked), and the weighted values in
 tiles again. torch's layer norm on bfloat16 took another 10 %; the kernel's runs in place on
 the fused multiply's output. Both round as torch does (docs/benchmarks.md has the figures).
+
+A query is one short text: run op by op (torch) or graph node by node (onnxruntime), the
+model spends more time between its products than in them. `AmxQueryEncoder` runs the whole
+of all-MiniLM-L6-v2 in one call: the products in AMX tiles over weights packed once in
+bfloat16, everything between them in fp32 (cosine to torch fp32 >= 0.99999 on the man
+pages' queries, where the 8-bit onnxruntime graph gives 0.99977), 1.1-1.2 ms a query back
+to back against that graph's 1.7-1.9 (docs/benchmarks.md).
 
 The library is built into the model cache (`<cache>/native/amx-<hash>.so`) the first time
 an encoder needs it, offline, and reused after. Where the CPU lacks AMX, there is no C
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -26,8 +35,11 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
+    from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +121,7 @@ class AmxKernels:
 
         self._torch = torch
         lib = ctypes.CDLL(str(library))
-        if lib.kb_attention_init() != 0:
+        if lib.kb_amx_init() != 0:
             raise OSError("the kernel refused this process AMX's tile state")
         pointers = [ctypes.c_void_p]
         self._attention = lib.kb_attention
@@ -172,6 +184,91 @@ class AmxKernels:
         if status != 0:
             raise RuntimeError(f"amx layer norm failed ({status})")
         return x
+
+
+# The shape `kb_encode_query` computes (all-MiniLM-L6-v2's), as config.json names it.
+HIDDEN, LAYERS = 384, 6
+QUERY_MODEL: dict[str, object] = {
+    "model_type": "bert",
+    "hidden_size": HIDDEN,
+    "num_attention_heads": 12,
+    "num_hidden_layers": LAYERS,
+    "intermediate_size": 1536,
+    "hidden_act": "gelu",
+    "max_position_embeddings": 512,
+    "layer_norm_eps": 1e-12,
+    "position_embedding_type": "absolute",
+}
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """fp32 to bfloat16 bits, rounded to nearest even (as torch rounds)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _tiles(weight: np.ndarray) -> np.ndarray:
+    """A linear layer's weight ([outputs, inputs]) as `amx.c`'s `dense` reads it: AMX tiles
+    of 16 outputs by 32 inputs, inputs paired, [outputs/16][inputs/32][16][16][2]."""
+    outputs, inputs = weight.shape
+    pairs = weight.T.reshape(inputs // 32, 16, 2, outputs // 16, 16)
+    return _bf16(np.ascontiguousarray(pairs.transpose(3, 0, 1, 4, 2)))
+
+
+class AmxQueryEncoder:
+    """all-MiniLM-L6-v2 embedding queries in `kb_encode_query`, one text per call, on the
+    calling thread; vectors mean-pooled and unit length as sentence-transformers gives."""
+
+    kind = "amx-bf16"
+
+    def __init__(self, library: Path, model_dir: Path, tokenizer: Tokenizer) -> None:
+        from safetensors.numpy import load_file
+
+        config = json.loads((model_dir / "config.json").read_text())
+        if any(config.get(key) != value for key, value in QUERY_MODEL.items()):
+            raise ValueError(f"{model_dir} is not the model kb_encode_query computes")
+        lib = ctypes.CDLL(str(library))
+        if lib.kb_amx_init() != 0:
+            raise OSError("the kernel refused this process AMX's tile state")
+        self._encode = lib.kb_encode_query
+        self._encode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        weights = load_file(str(model_dir / "model.safetensors"))
+
+        def fp32(name: str) -> np.ndarray:
+            return np.ascontiguousarray(weights[name], np.float32)
+
+        arrays = [
+            fp32("embeddings.word_embeddings.weight"),
+            fp32("embeddings.position_embeddings.weight"),
+            np.ascontiguousarray(weights["embeddings.token_type_embeddings.weight"][0]),
+            fp32("embeddings.LayerNorm.weight"),
+            fp32("embeddings.LayerNorm.bias"),
+        ]
+        for layer in range(LAYERS):
+            name = f"encoder.layer.{layer}."
+            projections = [f"{name}attention.self.{p}" for p in ("query", "key", "value")]
+            arrays += [
+                _tiles(np.concatenate([weights[f"{p}.weight"] for p in projections])),
+                np.concatenate([fp32(f"{p}.bias") for p in projections]),
+            ]
+            for block in ("attention.output", "intermediate", "output"):
+                arrays += [_tiles(weights[f"{name}{block}.dense.weight"])]
+                arrays += [fp32(f"{name}{block}.dense.bias")]
+                if block != "intermediate":
+                    arrays += [fp32(f"{name}{block}.LayerNorm.weight")]
+                    arrays += [fp32(f"{name}{block}.LayerNorm.bias")]
+        self._arrays = arrays  # kept alive: the library reads them by address
+        self._weights = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+        self._tokenizer = tokenizer
+
+    def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
+        out = np.empty((len(texts), HIDDEN), dtype=np.float32)
+        for row, encoding in enumerate(self._tokenizer.encode_batch(texts)):
+            ids = np.asarray(encoding.ids, dtype=np.int32)
+            status = self._encode(ids.ctypes.data, len(ids), self._weights, out[row].ctypes.data)
+            if status != 0:
+                raise RuntimeError(f"amx query encoder failed ({status})")
+        return out
 
 
 def load(path: Path | None) -> AmxKernels | None:

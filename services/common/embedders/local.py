@@ -477,6 +477,7 @@ class LocalEmbedder:
         # Queries beside document children: their own graph, 8-bit weights where it is
         # faster (`query_variant`). None: the documents' graph.
         self._query_variant: Variant | None = query_variant() if self._children else None
+        self._queries_kind: str | None = None  # "amx-bf16" once queries run on amx.c
         self._cache_dir = cache_dir or default_cache_dir()
         self._batch_size = batch_size
         self._encoder: Encoder | None = None
@@ -558,7 +559,10 @@ class LocalEmbedder:
                             self._query_variant = base
                     return graph(self._query_variant or base)
 
-                encoder = OnnxEncoder(
+                # On a CPU with AMX, amx.c: queries whole, the children's attention and
+                # layer norms. None where it does not apply or cannot be built.
+                library = self._amx_kernels() if self._bf16 else None
+                encoder = (self._children and self._amx_queries(library)) or OnnxEncoder(
                     query_graph(),
                     self.model_dir,
                     self._spec,
@@ -566,12 +570,12 @@ class LocalEmbedder:
                     lanes="queries" if self._children else "both",
                 )
                 if self._children:
-                    # Single queries stay here on onnxruntime (fastest for one short text);
-                    # document batches go to the children, in bfloat16 where the CPU has it.
+                    # Single queries stay here (fastest for one short text); document batches
+                    # go to the children, in bfloat16 where the CPU has it.
                     processes, threads = self._children
                     # One thread a child (the default up to four cores): amx.c's kernels
                     # are single-threaded, and beside a child's other threads one would wait.
-                    kernels = self._amx_kernels() if self._bf16 and threads == 1 else None
+                    kernels = library if threads == 1 else None
                     factory: Callable[[], Encoder] = (
                         functools.partial(
                             TorchEncoder,
@@ -613,12 +617,32 @@ class LocalEmbedder:
                 "embedder_loaded model=%s backend=%s queries=%s documents=%s path=%s",
                 self._model,
                 self.backend,
-                self._query_variant or "same",
+                self._queries_kind or self._query_variant or "same",
                 f"{getattr(batches.members[0], 'kind', '?')} x{len(batches.members)}"
                 if self._children
                 else type(encoder).__name__,
                 self.model_dir,
             )
+
+    def _amx_queries(self, library: Path | None) -> Encoder | None:
+        """The bundled model's queries on amx.c (`AmxQueryEncoder`), or None where the
+        library is missing or the model is not the one it computes (logged)."""
+        from services.common.embedders import amx
+
+        if library is None:
+            return None
+        try:
+            queries = amx.AmxQueryEncoder(
+                library,
+                self.model_dir,
+                model_input_tokenizer(self.model_dir, self._spec.max_seq_length),
+            )
+        except (OSError, ValueError) as err:
+            log.warning("amx_queries_unavailable model=%s reason=%s", self._model, err)
+            return None
+        self._query_variant = None
+        self._queries_kind = queries.kind
+        return queries
 
     def _amx_kernels(self) -> Path | None:
         """The AMX library for the bfloat16 children (amx.py), built here once so that they
