@@ -65,32 +65,49 @@ static inline __mmask16 valid_lanes(int valid) {
     return valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
 }
 
-/* Scores of 16 queries (tile 2, loaded here) against the text's key tiles `kt`, into
-   `s` ([16][stride]): three tiles at a time, so that they do not wait on each other. */
-static inline void scores(const uint16_t *q, long row, const uint32_t *kt, int blocks, float *s,
-                          int stride) {
-    _tile_loadd(2, q, row * 2);
-    int j = 0;
-    for (; j + 3 <= blocks; j += 3) {
+/* out[16 rows][tiles x 16] = a[16 rows][steps x 32] (bfloat16) times w, whose tiles of 16
+   outputs by 32 inputs (pairs of inputs interleaved, as AMX reads its second operand) lie
+   one after another, `steps` of them per 16 outputs. Row strides in elements. Three output
+   tiles at a time share each tile of `a`, so that they do not wait on each other; uses
+   tiles 0-6 as configured below. */
+static inline void tile_products(const uint16_t *a, long a_stride, int steps, const uint16_t *w,
+                                 int tiles, float *out, long out_stride) {
+    int t = 0;
+    for (; t + 3 <= tiles; t += 3) {
+        const uint16_t *w0 = w + (long)t * steps * 512, *w1 = w0 + steps * 512,
+                       *w2 = w1 + steps * 512;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(5);
-        _tile_loadd(3, kt + j * 256, 64);
-        _tile_loadd(4, kt + (j + 1) * 256, 64);
-        _tile_loadd(6, kt + (j + 2) * 256, 64);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
-        _tile_dpbf16ps(5, 2, 6);
-        _tile_stored(0, s + j * 16, stride * 4);
-        _tile_stored(1, s + (j + 1) * 16, stride * 4);
-        _tile_stored(5, s + (j + 2) * 16, stride * 4);
+        for (int i = 0; i < steps; i++) {
+            _tile_loadd(2, a + i * 32, a_stride * 2);
+            _tile_loadd(3, w0 + i * 512, 64);
+            _tile_loadd(4, w1 + i * 512, 64);
+            _tile_loadd(6, w2 + i * 512, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+            _tile_dpbf16ps(5, 2, 6);
+        }
+        _tile_stored(0, out + t * 16, out_stride * 4);
+        _tile_stored(1, out + (t + 1) * 16, out_stride * 4);
+        _tile_stored(5, out + (t + 2) * 16, out_stride * 4);
     }
-    for (; j < blocks; j++) {
+    for (; t < tiles; t++) {
         _tile_zero(0);
-        _tile_loadd(3, kt + j * 256, 64);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_stored(0, s + j * 16, stride * 4);
+        for (int i = 0; i < steps; i++) {
+            _tile_loadd(2, a + i * 32, a_stride * 2);
+            _tile_loadd(3, w + ((long)t * steps + i) * 512, 64);
+            _tile_dpbf16ps(0, 2, 3);
+        }
+        _tile_stored(0, out + t * 16, out_stride * 4);
     }
+}
+
+/* Scores of 16 queries against the text's key tiles `kt`, into `s` ([16][stride]): a head's
+   32 dimensions are one step. */
+static inline void scores(const uint16_t *q, long row, const uint32_t *kt, int blocks, float *s,
+                          int stride) {
+    tile_products(q, row, 1, (const uint16_t *)kt, blocks, s, stride);
 }
 
 /* Lane r of the result: the largest (`max`) or the sum of the lanes of v[r], for 16 vectors
@@ -335,16 +352,18 @@ static inline __m512 exp2_any(__m512 t) {
 /* erf(x) by Abramowitz and Stegun 7.1.26 (absolute error 1.5e-7), for BERT's exact GELU. */
 static inline __m512 erf_ps(__m512 x) {
     const __m512 a = _mm512_abs_ps(x);
-    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                   _mm512_fmadd_ps(a, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.0f)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(a, _mm512_set1_ps(0.3275911f), one));
     __m512 y = _mm512_set1_ps(1.061405429f);
     y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-1.453152027f));
     y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(1.421413741f));
     y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-0.284496736f));
     y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(0.254829592f));
-    const __m512 e = exp2_any(_mm512_mul_ps(_mm512_mul_ps(a, a), _mm512_set1_ps(-1.4426950408889634f)));
+    const __m512 squared = _mm512_mul_ps(a, a);
+    const __m512 e = exp2_any(_mm512_mul_ps(squared, _mm512_set1_ps(-1.4426950408889634f)));
     const __m512 r = _mm512_fnmadd_ps(_mm512_mul_ps(y, t), e, _mm512_set1_ps(1.0f));
-    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000));
+    const __m512i sign =
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000));
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
 }
 
@@ -359,43 +378,14 @@ static void round_bf16(const float *x, uint16_t *y, long n) { /* n a multiple of
    `amx.py` packs it: [n / 16][k / 32][16 pairs of inputs][16 outputs][2]. */
 static void dense(const uint16_t *a, int rows, int k, const uint16_t *w, const float *bias,
                   float *out, int n) {
-    const int steps = k / 32, tiles = n / 16;
     for (int block = 0; block < rows / 16; block++) {
-        const uint16_t *in = a + (long)block * 16 * k;
         float *o = out + (long)block * 16 * n;
-        int t = 0;
-        for (; t + 3 <= tiles; t += 3) { /* three output tiles share each input tile */
-            const uint16_t *w0 = w + (long)t * steps * 512, *w1 = w0 + steps * 512,
-                           *w2 = w1 + steps * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(5);
-            for (int i = 0; i < steps; i++) {
-                _tile_loadd(2, in + i * 32, k * 2);
-                _tile_loadd(3, w0 + i * 512, 64);
-                _tile_loadd(4, w1 + i * 512, 64);
-                _tile_loadd(6, w2 + i * 512, 64);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
-                _tile_dpbf16ps(5, 2, 6);
-            }
-            _tile_stored(0, o + t * 16, n * 4);
-            _tile_stored(1, o + (t + 1) * 16, n * 4);
-            _tile_stored(5, o + (t + 2) * 16, n * 4);
-        }
-        for (; t < tiles; t++) {
-            _tile_zero(0);
-            for (int i = 0; i < steps; i++) {
-                _tile_loadd(2, in + i * 32, k * 2);
-                _tile_loadd(3, w + ((long)t * steps + i) * 512, 64);
-                _tile_dpbf16ps(0, 2, 3);
-            }
-            _tile_stored(0, o + t * 16, n * 4);
-        }
+        tile_products(a + (long)block * 16 * k, k, k / 32, w, n / 16, o, n);
         for (int r = 0; r < 16; r++)
-            for (int j = 0; j < n; j += 16)
-                _mm512_storeu_ps(o + (long)r * n + j, _mm512_add_ps(_mm512_loadu_ps(o + (long)r * n + j),
-                                                                    _mm512_loadu_ps(bias + j)));
+            for (int j = 0; j < n; j += 16) {
+                float *at = o + (long)r * n + j;
+                _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), _mm512_loadu_ps(bias + j)));
+            }
     }
 }
 
@@ -438,7 +428,8 @@ static void attention_fp32(const float *qkv, int len, int rows, float *keys, flo
             for (int j = 0; j < rows; j += 16) {
                 __m512 s = _mm512_setzero_ps();
                 for (int d = 0; d < 32; d++)
-                    s = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(keys + d * rows + j), s);
+                    s = _mm512_fmadd_ps(_mm512_set1_ps(q[d]),
+                                        _mm512_loadu_ps(keys + d * rows + j), s);
                 s = _mm512_mul_ps(s, factor);
                 _mm512_storeu_ps(scores + j, s);
                 m = _mm512_mask_max_ps(m, valid_lanes(len - j), m, s);
@@ -446,8 +437,8 @@ static void attention_fp32(const float *qkv, int len, int rows, float *keys, flo
             const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(m));
             __m512 sum = _mm512_setzero_ps();
             for (int j = 0; j < rows; j += 16) {
-                __m512 e = _mm512_maskz_mov_ps(
-                    valid_lanes(len - j), exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift)));
+                __m512 x = _mm512_sub_ps(_mm512_loadu_ps(scores + j), shift);
+                __m512 e = _mm512_maskz_mov_ps(valid_lanes(len - j), exp2_nonpositive(x));
                 _mm512_storeu_ps(scores + j, e);
                 sum = _mm512_add_ps(sum, e);
             }
@@ -484,11 +475,12 @@ int kb_encode_query(const int32_t *ids, int len, const void *const *weights, flo
     const float *word = weights[0], *position = weights[1], *type = weights[2];
     memset(x, 0, (size_t)rows * HIDDEN * 4);
     for (int i = 0; i < len; i++)
-        for (int j = 0; j < HIDDEN; j += 16)
-            _mm512_storeu_ps(x + (long)i * HIDDEN + j,
-                             _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(word + (long)ids[i] * HIDDEN + j),
-                                                         _mm512_loadu_ps(position + (long)i * HIDDEN + j)),
-                                           _mm512_loadu_ps(type + j)));
+        for (int j = 0; j < HIDDEN; j += 16) {
+            __m512 sum = _mm512_add_ps(_mm512_loadu_ps(word + (long)ids[i] * HIDDEN + j),
+                                       _mm512_loadu_ps(position + (long)i * HIDDEN + j));
+            sum = _mm512_add_ps(sum, _mm512_loadu_ps(type + j));
+            _mm512_storeu_ps(x + (long)i * HIDDEN + j, sum);
+        }
     add_norm(x, NULL, len, weights[3], weights[4]);
     tile_config config;
     memset(&config, 0, sizeof config);
@@ -508,8 +500,8 @@ int kb_encode_query(const int32_t *ids, int len, const void *const *weights, flo
         dense(input, rows, HIDDEN, w[6], w[7], wide, INNER);
         for (long i = 0; i < (long)rows * INNER; i += 16) { /* exact GELU */
             __m512 v = _mm512_loadu_ps(wide + i);
-            __m512 cdf = _mm512_fmadd_ps(erf_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f))),
-                                         _mm512_set1_ps(0.5f), _mm512_set1_ps(0.5f));
+            __m512 erf = erf_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)));
+            __m512 cdf = _mm512_fmadd_ps(erf, _mm512_set1_ps(0.5f), _mm512_set1_ps(0.5f));
             _mm512_storeu_ps(wide + i, _mm512_mul_ps(v, cdf));
         }
         round_bf16(wide, input, (long)rows * INNER);
@@ -524,7 +516,8 @@ int kb_encode_query(const int32_t *ids, int len, const void *const *weights, flo
             pooled[j] = _mm512_add_ps(pooled[j], _mm512_loadu_ps(x + (long)i * HIDDEN + 16 * j));
     for (int j = 0; j < HIDDEN / 16; j++) squares = _mm512_fmadd_ps(pooled[j], pooled[j], squares);
     const __m512 unit = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares)));
-    for (int j = 0; j < HIDDEN / 16; j++) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(pooled[j], unit));
+    for (int j = 0; j < HIDDEN / 16; j++)
+        _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(pooled[j], unit));
     status = 0;
 done:
     free(x), free(wide), free(narrow), free(input), free(keys), free(scores);
