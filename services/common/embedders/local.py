@@ -8,7 +8,8 @@
     ├── ProcessEncoder   an encoder in a child process
     └── EncoderGroup     several encoders, each call on a free one
 
-`KBMESH_LOCAL_BACKEND=auto` (the default): queries on onnxruntime fp32 in this process;
+`KBMESH_LOCAL_BACKEND=auto` (the default): queries in this process, whole in amx.c on a CPU
+with AMX (`amx.AmxQueryEncoder`), else on onnxruntime (8-bit weights where that is faster);
 document batches in child processes at a lower CPU priority (`document_processes`), in
 bfloat16 on torch where the CPU computes bfloat16 in hardware (AMX or AVX-512 BF16; with AMX,
 attention and layer norms in amx.c's kernels), else onnxruntime fp32.
