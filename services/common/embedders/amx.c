@@ -38,6 +38,17 @@ int kb_amx_init(void) {
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 }
 
+/* This thread's tiles as every routine below uses them: tiles 0-6, 16 rows of 64 bytes
+   (16 x 32 bfloat16 or 16 x 16 fp32). In attention 0, 1 and 5 accumulate, 2 holds Q or P,
+   3, 4 and 6 hold K or V; in `tile_products` the same with the input and the weights. */
+static void configure_tiles(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 7; i++) config.rows[i] = 16, config.colsb[i] = 64;
+    _tile_loadconfig(&config);
+}
+
 /* 2^t for t <= 0: 2^floor(t) (exact, by scalef, which floors its exponent) times 2^f for
    f = t - floor(t) in [0, 1), by a polynomial of degree 4 fitted to it (relative error
    2.7e-6, far below bfloat16's 3.9e-3). Scores far below the row's largest give 0. */
@@ -69,7 +80,7 @@ static inline __mmask16 valid_lanes(int valid) {
    outputs by 32 inputs (pairs of inputs interleaved, as AMX reads its second operand) lie
    one after another, `steps` of them per 16 outputs. Row strides in elements. Three output
    tiles at a time share each tile of `a`, so that they do not wait on each other; uses
-   tiles 0-6 as configured below. */
+   tiles 0-6 as `configure_tiles` sets them. */
 static inline void tile_products(const uint16_t *a, long a_stride, int steps, const uint16_t *w,
                                  int tiles, float *out, long out_stride) {
     int t = 0;
@@ -212,13 +223,7 @@ int kb_attention(const uint16_t *qkv, uint16_t *out, const int32_t *lengths, int
         return -2;
     }
 
-    /* Tiles 0, 1 and 5 accumulate, 2 holds Q or P, 3, 4 and 6 hold K or V: all 16 rows of
-       64 bytes. */
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int i = 0; i < 7; i++) config.rows[i] = 16, config.colsb[i] = 64;
-    _tile_loadconfig(&config);
+    configure_tiles();
 
     /* Gather offsets of 16 keys' rows, and the interleaving of two value rows by pairs. */
     int32_t key_rows[16];
@@ -482,11 +487,7 @@ int kb_encode_query(const int32_t *ids, int len, const void *const *weights, flo
             _mm512_storeu_ps(x + (long)i * HIDDEN + j, sum);
         }
     add_norm(x, NULL, len, weights[3], weights[4]);
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int i = 0; i < 7; i++) config.rows[i] = 16, config.colsb[i] = 64;
-    _tile_loadconfig(&config);
+    configure_tiles();
     for (int l = 0; l < LAYERS; l++) {
         const void *const *w = weights + 5 + 12 * l;
         round_bf16(x, input, (long)rows * HIDDEN);

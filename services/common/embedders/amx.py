@@ -113,16 +113,22 @@ def build(cache_dir: Path, cpu_flags: set[str]) -> Path | None:
     return target
 
 
+def _open(library: Path) -> ctypes.CDLL:
+    """The built library, loaded into this process, which it lets use AMX's tiles."""
+    lib = ctypes.CDLL(str(library))
+    if lib.kb_amx_init() != 0:
+        raise OSError("the kernel refused this process AMX's tile state")
+    return lib
+
+
 class AmxKernels:
-    """The built library, loaded into this process (which it lets use AMX's tiles)."""
+    """The document encoder's kernels of the built library."""
 
     def __init__(self, library: Path) -> None:
         import torch  # here, not at the top: the server builds the library without torch
 
         self._torch = torch
-        lib = ctypes.CDLL(str(library))
-        if lib.kb_amx_init() != 0:
-            raise OSError("the kernel refused this process AMX's tile state")
+        lib = _open(library)
         pointers = [ctypes.c_void_p]
         self._attention = lib.kb_attention
         self._attention.argtypes = pointers * 3 + [ctypes.c_int] * 3 + [ctypes.c_float]
@@ -227,10 +233,7 @@ class AmxQueryEncoder:
         config = json.loads((model_dir / "config.json").read_text())
         if any(config.get(key) != value for key, value in QUERY_MODEL.items()):
             raise ValueError(f"{model_dir} is not the model kb_encode_query computes")
-        lib = ctypes.CDLL(str(library))
-        if lib.kb_amx_init() != 0:
-            raise OSError("the kernel refused this process AMX's tile state")
-        self._encode = lib.kb_encode_query
+        self._encode = _open(library).kb_encode_query
         self._encode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         weights = load_file(str(model_dir / "model.safetensors"))
 

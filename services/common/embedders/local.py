@@ -646,8 +646,9 @@ class LocalEmbedder:
         return queries
 
     def _amx_kernels(self) -> Path | None:
-        """The AMX library for the bfloat16 children (amx.py), built here once so that they
-        do not all compile it at their first start; None where it does not apply."""
+        """The AMX library (amx.py) for this process's queries and the bfloat16 children,
+        built here once so that the children do not all compile it at their first start;
+        None where it does not apply."""
         from services.common.embedders import amx
 
         return amx.build(self._cache_dir, cpu_flags())
