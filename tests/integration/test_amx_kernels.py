@@ -274,3 +274,92 @@ def test_queries_on_amx_refuse_another_model_and_onnx_answers(
         auto.load(documents=False)
     assert "amx_queries_unavailable" in caplog.text
     assert isinstance(auto._encoder._queries, OnnxEncoder)  # type: ignore[union-attr]
+
+
+def _query_encoder() -> amx.AmxQueryEncoder:
+    from services.common.embedders.tokenizing import model_input_tokenizer
+
+    spec = local_spec(MINILM)
+    model_dir = Path(spec.path())
+    library = amx.build(MODEL_CACHE_DIR, cpu_flags())
+    assert library is not None
+    return amx.AmxQueryEncoder(
+        library, model_dir, model_input_tokenizer(model_dir, spec.max_seq_length)
+    )
+
+
+# Run in a fresh interpreter: one pinned to a single core (no second core: the encode runs
+# alone), and one that forks after its first encode (the child's library has no helper
+# thread until it starts its own). Each prints its vectors.
+_CHILD = """
+import os, sys
+import numpy as np
+from tests.integration.test_amx_kernels import QUERIES, _query_encoder
+if sys.argv[1] == "one-core":
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+encoder = _query_encoder()
+texts = QUERIES + [t.upper() for t in QUERIES[:3]]
+vectors = encoder.encode(texts, query=True)
+if sys.argv[1] == "fork":
+    read, write = os.pipe()
+    if os.fork() == 0:
+        os.write(write, encoder.encode(texts, query=True).tobytes())
+        os.write(write, str(encoder.helped_encodes()).encode())
+        os._exit(0)
+    os.close(write)
+    os.wait()
+    data = b""
+    while chunk := os.read(read, 1 << 20):
+        data += chunk
+    size = vectors.nbytes
+    vectors = np.frombuffer(data[:size], dtype=np.float32).reshape(vectors.shape)
+    helped = int(data[size:])
+else:
+    helped = encoder.helped_encodes()
+np.save(sys.stdout.buffer, vectors)
+sys.stdout.buffer.write(str(helped).encode())
+"""
+
+
+def _child(mode: str) -> tuple[np.ndarray, int]:
+    import io
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, mode],
+        capture_output=True,
+        check=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
+    stream = io.BytesIO(done.stdout)
+    vectors = np.load(stream)
+    return vectors, int(stream.read())
+
+
+def test_queries_on_two_cores_are_the_vectors_of_one(kernels: amx.AmxKernels) -> None:
+    """A second core computes part of each product (amx.c's helper) where the process may
+    use one: the vectors are bit for bit those of an encode alone on a single core, with
+    several threads encoding at once (one has the helper, the others compute alone), and in
+    a forked child, which starts a helper of its own."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [*QUERIES, *(t.upper() for t in QUERIES[:3])]
+    alone, helped_alone = _child("one-core")
+    assert helped_alone == 0
+    encoder = _query_encoder()
+    before = encoder.helped_encodes()
+    ours = encoder.encode(texts, query=True)
+    if len(os.sched_getaffinity(0)) > 1:
+        assert encoder.helped_encodes() - before == len(texts)
+    assert np.array_equal(ours, alone)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda t: encoder.encode([t], query=True)[0], texts * 8))
+    assert all(np.array_equal(v, ours[i % len(texts)]) for i, v in enumerate(results))
+
+    forked, helped_in_child = _child("fork")
+    assert np.array_equal(forked, alone)
+    if len(os.sched_getaffinity(0)) > 1:
+        assert helped_in_child == 2 * len(texts)  # the parent's encodes and the child's

@@ -1,4 +1,4 @@
-/* BERT on a CPU with AMX, one thread, for `amx.py`: two steps of the bfloat16 document
+/* BERT on a CPU with AMX, for `amx.py`: two steps of the bfloat16 document
    encoder's layers, and a whole encoder for single queries.
 
    Self-attention (`kb_attention`). For each text and head: scores S = Q K^T on AMX tiles
@@ -12,13 +12,20 @@
    Layer norm (`kb_layer_norm`), in place on the fused multiply's output.
 
    A query (`kb_encode_query`): all-MiniLM-L6-v2's six layers for one text, weights in
-   bfloat16 tiles, activations in fp32 between the products, attention in fp32. */
+   bfloat16 tiles, activations in fp32 between the products, attention in fp32; a helper
+   thread on a second core computes part of each product (see "a second core"). */
+#define _GNU_SOURCE
 #include <immintrin.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -379,19 +386,191 @@ static void round_bf16(const float *x, uint16_t *y, long n) { /* n a multiple of
     }
 }
 
-/* out[rows x n] = a[rows x k] (bfloat16) w + bias, rows a multiple of 16; w in tiles as
-   `amx.py` packs it: [n / 16][k / 32][16 pairs of inputs][16 outputs][2]. */
-static void dense(const uint16_t *a, int rows, int k, const uint16_t *w, const float *bias,
-                  float *out, int n) {
+/* out[rows x n] = a[rows x k] (bfloat16) w + bias for output tiles [first, last) (16 outputs
+   each), rows a multiple of 16; w in tiles as `amx.py` packs it: [n / 16][k / 32][16 pairs
+   of inputs][16 outputs][2], so a range of output tiles is one stretch of memory. */
+static void dense_tiles(const uint16_t *a, int rows, int k, const uint16_t *w, const float *bias,
+                        float *out, int n, int first, int last) {
     for (int block = 0; block < rows / 16; block++) {
         float *o = out + (long)block * 16 * n;
-        tile_products(a + (long)block * 16 * k, k, k / 32, w, n / 16, o, n);
+        tile_products(a + (long)block * 16 * k, k, k / 32, w + (long)first * (k / 32) * 512,
+                      last - first, o + first * 16, n);
         for (int r = 0; r < 16; r++)
-            for (int j = 0; j < n; j += 16) {
+            for (int j = first * 16; j < last * 16; j += 16) {
                 float *at = o + (long)r * n + j;
                 _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), _mm512_loadu_ps(bias + j)));
             }
     }
+}
+
+/* ---- a second core for a query's products -----------------------------------------------
+
+   One query's products are too small to keep a core's arithmetic busy: each weight is read
+   once, so the encode waits on memory, and one core draws only so many bytes a second from
+   it (21 MB of bfloat16 weights, about 2.5 ms when they have left the caches, well under
+   2 ms on two cores). So while a query encodes, a helper thread on another core takes part
+   in each product.
+
+   A product's output tiles are handed out CHUNK at a time from one counter, to the caller
+   from the front and to the helper from the back. The caller never waits for the helper to
+   arrive: when the helper is late (its core busy with other work), the caller takes every
+   chunk, and waits only for a chunk the helper took and is still computing. The counter
+   carries the product's number, so a helper that comes late takes nothing of a product
+   that is over.
+
+   The helper sleeps between encodes (a futex) and is woken by each, pinned first to a core
+   other than the caller's: woken on the caller's own core, as the scheduler prefers, it
+   would only run once the caller's part is done. Waits spin briefly, then sleep. One encode
+   at a time has the helper; any other, or one in a process with a single core, computes
+   alone. */
+
+#define CHUNK 3           /* output tiles taken at a time: tile_products' three */
+#define BUSY_SPIN 200000L /* ns a wait spins within an encode before it sleeps */
+#define IDLE_SPIN 100000L /* ns the helper spins after an encode, for the next one */
+
+typedef struct {
+    const uint16_t *a, *w;
+    const float *bias;
+    float *out;
+    int rows, k, n;
+} product;
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_t thread;
+    pid_t pid;           /* the process that started it: a forked child has no helper */
+    _Atomic int encode;  /* counts encodes: wakes the helper */
+    _Atomic int posted;  /* the number of the product handed out (from 1), or -1: encode over */
+    _Atomic int working; /* the product the helper may be computing a chunk of, or 0 */
+    _Atomic int idle;    /* 1 while the helper waits for an encode */
+    _Atomic int sleepers;
+    _Atomic uint64_t chunks; /* the product's number << 32 | its chunks nobody has taken */
+    product job;
+} helper = {.lock = PTHREAD_MUTEX_INITIALIZER, .idle = 1};
+
+static _Atomic long helped; /* encodes that had the helper, for `kb_helped_encodes` */
+
+long kb_helped_encodes(void) {
+    return atomic_load(&helped);
+}
+
+static long nanoseconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void futex(_Atomic int *word, int op, int value) {
+    syscall(SYS_futex, word, op, value, NULL, NULL, 0);
+}
+
+/* Until *word differs from seen: spin for up to `spin` ns, then sleep. */
+static int wait_change(_Atomic int *word, int seen, long spin) {
+    int now;
+    for (long until = nanoseconds() + spin;;) {
+        for (int i = 0; i < 64; i++) {
+            if ((now = atomic_load(word)) != seen) return now;
+            _mm_pause();
+        }
+        if (nanoseconds() > until) break;
+    }
+    atomic_fetch_add(&helper.sleepers, 1);
+    while ((now = atomic_load(word)) == seen) futex(word, FUTEX_WAIT_PRIVATE, seen);
+    atomic_fetch_sub(&helper.sleepers, 1);
+    return now;
+}
+
+static void publish(_Atomic int *word, int value) {
+    atomic_store(word, value);
+    if (atomic_load(&helper.sleepers)) futex(word, FUTEX_WAKE_PRIVATE, 1);
+}
+
+/* Whether a chunk of product `number` was left, and is now the caller's: the caller counts
+   its chunks from the product's start, the helper from its end. */
+static int take(int number) {
+    uint64_t seen = atomic_load(&helper.chunks);
+    while ((int)(seen >> 32) == number && (uint32_t)seen > 0)
+        if (atomic_compare_exchange_weak(&helper.chunks, &seen, seen - 1)) return 1;
+    return 0;
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    for (int encodes = 0;;) {
+        encodes = wait_change(&helper.encode, encodes, IDLE_SPIN);
+        configure_tiles();
+        for (int number = 0;;) {
+            number = wait_change(&helper.posted, number, BUSY_SPIN);
+            if (number < 0) break;
+            /* Announced before taking: the caller, out of chunks, waits while it sees this. */
+            atomic_store(&helper.working, number);
+            product p;
+            for (int last = -1; take(number); last -= CHUNK) {
+                if (last < 0) p = helper.job, last = p.n / 16; /* read once a chunk is ours */
+                dense_tiles(p.a, p.rows, p.k, p.w, p.bias, p.out, p.n, last - CHUNK, last);
+            }
+            publish(&helper.working, 0);
+        }
+        _tile_release();
+        publish(&helper.idle, 1);
+    }
+    return NULL;
+}
+
+/* Whether the helper is this encode's, on a core other than the caller's; 0: compute alone. */
+static int helper_begin(void) {
+    if (pthread_mutex_trylock(&helper.lock) != 0) return 0;
+    if (helper.pid != getpid()) {
+        atomic_store(&helper.encode, 0);
+        atomic_store(&helper.posted, 0);
+        atomic_store(&helper.idle, 1);
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&helper.thread, &attr, helper_main, NULL);
+        pthread_attr_destroy(&attr);
+        if (failed) goto alone;
+        helper.pid = getpid();
+    }
+    cpu_set_t cores;
+    if (sched_getaffinity(0, sizeof cores, &cores) != 0) goto alone;
+    CPU_CLR(sched_getcpu(), &cores);
+    if (CPU_COUNT(&cores) == 0 ||
+        pthread_setaffinity_np(helper.thread, sizeof cores, &cores) != 0)
+        goto alone;
+    for (int idle = atomic_load(&helper.idle); !idle;) /* the last encode's end */
+        idle = wait_change(&helper.idle, idle, BUSY_SPIN);
+    atomic_store(&helper.idle, 0);
+    atomic_store(&helper.posted, 0);
+    publish(&helper.encode, atomic_load(&helper.encode) + 1);
+    atomic_fetch_add(&helped, 1);
+    return 1;
+alone:
+    pthread_mutex_unlock(&helper.lock);
+    return 0;
+}
+
+static void helper_end(void) {
+    publish(&helper.posted, -1);
+    pthread_mutex_unlock(&helper.lock);
+}
+
+/* dense_tiles over all of out's tiles; with the helper (`shared`), product number ++*count. */
+static void dense(const uint16_t *a, int rows, int k, const uint16_t *w, const float *bias,
+                  float *out, int n, int shared, int *count) {
+    const int tiles = n / 16;
+    if (!shared) {
+        dense_tiles(a, rows, k, w, bias, out, n, 0, tiles);
+        return;
+    }
+    const int number = ++*count;
+    helper.job = (product){a, w, bias, out, rows, k, n};
+    atomic_store(&helper.chunks, (uint64_t)number << 32 | (uint32_t)(tiles / CHUNK));
+    publish(&helper.posted, number);
+    for (int first = 0; take(number); first += CHUNK)
+        dense_tiles(a, rows, k, w, bias, out, n, first, first + CHUNK);
+    for (int working = atomic_load(&helper.working); working == number;)
+        working = wait_change(&helper.working, working, BUSY_SPIN);
 }
 
 /* x = layer norm of (x + y), row by row (y may be NULL), eps 1e-12 as BERT's. */
@@ -488,17 +667,19 @@ int kb_encode_query(const int32_t *ids, int len, const void *const *weights, flo
         }
     add_norm(x, NULL, len, weights[3], weights[4]);
     configure_tiles();
+    const int shared = helper_begin();
+    int products = 0;
     for (int l = 0; l < LAYERS; l++) {
         const void *const *w = weights + 5 + 12 * l;
         round_bf16(x, input, (long)rows * HIDDEN);
-        dense(input, rows, HIDDEN, w[0], w[1], wide, 3 * HIDDEN);
+        dense(input, rows, HIDDEN, w[0], w[1], wide, 3 * HIDDEN, shared, &products);
         memset(narrow, 0, (size_t)rows * HIDDEN * 4);
         attention_fp32(wide, len, rows, keys, scores, narrow);
         round_bf16(narrow, input, (long)rows * HIDDEN);
-        dense(input, rows, HIDDEN, w[2], w[3], narrow, HIDDEN);
+        dense(input, rows, HIDDEN, w[2], w[3], narrow, HIDDEN, shared, &products);
         add_norm(x, narrow, len, w[4], w[5]);
         round_bf16(x, input, (long)rows * HIDDEN);
-        dense(input, rows, HIDDEN, w[6], w[7], wide, INNER);
+        dense(input, rows, HIDDEN, w[6], w[7], wide, INNER, shared, &products);
         for (long i = 0; i < (long)rows * INNER; i += 16) { /* exact GELU */
             __m512 v = _mm512_loadu_ps(wide + i);
             __m512 erf = erf_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)));
@@ -506,9 +687,10 @@ int kb_encode_query(const int32_t *ids, int len, const void *const *weights, flo
             _mm512_storeu_ps(wide + i, _mm512_mul_ps(v, cdf));
         }
         round_bf16(wide, input, (long)rows * INNER);
-        dense(input, rows, INNER, w[8], w[9], narrow, HIDDEN);
+        dense(input, rows, INNER, w[8], w[9], narrow, HIDDEN, shared, &products);
         add_norm(x, narrow, len, w[10], w[11]);
     }
+    if (shared) helper_end();
     _tile_release();
     __m512 pooled[HIDDEN / 16], squares = _mm512_setzero_ps();
     for (int j = 0; j < HIDDEN / 16; j++) pooled[j] = _mm512_setzero_ps();
