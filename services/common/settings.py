@@ -163,8 +163,9 @@ class Settings(BaseSettings):
     )
     local_backend: Literal["auto", "onnx", "torch"] = Field(
         "auto",
-        description="runtime for local/... models: auto (queries on onnxruntime, with 8-bit "
-        "weights where the CPU has int8 dot products; document batches in child processes, in "
+        description="runtime for local/... models: auto (queries in amx.c on a CPU with AMX, "
+        "else on onnxruntime, with 8-bit weights where the CPU has int8 dot products; document "
+        "batches in child processes, in "
         "bfloat16 on torch where the CPU has bfloat16 instructions, else onnxruntime), onnx "
         "(fp32, one process), or torch fp32 (the reference)",
     )
