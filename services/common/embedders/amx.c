@@ -17,10 +17,10 @@
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <linux/futex.h>
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -421,8 +421,8 @@ static void dense_tiles(const uint16_t *a, int rows, int k, const uint16_t *w, c
    The helper sleeps between encodes (a futex) and is woken by each, pinned first to a core
    other than the caller's: woken on the caller's own core, as the scheduler prefers, it
    would only run once the caller's part is done. Waits spin briefly, then sleep. One encode
-   at a time has the helper; any other, or one in a process with a single core, computes
-   alone. */
+   at a time has the helper; any other, one that starts before the helper is back from the
+   last (its core busy), or one in a process with a single core, computes alone. */
 
 #define CHUNK 3           /* output tiles taken at a time: tile_products' three */
 #define BUSY_SPIN 200000L /* ns a wait spins within an encode before it sleeps */
@@ -533,13 +533,13 @@ static int helper_begin(void) {
         helper.pid = getpid();
     }
     cpu_set_t cores;
-    if (sched_getaffinity(0, sizeof cores, &cores) != 0) goto alone;
-    CPU_CLR(sched_getcpu(), &cores);
+    const int cpu = sched_getcpu();
+    if (!atomic_load(&helper.idle) || cpu < 0 || sched_getaffinity(0, sizeof cores, &cores) != 0)
+        goto alone;
+    CPU_CLR(cpu, &cores);
     if (CPU_COUNT(&cores) == 0 ||
         pthread_setaffinity_np(helper.thread, sizeof cores, &cores) != 0)
         goto alone;
-    for (int idle = atomic_load(&helper.idle); !idle;) /* the last encode's end */
-        idle = wait_change(&helper.idle, idle, BUSY_SPIN);
     atomic_store(&helper.idle, 0);
     atomic_store(&helper.posted, 0);
     publish(&helper.encode, atomic_load(&helper.encode) + 1);
