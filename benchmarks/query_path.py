@@ -10,7 +10,7 @@ text is used once per variant with a distinct suffix, so the query cache never a
 
 REST requests go over one kept-alive connection of the standard library's `http.client`,
 which costs the client little; `rest_hybrid_httpx` sends the same hybrid search from an
-`httpx.AsyncClient`, whose own work in this process adds 0.6-1 ms to each request here.
+`httpx.AsyncClient`, whose own work in this process adds about 1.6 ms to each request here.
 
 Interleaved, every measurement follows other work or an idle pause, and on these machines
 work that follows an idle pause runs about 1.5 times slower for its first milliseconds.
