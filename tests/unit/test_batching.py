@@ -135,3 +135,21 @@ def test_document_workers_split_the_cores() -> None:
     assert document_workers(8) == (4, 2)
     assert document_workers(2, processes=1) == (1, 2)
     assert document_workers(16, processes=2) == (2, 8)
+
+
+async def test_what_is_queued_is_shared_out_among_free_calls() -> None:
+    """Two free workers and 70 texts queued: two calls of 35, not 64 and 6, so that neither
+    worker idles while the other does it all; more than both can take still fills calls."""
+    model = Model()
+    batcher = Batcher(model, max_texts=64, linger_seconds=0.01, concurrency=2)
+    requests = [[f"doc{d} chunk{c}" for c in range(7)] for d in range(10)]
+    results = await asyncio.gather(*(batcher.submit(r) for r in requests))
+    for texts, vectors in zip(requests, results, strict=True):
+        assert vectors == [vector(t) for t in texts]
+    assert sorted(len(c) for c in model.calls) == [35, 35]
+
+    model.calls.clear()
+    requests = [[f"doc{d} chunk{c}" for c in range(10)] for d in range(20)]
+    await asyncio.gather(*(batcher.submit(r) for r in requests))
+    assert sum(len(c) for c in model.calls) == 200
+    assert [len(c) for c in model.calls[:2]] == [64, 64]
