@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 
 import nats
 import pytest
-from nats.aio.msg import Msg
 from nats.js.api import ObjectStoreConfig
 
 from services.common.natsproc import NatsServer
@@ -57,21 +56,17 @@ async def test_a_one_chunk_object_is_read_with_two_requests_and_no_consumer(serv
     await texts.put("org/doc/text", text)
     assert (await texts.store.get_info("org/doc/text")).chunks == 1
 
-    asked: list[str] = []
-
-    async def note(msg: Msg) -> None:
-        asked.append(msg.subject)
-
     spy = await nats.connect(server.url)
-    await spy.subscribe("$JS.API.>", cb=note)
+    requests = await spy.subscribe("$JS.API.>")
+    marker = await spy.subscribe("test.read-done")
     await spy.flush()
     assert await texts.get("org/doc/text") == text
-    # The spy hears the reader's requests on a connection of its own: they reach it some
-    # time after the reader has its answers. Wait for them, and a moment for any more.
-    deadline = time.monotonic() + 5
-    while len(asked) < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
+    # The spy hears the reader on a connection of its own, later than the reader has its
+    # answers. The server keeps one sender's order: a marker the reader sends after its
+    # requests reaches the spy after them, so once it is in, every request is queued.
+    await texts.store._js._nc.publish("test.read-done", b"")
+    await marker.next_msg(timeout=5)
+    asked = [(await requests.next_msg(timeout=1)).subject for _ in range(requests.pending_msgs)]
     await spy.close()
     assert asked == ["$JS.API.STREAM.MSG.GET.OBJ_texts"] * 2  # info, then the chunk
     assert (await texts.store._js.stream_info("OBJ_texts")).state.consumer_count == 0
