@@ -221,6 +221,18 @@ QUERIES = [
 ]
 
 
+def _query_encoder() -> amx.AmxQueryEncoder:
+    from services.common.embedders.tokenizing import model_input_tokenizer
+
+    spec = local_spec(MINILM)
+    model_dir = Path(spec.path())
+    library = amx.build(MODEL_CACHE_DIR, cpu_flags())
+    assert library is not None
+    return amx.AmxQueryEncoder(
+        library, model_dir, model_input_tokenizer(model_dir, spec.max_seq_length)
+    )
+
+
 def test_queries_on_amx_match_fp32(
     kernels: amx.AmxKernels,
     local: LocalEmbedder,  # noqa: F811
@@ -228,15 +240,7 @@ def test_queries_on_amx_match_fp32(
 ) -> None:
     """The whole encoder in amx.c embeds queries (and real chunks, as long queries) as
     fp32 does: cosine ≥ 0.9999 on every text, unit length."""
-    from services.common.embedders.tokenizing import model_input_tokenizer
-
-    spec = local_spec(MINILM)
-    model_dir = Path(spec.path())
-    encoder = amx.AmxQueryEncoder(
-        amx.build(MODEL_CACHE_DIR, cpu_flags()),  # type: ignore[arg-type]
-        model_dir,
-        model_input_tokenizer(model_dir, spec.max_seq_length),
-    )
+    encoder = _query_encoder()
     texts = [*QUERIES, *real_chunks[:24]]
     ours = encoder.encode(texts, query=True)
     fp32 = local.encode(texts, query=True)  # onnxruntime fp32, the same as torch fp32
@@ -274,18 +278,6 @@ def test_queries_on_amx_refuse_another_model_and_onnx_answers(
         auto.load(documents=False)
     assert "amx_queries_unavailable" in caplog.text
     assert isinstance(auto._encoder._queries, OnnxEncoder)  # type: ignore[union-attr]
-
-
-def _query_encoder() -> amx.AmxQueryEncoder:
-    from services.common.embedders.tokenizing import model_input_tokenizer
-
-    spec = local_spec(MINILM)
-    model_dir = Path(spec.path())
-    library = amx.build(MODEL_CACHE_DIR, cpu_flags())
-    assert library is not None
-    return amx.AmxQueryEncoder(
-        library, model_dir, model_input_tokenizer(model_dir, spec.max_seq_length)
-    )
 
 
 # Run in a fresh interpreter: one pinned to a single core (no second core: the encode runs
