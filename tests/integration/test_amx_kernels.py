@@ -282,7 +282,8 @@ def test_queries_on_amx_refuse_another_model_and_onnx_answers(
 
 # Run in a fresh interpreter: one pinned to a single core (no second core: the encode runs
 # alone), and one that forks after its first encode (the child's library has no helper
-# thread until it starts its own). Each prints its vectors.
+# thread until it starts its own). Each prints its vectors and how many of its own encodes
+# had the helper.
 _CHILD = """
 import os, sys
 import numpy as np
@@ -295,8 +296,9 @@ vectors = encoder.encode(texts, query=True)
 if sys.argv[1] == "fork":
     read, write = os.pipe()
     if os.fork() == 0:
+        inherited = encoder.helped_encodes()
         os.write(write, encoder.encode(texts, query=True).tobytes())
-        os.write(write, str(encoder.helped_encodes()).encode())
+        os.write(write, str(encoder.helped_encodes() - inherited).encode())
         os._exit(0)
     os.close(write)
     os.wait()
@@ -333,7 +335,9 @@ def test_queries_on_two_cores_are_the_vectors_of_one(kernels: amx.AmxKernels) ->
     """A second core computes part of each product (amx.c's helper) where the process may
     use one: the vectors are bit for bit those of an encode alone on a single core, with
     several threads encoding at once (one has the helper, the others compute alone), and in
-    a forked child, which starts a helper of its own."""
+    a forked child, which starts a helper of its own. (A query that starts before the
+    helper is back from the last computes alone, so back to back not every encode has it;
+    the first of a process always does.)"""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -344,7 +348,7 @@ def test_queries_on_two_cores_are_the_vectors_of_one(kernels: amx.AmxKernels) ->
     before = encoder.helped_encodes()
     ours = encoder.encode(texts, query=True)
     if len(os.sched_getaffinity(0)) > 1:
-        assert encoder.helped_encodes() - before == len(texts)
+        assert 1 <= encoder.helped_encodes() - before <= len(texts)
     assert np.array_equal(ours, alone)
 
     with ThreadPoolExecutor(4) as pool:
@@ -354,4 +358,4 @@ def test_queries_on_two_cores_are_the_vectors_of_one(kernels: amx.AmxKernels) ->
     forked, helped_in_child = _child("fork")
     assert np.array_equal(forked, alone)
     if len(os.sched_getaffinity(0)) > 1:
-        assert helped_in_child == 2 * len(texts)  # the parent's encodes and the child's
+        assert 1 <= helped_in_child <= len(texts)
