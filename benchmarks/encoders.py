@@ -1,5 +1,5 @@
 """Chunks/s of each local document encoder on one thread, on the pipeline's own chunks, and
-which one `auto` picks on this CPU: the figures behind `native_bf16` and the AMX kernels.
+which one `auto` picks on this CPU: the figures behind `native_bf16` and amx.c.
 
     .venv/bin/python -m benchmarks.encoders [--docs 20] [--chunks 480] [--rounds 2] [--set DIR]
 
@@ -70,10 +70,10 @@ def main() -> None:
         ),
         "onnxruntime int8 per channel (opt-in model id)": onnx_encoder(True),
     }
-    kernels = amx.build(default_cache_dir(), cpu_flags())
-    if kernels is not None:  # what `auto` runs on a CPU with AMX
-        encoders["torch bfloat16, fused, padded, AMX kernels"] = TorchEncoder(
-            onnx.model_dir, spec, 32, bf16=True, threads=1, amx_kernels=kernels
+    library = amx.build(default_cache_dir(), cpu_flags())
+    if library is not None:  # what `auto` runs on a CPU with AMX
+        encoders["amx.c, bfloat16 products"] = amx.AmxEncoder(
+            library, onnx.model_dir, spec.max_seq_length
         )
     reference = encoders["torch fp32 (the reference)"].encode(texts[:64], query=False)
     cosine = {
@@ -91,7 +91,13 @@ def main() -> None:
     flags = sorted(BF16_FLAGS & cpu_flags())
     print(f"date {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC  chunks {len(texts)}")
     print(f"bfloat16 flags: {', '.join(flags) or 'none'}  ->  `auto` embeds documents on ", end="")
-    print("torch bfloat16" if native_bf16() else "onnxruntime fp32")
+    print(
+        "amx.c"
+        if library is not None
+        else "torch bfloat16"
+        if native_bf16()
+        else "onnxruntime fp32"
+    )
     base = float(np.mean(rates["torch fp32 (the reference)"]))
     print("\n| encoder, one thread | chunks/s per round | vs torch fp32 | min cosine to fp32 |")
     print("| --- | --- | --- | --- |")

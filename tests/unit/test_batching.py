@@ -135,6 +135,8 @@ def test_document_workers_split_the_cores() -> None:
     assert document_workers(8) == (4, 2)
     assert document_workers(2, processes=1) == (1, 2)
     assert document_workers(16, processes=2) == (2, 8)
+    assert document_workers(8, most=16) == (8, 1)  # amx.c's single-threaded children
+    assert document_workers(32, most=16) == (16, 2)
 
 
 async def test_what_is_queued_is_shared_out_among_free_calls() -> None:

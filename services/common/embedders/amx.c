@@ -1,19 +1,20 @@
-/* BERT on a CPU with AMX, for `amx.py`: two steps of the bfloat16 document
-   encoder's layers, and a whole encoder for single queries.
+/* all-MiniLM-L6-v2 on a CPU with AMX, for `amx.py`: weights in bfloat16 tiles, every
+   product on AMX.
 
-   Self-attention (`kb_attention`). For each text and head: scores S = Q K^T on AMX tiles
+   Documents (`kb_encode_documents`): a batch of texts packed one after another, layer by
+   layer over all of its rows; what follows each product is done on its block while it is
+   in cache (see "a whole encoder for document batches").
+
+   Self-attention of a document (`attend`). For each head: scores S = Q K^T on AMX tiles
    (16 queries x 16 keys at a time, the 32 dims of a head in one tile step), a softmax of
    each row in fp32 with AVX-512 over the text's real keys only, then P V on tiles, divided
-   by the row's sum and rounded to bfloat16 straight into the layer's output. Padded keys
-   are skipped rather than masked, and blocks of 16 padded queries are written as zeros
-   (nothing reads them: padded positions are hidden as keys in every layer and left out of
-   the pooling).
+   by the row's sum and rounded to bfloat16 straight into the layer's output. Keys past the
+   text are skipped rather than masked, and rows past its last block of 16 are written as
+   zeros.
 
-   Layer norm (`kb_layer_norm`), in place on the fused multiply's output.
-
-   A query (`kb_encode_query`): all-MiniLM-L6-v2's six layers for one text, weights in
-   bfloat16 tiles, activations in fp32 between the products, attention in fp32; a helper
-   thread on a second core computes part of each product (see "a second core"). */
+   A query (`kb_encode_query`): one text, activations in fp32 between the products,
+   attention in fp32; a helper thread on a second core computes part of each product (see
+   "a second core"). */
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -45,14 +46,15 @@ int kb_amx_init(void) {
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 }
 
-/* This thread's tiles as every routine below uses them: tiles 0-6, 16 rows of 64 bytes
+/* This thread's tiles as every routine below uses them: all eight, 16 rows of 64 bytes
    (16 x 32 bfloat16 or 16 x 16 fp32). In attention 0, 1 and 5 accumulate, 2 holds Q or P,
-   3, 4 and 6 hold K or V; in `tile_products` the same with the input and the weights. */
+   3, 4 and 6 hold K or V; in `tile_products` the same with the input and the weights; in
+   `block_product` 0-3 accumulate, 4-5 hold the input and 6-7 the weights. */
 static void configure_tiles(void) {
     tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int i = 0; i < 7; i++) config.rows[i] = 16, config.colsb[i] = 64;
+    for (int i = 0; i < 8; i++) config.rows[i] = 16, config.colsb[i] = 64;
     _tile_loadconfig(&config);
 }
 
@@ -72,11 +74,6 @@ static inline __m512 exp2_nonpositive(__m512 t) {
 static inline void store_bf16(uint16_t *dst, __m512 v) {
     __m256bh h = _mm512_cvtneps_pbh(v);
     _mm256_storeu_si256((__m256i *)dst, (__m256i)h);
-}
-
-static inline __m512 load_bf16(const uint16_t *src) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 static inline __mmask16 valid_lanes(int valid) {
@@ -211,26 +208,42 @@ static inline void weigh(const uint16_t *p, int kp, const uint32_t *vp, int step
     }
 }
 
-/* qkv: [batch, n, 3 * heads * 32] bfloat16, the fused projection's output (queries, keys,
-   values, each head by head); out: [batch, n, heads * 32] bfloat16; lengths: each text's
-   unpadded length. n must be a multiple of 16. Returns 0, or < 0 when it did nothing. */
-int kb_attention(const uint16_t *qkv, uint16_t *out, const int32_t *lengths, int batch, int n,
-                 int heads, float scale) {
-    if (n <= 0 || n % 16 != 0 || heads <= 0 || batch < 0) return -1;
+/* Buffers of `attend` for texts of up to n rows. */
+typedef struct {
+    uint32_t *kt; /* [n/16][16 dim pairs][16 keys] */
+    uint32_t *vp; /* [kp/2 key pairs][32 dims] */
+    float *s;     /* scores, two blocks' [16][n] */
+    uint16_t *p;  /* softmax numerators, [16][kp] */
+    float *o;     /* one block's output, [16][32] */
+} attention_buffers;
+
+static int buffers_alloc(attention_buffers *b, int n) {
+    const int kp = (n + 31) / 32 * 32;
+    b->kt = aligned_alloc(64, (size_t)n * 16 * 4);
+    b->vp = aligned_alloc(64, (size_t)kp / 2 * D * 4);
+    b->s = aligned_alloc(64, (size_t)2 * 16 * n * 4);
+    b->p = aligned_alloc(64, (size_t)16 * kp * 2);
+    b->o = aligned_alloc(64, 16 * D * 4);
+    return b->kt && b->vp && b->s && b->p && b->o;
+}
+
+static void buffers_free(attention_buffers *b) {
+    free(b->kt), free(b->vp), free(b->s), free(b->p), free(b->o);
+}
+
+/* Self-attention of one text of `len` tokens in `n` rows (a multiple of 16, n >= len):
+   text: its [n, 3 * heads * 32] rows of the fused projection's output; dst: its [n, heads
+   * 32] rows of the output, rows past len's last block of 16 written as zeros. `next` and
+   `ahead`: the next text's rows and length, fetched into the cache meanwhile (NULL, 0: none).
+   Tiles configured by the caller. */
+static void attend(const uint16_t *text, uint16_t *dst, int len, int n, int heads, float scale,
+                   const uint16_t *next_text, int next_len, attention_buffers *buf) {
     const int hidden = heads * D;
     const long row = 3L * hidden;      /* elements from one token to the next in qkv */
     const int kp = (n + 31) / 32 * 32; /* keys rounded up to whole steps of P V */
-    uint32_t *kt = aligned_alloc(64, (size_t)n * 16 * 4);     /* [n/16][16 dim pairs][16 keys] */
-    uint32_t *vp = aligned_alloc(64, (size_t)kp / 2 * D * 4); /* [kp/2 key pairs][32 dims] */
-    float *s = aligned_alloc(64, (size_t)2 * 16 * n * 4);     /* scores, two blocks' [16][n] */
-    uint16_t *p = aligned_alloc(64, (size_t)16 * kp * 2);     /* softmax numerators, [16][kp] */
-    float *o = aligned_alloc(64, 16 * D * 4);                 /* one block's output, [16][32] */
-    if (!kt || !vp || !s || !p || !o) {
-        free(kt), free(vp), free(s), free(p), free(o);
-        return -2;
-    }
-
-    configure_tiles();
+    uint32_t *kt = buf->kt, *vp = buf->vp;
+    float *s = buf->s, *o = buf->o;
+    uint16_t *p = buf->p;
 
     /* Gather offsets of 16 keys' rows, and the interleaving of two value rows by pairs. */
     int32_t key_rows[16];
@@ -243,110 +256,55 @@ int kb_attention(const uint16_t *qkv, uint16_t *out, const int32_t *lengths, int
     const __m512i gather = _mm512_loadu_si512(key_rows);
     const __m512i pair_low = _mm512_loadu_si512(low), pair_high = _mm512_loadu_si512(high);
 
-    for (int b = 0; b < batch; b++) {
-        int len = lengths[b] < n ? lengths[b] : n;
-        if (len < 1) len = 1;
-        const int blocks = (len + 15) / 16; /* blocks of 16 queries, and tiles of 16 keys */
-        const int steps = (len + 31) / 32;  /* steps of 32 keys in P V */
-        const uint16_t *text = qkv + (long)b * n * row;
-        for (int h = 0; h < heads; h++) {
-            const uint16_t *q = text + h * D;
-            const uint32_t *k = (const uint32_t *)(text + hidden + h * D);
-            const uint16_t *v = text + 2 * hidden + h * D;
-            uint16_t *dst = out + (long)b * n * hidden + h * D;
-            /* The next head's queries, keys and values (a cache line per token each) are
-               fetched while this one is computed, a share at each block of queries: without
-               it a quarter of the time went waiting for them at their first touch. */
-            const uint16_t *next = h + 1 < heads ? text + (h + 1) * D
-                                   : b + 1 < batch ? text + n * row : NULL;
-            const int ahead = !next          ? 0
-                              : h + 1 < heads ? len
-                              : lengths[b + 1] < n ? lengths[b + 1]
-                                                   : n;
-            const int share = (ahead + blocks - 1) / blocks;
-            /* K^T as AMX wants it: tile j, row r = dims 2r and 2r+1 of keys 16j..16j+15. */
-            for (int j = 0; j < blocks; j++) {
-                const uint32_t *keys = k + (long)16 * j * (row / 2);
-                for (int r = 0; r < 16; r++)
-                    _mm512_store_si512(kt + (j * 16 + r) * 16,
-                                       _mm512_i32gather_epi32(gather, keys + r, 4));
-            }
-            /* V by pairs of keys; keys past the text are zeros, so P V ignores them. */
-            for (int i = 0; i < steps * 16; i++) {
-                __m512i even = 2 * i < len ? _mm512_loadu_si512(v + 2L * i * row)
-                                           : _mm512_setzero_si512();
-                __m512i odd = 2 * i + 1 < len ? _mm512_loadu_si512(v + (2L * i + 1) * row)
-                                              : _mm512_setzero_si512();
-                _mm512_store_si512(vp + i * D, _mm512_permutex2var_epi16(even, pair_low, odd));
-                _mm512_store_si512(vp + i * D + 16,
-                                   _mm512_permutex2var_epi16(even, pair_high, odd));
-            }
-            /* The next block's scores go to the tiles between this block's softmax and its
-               P V, so that the tiles do not wait for P's stores. */
-            scores(q, row, kt, blocks, s, n);
-            for (int qb = 0; qb < blocks; qb++) {
-                for (int t = qb * share; t < (qb + 1) * share && t < ahead; t++) {
-                    _mm_prefetch((const char *)(next + t * row), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(next + t * row + hidden), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(next + t * row + 2 * hidden), _MM_HINT_T0);
-                }
-                float inverse_sum[16];
-                softmax(s + (qb & 1) * 16 * n, n, len, scale, p, kp, inverse_sum);
-                if (qb + 1 < blocks)
-                    scores(q + (qb + 1) * 16 * row, row, kt, blocks,
-                           s + ((qb + 1) & 1) * 16 * n, n);
-                weigh(p, kp, vp, steps, inverse_sum, o, dst + (long)qb * 16 * hidden, hidden);
-            }
-            for (int r = blocks * 16; r < n; r++) memset(dst + (long)r * hidden, 0, D * 2);
+    if (len > n) len = n;
+    if (len < 1) len = 1;
+    const int blocks = (len + 15) / 16; /* blocks of 16 queries, and tiles of 16 keys */
+    const int steps = (len + 31) / 32;  /* steps of 32 keys in P V */
+    for (int h = 0; h < heads; h++) {
+        const uint16_t *q = text + h * D;
+        const uint32_t *k = (const uint32_t *)(text + hidden + h * D);
+        const uint16_t *v = text + 2 * hidden + h * D;
+        uint16_t *out = dst + h * D;
+        /* The next head's queries, keys and values (a cache line per token each) are
+           fetched while this one is computed, a share at each block of queries: without
+           it a quarter of the time went waiting for them at their first touch. */
+        const uint16_t *next = h + 1 < heads ? text + (h + 1) * D : next_text;
+        const int ahead = !next ? 0 : h + 1 < heads ? len : next_len;
+        const int share = (ahead + blocks - 1) / blocks;
+        /* K^T as AMX wants it: tile j, row r = dims 2r and 2r+1 of keys 16j..16j+15. */
+        for (int j = 0; j < blocks; j++) {
+            const uint32_t *keys = k + (long)16 * j * (row / 2);
+            for (int r = 0; r < 16; r++)
+                _mm512_store_si512(kt + (j * 16 + r) * 16,
+                                   _mm512_i32gather_epi32(gather, keys + r, 4));
         }
+        /* V by pairs of keys; keys past the text are zeros, so P V ignores them. */
+        for (int i = 0; i < steps * 16; i++) {
+            __m512i even = 2 * i < len ? _mm512_loadu_si512(v + 2L * i * row)
+                                       : _mm512_setzero_si512();
+            __m512i odd = 2 * i + 1 < len ? _mm512_loadu_si512(v + (2L * i + 1) * row)
+                                          : _mm512_setzero_si512();
+            _mm512_store_si512(vp + i * D, _mm512_permutex2var_epi16(even, pair_low, odd));
+            _mm512_store_si512(vp + i * D + 16, _mm512_permutex2var_epi16(even, pair_high, odd));
+        }
+        /* The next block's scores go to the tiles between this block's softmax and its
+           P V, so that the tiles do not wait for P's stores. */
+        scores(q, row, kt, blocks, s, n);
+        for (int qb = 0; qb < blocks; qb++) {
+            for (int t = qb * share; t < (qb + 1) * share && t < ahead; t++) {
+                _mm_prefetch((const char *)(next + t * row), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + t * row + hidden), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + t * row + 2 * hidden), _MM_HINT_T0);
+            }
+            float inverse_sum[16];
+            softmax(s + (qb & 1) * 16 * n, n, len, scale, p, kp, inverse_sum);
+            if (qb + 1 < blocks)
+                scores(q + (qb + 1) * 16 * row, row, kt, blocks, s + ((qb + 1) & 1) * 16 * n, n);
+            weigh(p, kp, vp, steps, inverse_sum, o, out + (long)qb * 16 * hidden, hidden);
+        }
+        for (int r = blocks * 16; r < n; r++) memset(out + (long)r * hidden, 0, D * 2);
     }
-    _tile_release();
-    free(kt), free(vp), free(s), free(p), free(o);
-    return 0;
 }
-
-/* Layer norm over the last `width` elements (a multiple of 16, at most 4096) of each of
-   `rows` rows, in fp32, rounded to bfloat16 into `out` (which may be `x`): what torch
-   computes for bfloat16 input and weights. Each row is read once from memory and kept in
-   L1 for the other two passes. Returns 0, or < 0 when it did nothing. */
-int kb_layer_norm(const uint16_t *x, const uint16_t *weight, const uint16_t *bias, uint16_t *out,
-                  long rows, int width, float eps) {
-    if (width <= 0 || width % 16 != 0 || width > 4096 || rows < 0) return -1;
-    static _Thread_local float values[4096] __attribute__((aligned(64)));
-    static _Thread_local float gain[4096] __attribute__((aligned(64)));
-    static _Thread_local float offset[4096] __attribute__((aligned(64)));
-    const int vectors = width / 16;
-    for (int j = 0; j < vectors; j++) {
-        _mm512_store_ps(gain + 16 * j, load_bf16(weight + 16 * j));
-        _mm512_store_ps(offset + 16 * j, load_bf16(bias + 16 * j));
-    }
-    for (long i = 0; i < rows; i++) {
-        const uint16_t *src = x + i * width;
-        __m512 sum = _mm512_setzero_ps();
-        for (int j = 0; j < vectors; j++) {
-            __m512 v = load_bf16(src + 16 * j);
-            _mm512_store_ps(values + 16 * j, v);
-            sum = _mm512_add_ps(sum, v);
-        }
-        const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / (float)width);
-        __m512 squares = _mm512_setzero_ps();
-        for (int j = 0; j < vectors; j++) {
-            __m512 d = _mm512_sub_ps(_mm512_load_ps(values + 16 * j), mean);
-            squares = _mm512_fmadd_ps(d, d, squares);
-        }
-        const float variance = _mm512_reduce_add_ps(squares) / (float)width;
-        const __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(variance + eps));
-        uint16_t *dst = out + i * width;
-        for (int j = 0; j < vectors; j++) {
-            __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(values + 16 * j), mean), inverse);
-            __m512 scaled = _mm512_fmadd_ps(d, _mm512_load_ps(gain + 16 * j),
-                                            _mm512_load_ps(offset + 16 * j));
-            store_bf16(dst + 16 * j, scaled);
-        }
-    }
-    return 0;
-}
-
 
 /* ---- a whole encoder for one query ---------------------------------------------------- */
 
@@ -361,22 +319,28 @@ static inline __m512 exp2_any(__m512 t) {
     return exp2_nonpositive(_mm512_max_ps(t, _mm512_set1_ps(-126.0f)));
 }
 
-/* erf(x) by Abramowitz and Stegun 7.1.26 (absolute error 1.5e-7), for BERT's exact GELU. */
-static inline __m512 erf_ps(__m512 x) {
+/* BERT's exact GELU(x) = x Phi(x) = x (1 + erf(x / sqrt 2)) / 2, erf by Abramowitz and
+   Stegun 7.1.26 (absolute error 1.5e-7), its division by a reciprocal estimate and one
+   Newton step (a division took most of its time). */
+static inline __m512 gelu_ps(__m512 v) {
+    const __m512 x = _mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f));
     const __m512 a = _mm512_abs_ps(x);
     const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(a, _mm512_set1_ps(0.3275911f), one));
+    const __m512 d = _mm512_fmadd_ps(a, _mm512_set1_ps(0.3275911f), one);
+    __m512 t = _mm512_rcp14_ps(d);
+    t = _mm512_mul_ps(t, _mm512_fnmadd_ps(d, t, _mm512_set1_ps(2.0f)));
     __m512 y = _mm512_set1_ps(1.061405429f);
     y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-1.453152027f));
     y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(1.421413741f));
     y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-0.284496736f));
     y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(0.254829592f));
-    const __m512 squared = _mm512_mul_ps(a, a);
-    const __m512 e = exp2_any(_mm512_mul_ps(squared, _mm512_set1_ps(-1.4426950408889634f)));
-    const __m512 r = _mm512_fnmadd_ps(_mm512_mul_ps(y, t), e, _mm512_set1_ps(1.0f));
-    const __m512i sign =
-        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+    const __m512 e = exp2_any(_mm512_mul_ps(_mm512_mul_ps(a, a), _mm512_set1_ps(-1.4426950408889634f)));
+    const __m512 r = _mm512_fnmadd_ps(_mm512_mul_ps(y, t), e, one); /* erf(|x|) */
+    /* Phi = (1 + erf(x)) / 2 = (1 + sign(x) r) / 2 */
+    const __m512 signed_r = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(r),
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000))));
+    return _mm512_mul_ps(v, _mm512_fmadd_ps(signed_r, _mm512_set1_ps(0.5f), _mm512_set1_ps(0.5f)));
 }
 
 static void round_bf16(const float *x, uint16_t *y, long n) { /* n a multiple of 32 */
@@ -573,28 +537,68 @@ static void dense(const uint16_t *a, int rows, int k, const uint16_t *w, const f
         working = wait_change(&helper.working, working, BUSY_SPIN);
 }
 
-/* x = layer norm of (x + y), row by row (y may be NULL), eps 1e-12 as BERT's. */
-static void add_norm(float *x, const float *y, int rows, const float *gain, const float *offset) {
-    for (int i = 0; i < rows; i++) {
-        float *r = x + (long)i * HIDDEN;
-        __m512 v[HIDDEN / 16], sum = _mm512_setzero_ps(), squares = _mm512_setzero_ps();
-        for (int j = 0; j < HIDDEN / 16; j++) {
-            v[j] = _mm512_loadu_ps(r + 16 * j);
-            if (y) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(y + (long)i * HIDDEN + 16 * j));
-            sum = _mm512_add_ps(sum, v[j]);
-        }
-        const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / HIDDEN);
-        for (int j = 0; j < HIDDEN / 16; j++) {
-            v[j] = _mm512_sub_ps(v[j], mean);
-            squares = _mm512_fmadd_ps(v[j], v[j], squares);
-        }
-        const __m512 inverse =
-            _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / HIDDEN + 1e-12f));
-        for (int j = 0; j < HIDDEN / 16; j++)
-            _mm512_storeu_ps(r + 16 * j, _mm512_fmadd_ps(_mm512_mul_ps(v[j], inverse),
-                                                         _mm512_loadu_ps(gain + 16 * j),
-                                                         _mm512_loadu_ps(offset + 16 * j)));
+/* r = layer norm of (r + y + bias) over HIDDEN (y, bias may be NULL), eps 1e-12 as BERT's;
+   rounded to bfloat16 into `copy` too unless it is NULL. */
+static inline void norm_row(float *r, const float *y, const float *bias, const float *gain,
+                            const float *offset, uint16_t *copy) {
+    __m512 v[HIDDEN / 16], sum = _mm512_setzero_ps(), squares = _mm512_setzero_ps();
+    for (int j = 0; j < HIDDEN / 16; j++) {
+        v[j] = _mm512_loadu_ps(r + 16 * j);
+        if (y) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(y + 16 * j));
+        if (bias) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(bias + 16 * j));
+        sum = _mm512_add_ps(sum, v[j]);
     }
+    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / HIDDEN);
+    for (int j = 0; j < HIDDEN / 16; j++) {
+        v[j] = _mm512_sub_ps(v[j], mean);
+        squares = _mm512_fmadd_ps(v[j], v[j], squares);
+    }
+    const __m512 inverse =
+        _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / HIDDEN + 1e-12f));
+    for (int j = 0; j < HIDDEN / 16; j += 2) {
+        const __m512 lo = _mm512_fmadd_ps(_mm512_mul_ps(v[j], inverse),
+                                          _mm512_loadu_ps(gain + 16 * j),
+                                          _mm512_loadu_ps(offset + 16 * j));
+        const __m512 hi = _mm512_fmadd_ps(_mm512_mul_ps(v[j + 1], inverse),
+                                          _mm512_loadu_ps(gain + 16 * j + 16),
+                                          _mm512_loadu_ps(offset + 16 * j + 16));
+        _mm512_storeu_ps(r + 16 * j, lo);
+        _mm512_storeu_ps(r + 16 * j + 16, hi);
+        if (copy) _mm512_storeu_si512(copy + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* x = layer norm of (x + y), row by row (y may be NULL). */
+static void add_norm(float *x, const float *y, int rows, const float *gain, const float *offset) {
+    for (long i = 0; i < rows; i++)
+        norm_row(x + i * HIDDEN, y ? y + i * HIDDEN : NULL, NULL, gain, offset, NULL);
+}
+
+/* x[len][HIDDEN] = the embedding layer's output for word pieces `ids`: word, position and
+   token type 0 embeddings summed, then their layer norm. */
+static void embed(const int32_t *ids, int len, const void *const *weights, float *x) {
+    const float *word = weights[0], *position = weights[1], *type = weights[2];
+    for (int i = 0; i < len; i++)
+        for (int j = 0; j < HIDDEN; j += 16) {
+            __m512 sum = _mm512_add_ps(_mm512_loadu_ps(word + (long)ids[i] * HIDDEN + j),
+                                       _mm512_loadu_ps(position + (long)i * HIDDEN + j));
+            sum = _mm512_add_ps(sum, _mm512_loadu_ps(type + j));
+            _mm512_storeu_ps(x + (long)i * HIDDEN + j, sum);
+        }
+    add_norm(x, NULL, len, weights[3], weights[4]);
+}
+
+/* out[HIDDEN] = the unit-length mean of x's first `len` rows. */
+static void pool(const float *x, int len, float *out) {
+    __m512 pooled[HIDDEN / 16], squares = _mm512_setzero_ps();
+    for (int j = 0; j < HIDDEN / 16; j++) pooled[j] = _mm512_setzero_ps();
+    for (int i = 0; i < len; i++)
+        for (int j = 0; j < HIDDEN / 16; j++)
+            pooled[j] = _mm512_add_ps(pooled[j], _mm512_loadu_ps(x + (long)i * HIDDEN + 16 * j));
+    for (int j = 0; j < HIDDEN / 16; j++) squares = _mm512_fmadd_ps(pooled[j], pooled[j], squares);
+    const __m512 unit = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares)));
+    for (int j = 0; j < HIDDEN / 16; j++)
+        _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(pooled[j], unit));
 }
 
 /* Self-attention of `len` rows in fp32: qkv [rows x 3 HIDDEN] -> out [rows x HIDDEN]. */
@@ -656,16 +660,8 @@ int kb_encode_query(const int32_t *ids, int len, const void *const *weights, flo
     float *scores = aligned_alloc(64, (size_t)rows * 4);
     int status = -2;
     if (!x || !wide || !narrow || !input || !keys || !scores) goto done;
-    const float *word = weights[0], *position = weights[1], *type = weights[2];
     memset(x, 0, (size_t)rows * HIDDEN * 4);
-    for (int i = 0; i < len; i++)
-        for (int j = 0; j < HIDDEN; j += 16) {
-            __m512 sum = _mm512_add_ps(_mm512_loadu_ps(word + (long)ids[i] * HIDDEN + j),
-                                       _mm512_loadu_ps(position + (long)i * HIDDEN + j));
-            sum = _mm512_add_ps(sum, _mm512_loadu_ps(type + j));
-            _mm512_storeu_ps(x + (long)i * HIDDEN + j, sum);
-        }
-    add_norm(x, NULL, len, weights[3], weights[4]);
+    embed(ids, len, weights, x);
     configure_tiles();
     const int shared = helper_begin();
     int products = 0;
@@ -680,29 +676,147 @@ int kb_encode_query(const int32_t *ids, int len, const void *const *weights, flo
         add_norm(x, narrow, len, w[4], w[5]);
         round_bf16(x, input, (long)rows * HIDDEN);
         dense(input, rows, HIDDEN, w[6], w[7], wide, INNER, shared, &products);
-        for (long i = 0; i < (long)rows * INNER; i += 16) { /* exact GELU */
-            __m512 v = _mm512_loadu_ps(wide + i);
-            __m512 erf = erf_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)));
-            __m512 cdf = _mm512_fmadd_ps(erf, _mm512_set1_ps(0.5f), _mm512_set1_ps(0.5f));
-            _mm512_storeu_ps(wide + i, _mm512_mul_ps(v, cdf));
-        }
+        for (long i = 0; i < (long)rows * INNER; i += 16)
+            _mm512_storeu_ps(wide + i, gelu_ps(_mm512_loadu_ps(wide + i)));
         round_bf16(wide, input, (long)rows * INNER);
         dense(input, rows, INNER, w[8], w[9], narrow, HIDDEN, shared, &products);
         add_norm(x, narrow, len, w[10], w[11]);
     }
     if (shared) helper_end();
     _tile_release();
-    __m512 pooled[HIDDEN / 16], squares = _mm512_setzero_ps();
-    for (int j = 0; j < HIDDEN / 16; j++) pooled[j] = _mm512_setzero_ps();
-    for (int i = 0; i < len; i++)
-        for (int j = 0; j < HIDDEN / 16; j++)
-            pooled[j] = _mm512_add_ps(pooled[j], _mm512_loadu_ps(x + (long)i * HIDDEN + 16 * j));
-    for (int j = 0; j < HIDDEN / 16; j++) squares = _mm512_fmadd_ps(pooled[j], pooled[j], squares);
-    const __m512 unit = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares)));
-    for (int j = 0; j < HIDDEN / 16; j++)
-        _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(pooled[j], unit));
+    pool(x, len, out);
     status = 0;
 done:
     free(x), free(wide), free(narrow), free(input), free(keys), free(scores);
+    return status;
+}
+
+
+/* ---- a whole encoder for document batches ---------------------------------------------
+
+   The texts of a batch are packed one after another, each in whole blocks of 16 rows (its
+   attention's blocks of queries), not padded to the batch's longest. Each product runs over
+   all of the batch's rows in blocks of 32 rows by 32 outputs (four accumulating tiles, two
+   of the input, two of the weights), and what follows it is done on the block while it is
+   in cache: the bias, and GELU, rounded to bfloat16 for the next product; or the bias, the
+   residual and the layer norm over whole rows, for the attention's output and the layer's.
+   The residual stream stays in fp32, as in `kb_encode_query`; products take bfloat16. */
+
+/* Rows r..r+31 of a[rows][k] times w (tiles as `dense_tiles` reads them), output tiles c and
+   c+1, into `o` (32 rows of 32 fp32, `stride` apart). Tiles 0-3 accumulate, 4-5 hold the
+   input, 6-7 the weights. */
+static inline void block_product(const uint16_t *a, int k, const uint16_t *w, int c, float *o,
+                                 long stride) {
+    const int steps = k / 32;
+    const uint16_t *w0 = w + (long)c * steps * 512, *w1 = w0 + steps * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int i = 0; i < steps; i++) {
+        _tile_loadd(4, a + i * 32, k * 2);
+        _tile_loadd(5, a + 16L * k + i * 32, k * 2);
+        _tile_loadd(6, w0 + i * 512, 64);
+        _tile_loadd(7, w1 + i * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, o, stride * 4);
+    _tile_stored(1, o + 16, stride * 4);
+    _tile_stored(2, o + 16 * stride, stride * 4);
+    _tile_stored(3, o + 16 * stride + 16, stride * 4);
+}
+
+/* out[rows][n] = bfloat16 of (a w + bias), through GELU where `gelu`; rows a multiple of 32. */
+static void product_bf16(const uint16_t *a, int rows, int k, const uint16_t *w, const float *bias,
+                         uint16_t *out, int n, int gelu) {
+    float o[32 * 32] __attribute__((aligned(64)));
+    for (int r = 0; r < rows; r += 32)
+        for (int c = 0; c < n / 16; c += 2) {
+            block_product(a + (long)r * k, k, w, c, o, 32);
+            const __m512 b0 = _mm512_loadu_ps(bias + c * 16), b1 = _mm512_loadu_ps(bias + c * 16 + 16);
+            for (int i = 0; i < 32; i++) {
+                __m512 lo = _mm512_add_ps(_mm512_load_ps(o + i * 32), b0);
+                __m512 hi = _mm512_add_ps(_mm512_load_ps(o + i * 32 + 16), b1);
+                if (gelu) lo = gelu_ps(lo), hi = gelu_ps(hi);
+                _mm512_storeu_si512(out + (long)(r + i) * n + c * 16,
+                                    (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+        }
+}
+
+/* x = layer norm of (x + a w + bias), rows of HIDDEN, and its bfloat16 copy into xb: each
+   row read and written once, while its product is in cache. */
+static void product_norm(const uint16_t *a, int rows, int k, const uint16_t *w, const float *bias,
+                         float *x, uint16_t *xb, const float *gain, const float *offset) {
+    static _Thread_local float o[32 * HIDDEN] __attribute__((aligned(64)));
+    for (int r = 0; r < rows; r += 32) {
+        for (int c = 0; c < HIDDEN / 16; c += 2)
+            block_product(a + (long)r * k, k, w, c, o + c * 16, HIDDEN);
+        for (long i = r; i < r + 32; i++)
+            norm_row(x + i * HIDDEN, o + (i - r) * HIDDEN, bias, gain, offset, xb + i * HIDDEN);
+    }
+}
+
+/* The unit-length mean-pooled embeddings of `count` texts into out[count][384]: text i has
+   lengths[i] word pieces, one after another in `ids`. `weights` as for `kb_encode_query`.
+   Returns 0, or < 0 when it did nothing. */
+int kb_encode_documents(const int32_t *ids, const int32_t *lengths, int count,
+                        const void *const *weights, float *out) {
+    if (count < 1) return -1;
+    long rows = 0;
+    int longest = 16;
+    for (int i = 0; i < count; i++) {
+        if (lengths[i] < 1 || lengths[i] > POSITIONS) return -1;
+        const int n = (lengths[i] + 15) / 16 * 16;
+        rows += n;
+        if (n > longest) longest = n;
+    }
+    rows = (rows + 31) / 32 * 32; /* whole blocks of products; the last rows belong to no text */
+    float *x = aligned_alloc(64, (size_t)rows * HIDDEN * 4);
+    uint16_t *xb = aligned_alloc(64, (size_t)rows * HIDDEN * 2);
+    uint16_t *wide = aligned_alloc(64, (size_t)rows * INNER * 2); /* query/key/value, or inner */
+    uint16_t *context = aligned_alloc(64, (size_t)rows * HIDDEN * 2);
+    attention_buffers buf;
+    const int buffers = buffers_alloc(&buf, longest);
+    int status = -2;
+    if (!x || !xb || !wide || !context || !buffers) goto done;
+    memset(x, 0, (size_t)rows * HIDDEN * 4);
+    memset(context, 0, (size_t)rows * HIDDEN * 2);
+    long at = 0;
+    for (int t = 0; t < count; ids += lengths[t++]) {
+        embed(ids, lengths[t], weights, x + at * HIDDEN);
+        at += (lengths[t] + 15) / 16 * 16;
+    }
+    round_bf16(x, xb, rows * HIDDEN);
+    const float scale = 1.0f / sqrtf((float)D);
+    configure_tiles();
+    for (int l = 0; l < LAYERS; l++) {
+        const void *const *w = weights + 5 + 12 * l;
+        product_bf16(xb, (int)rows, HIDDEN, w[0], w[1], wide, 3 * HIDDEN, 0);
+        at = 0;
+        for (int t = 0; t < count; t++) {
+            const int n = (lengths[t] + 15) / 16 * 16;
+            const int next = t + 1 < count;
+            attend(wide + at * 3 * HIDDEN, context + at * HIDDEN, lengths[t], n, HEADS, scale,
+                   next ? wide + (at + n) * 3 * HIDDEN : NULL, next ? lengths[t + 1] : 0, &buf);
+            at += n;
+        }
+        product_norm(context, (int)rows, HIDDEN, w[2], w[3], x, xb, w[4], w[5]);
+        product_bf16(xb, (int)rows, HIDDEN, w[6], w[7], wide, INNER, 1);
+        product_norm(wide, (int)rows, INNER, w[8], w[9], x, xb, w[10], w[11]);
+    }
+    _tile_release();
+    at = 0;
+    for (int t = 0; t < count; t++) {
+        pool(x + at * HIDDEN, lengths[t], out + (long)t * HIDDEN);
+        at += (lengths[t] + 15) / 16 * 16;
+    }
+    status = 0;
+done:
+    free(x), free(xb), free(wide), free(context);
+    buffers_free(&buf);
     return status;
 }

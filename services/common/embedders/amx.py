@@ -1,29 +1,30 @@
-"""BERT on CPUs with AMX in a small C library (`amx.c`), built once with the system's C
-compiler: self-attention on AMX tiles and layer norm for the bfloat16 document encoder,
-and a whole encoder for single queries (`AmxQueryEncoder`).
+"""all-MiniLM-L6-v2 on CPUs with AMX in a small C library (`amx.c`), built once with the
+system's C compiler: `AmxEncoder` embeds document batches (in the children of `auto`) and
+single queries (in the server), every product on AMX tiles over weights packed once in
+bfloat16.
 
-After the dense blocks were fused (fused.py), torch's attention for CPU (its flash kernel)
-was the largest part of a bfloat16 encode left: 37 % on a Xeon with AMX, at about a tenth
-of the bfloat16 peak, because a head of 32 dimensions makes each of its blocked products
-tiny. The kernel computes a text's scores for one head in AMX tiles, the softmax in fp32
-over the text's real keys only (padding is skipped, not masked), and the weighted values in
-tiles again. torch's layer norm on bfloat16 took another 10 %; the kernel's runs in place on
-the fused multiply's output. Both round as torch does (docs/benchmarks.md has the figures).
+Documents. torch's bfloat16 encoder, fused (fused.py), with attention and layer norms in this
+library, embedded 125-135 man-page chunks a second on one core; its dense products in oneDNN
+were half of that time, their exact GELU about as long as the intermediate product itself.
+`kb_encode_documents` runs the whole model in one call: the texts of a batch packed one
+after another (each rounded up to 16 rows, not padded to the longest), each product in
+blocks whose bias, GELU or residual and layer norm are applied while the block is in cache,
+the residual stream in fp32. On the same chunks, one core: 150-163 chunks a second, cosine
+to torch fp32 >= 0.99997 (torch bfloat16: 0.99993); docs/benchmarks.md has the figures.
 
-A query is one short text: run op by op (torch) or graph node by node (onnxruntime), the
-model spends more time between its products than in them. `AmxQueryEncoder` runs the whole
-of all-MiniLM-L6-v2 in one call: the products in AMX tiles over weights packed once in
-bfloat16, everything between them in fp32 (cosine to torch fp32 >= 0.99999 on the man
-pages' queries, where the 8-bit onnxruntime graph gives 0.99977), 1.1-1.2 ms a query back
-to back against that graph's 1.7-1.9 (docs/benchmarks.md). Its products wait on memory
-more than they compute, so a helper thread on a second core takes part in each (when the
-weights have left the caches between two searches: 2.2-2.5 ms instead of 3.3-3.5), with
-vectors bit for bit those of one core.
+Queries. A query is one short text: run op by op (torch) or graph node by node
+(onnxruntime), the model spends more time between its products than in them.
+`kb_encode_query` runs the whole model for one text with everything between the products
+in fp32 (cosine to torch fp32 >= 0.99999 on the man pages' queries, where the 8-bit
+onnxruntime graph gives 0.99977), 1.1-1.2 ms a query back to back against that graph's
+1.7-1.9. Its products wait on memory more than they compute, so a helper thread on a second
+core takes part in each (when the weights have left the caches between two searches: 2.2-2.5
+ms instead of 3.3-3.5), with vectors bit for bit those of one core.
 
 The library is built into the model cache (`<cache>/native/amx-<hash>.so`) the first time
 an encoder needs it, offline, and reused after. Where the CPU lacks AMX, there is no C
-compiler or the build fails, nothing changes: the encoder keeps torch's kernels and the log
-says why.
+compiler or the build fails, nothing changes: documents run on torch bfloat16 and queries on
+onnxruntime, and the log says why.
 """
 
 from __future__ import annotations
@@ -36,20 +37,13 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    import torch
-    from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("amx.c")
-HEAD_SIZE = 32  # the attention kernel's head size (all-MiniLM-L6-v2's)
-ROWS = 16  # lengths must be whole tiles of rows (the bfloat16 batches are padded to 16)
-MAX_WIDTH = 4096  # the widest layer norm the kernel takes
+ROWS = 16  # a text takes whole tiles of rows: its length rounded up to 16
 # What the library's instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 CFLAGS = (
@@ -112,7 +106,7 @@ def build(cache_dir: Path, cpu_flags: set[str]) -> Path | None:
     except (OSError, subprocess.SubprocessError) as err:
         stderr = getattr(err, "stderr", b"") or b""
         detail = stderr.decode(errors="replace").strip().splitlines()[-1:] or [str(err)]
-        log.warning("amx_kernels_unavailable reason=build failed: %s", detail[0])
+        log.warning("amx_library_unavailable reason=build failed: %s", detail[0])
         return None
     return target
 
@@ -125,80 +119,9 @@ def _open(library: Path) -> ctypes.CDLL:
     return lib
 
 
-class AmxKernels:
-    """The document encoder's kernels of the built library."""
-
-    def __init__(self, library: Path) -> None:
-        import torch  # here, not at the top: the server builds the library without torch
-
-        self._torch = torch
-        lib = _open(library)
-        pointers = [ctypes.c_void_p]
-        self._attention = lib.kb_attention
-        self._attention.argtypes = pointers * 3 + [ctypes.c_int] * 3 + [ctypes.c_float]
-        self._layer_norm = lib.kb_layer_norm
-        self._layer_norm.argtypes = pointers * 4 + [ctypes.c_long, ctypes.c_int, ctypes.c_float]
-
-    def _bf16(self, tensor: torch.Tensor) -> bool:
-        return tensor.dtype == self._torch.bfloat16 and tensor.is_contiguous()
-
-    def fits_attention(self, qkv: torch.Tensor, head_size: int) -> bool:
-        """Whether `attention` computes this layer's: a contiguous bfloat16 projection of
-        heads of 32, lengths a multiple of 16."""
-        return (
-            head_size == HEAD_SIZE and qkv.dim() == 3 and qkv.shape[1] % ROWS == 0
-        ) and self._bf16(qkv)
-
-    def attention(
-        self, qkv: torch.Tensor, lengths: torch.Tensor, heads: int, scale: float
-    ) -> torch.Tensor:
-        """Attention over `qkv` ([batch, n, 3 x heads x 32]: queries, keys, values), each
-        text attending to its first `lengths[i]` keys (int32); [batch, n, heads x 32]."""
-        batch, length, _ = qkv.shape
-        torch = self._torch
-        out = torch.empty(batch, length, heads * HEAD_SIZE, dtype=torch.bfloat16)
-        status = self._attention(
-            qkv.data_ptr(), out.data_ptr(), lengths.data_ptr(), batch, length, heads, scale
-        )
-        if status != 0:
-            raise RuntimeError(f"amx attention failed ({status})")
-        return out
-
-    def fits_layer_norm(self, x: torch.Tensor, norm: torch.nn.LayerNorm) -> bool:
-        """Whether `layer_norm_` computes `norm` of `x`: bfloat16 throughout, over the last
-        dimension, a multiple of 16 wide."""
-        width = x.shape[-1]
-        return (
-            norm.normalized_shape == (width,)
-            and width % 16 == 0
-            and width <= MAX_WIDTH
-            and norm.weight is not None
-            and norm.bias is not None
-            and self._bf16(x)
-            and self._bf16(norm.weight)
-            and self._bf16(norm.bias)
-        )
-
-    def layer_norm_(self, x: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
-        """`norm(x)`, written over `x`."""
-        width = x.shape[-1]
-        status = self._layer_norm(
-            x.data_ptr(),
-            norm.weight.data_ptr(),
-            norm.bias.data_ptr(),
-            x.data_ptr(),
-            x.numel() // width,
-            width,
-            norm.eps,
-        )
-        if status != 0:
-            raise RuntimeError(f"amx layer norm failed ({status})")
-        return x
-
-
-# The shape `kb_encode_query` computes (all-MiniLM-L6-v2's), as config.json names it.
+# The shape amx.c's encoders compute (all-MiniLM-L6-v2's), as config.json names it.
 HIDDEN, LAYERS = 384, 6
-QUERY_MODEL: dict[str, object] = {
+MODEL: dict[str, object] = {
     "model_type": "bert",
     "hidden_size": HIDDEN,
     "num_attention_heads": 12,
@@ -225,21 +148,33 @@ def _tiles(weight: np.ndarray) -> np.ndarray:
     return _bf16(np.ascontiguousarray(pairs.transpose(3, 0, 1, 4, 2)))
 
 
-class AmxQueryEncoder:
-    """all-MiniLM-L6-v2 embedding queries in `kb_encode_query`, one text per call, on the
-    calling thread; vectors mean-pooled and unit length as sentence-transformers gives."""
+# Rows of one `kb_encode_documents` call, at most (a text takes its length rounded up to 16):
+# its activations, about 8 KB a row, stay a few tens of MB. 1,155 man-page chunks on one
+# core, in calls of 4 to 32 texts of ~200 word pieces: 153-163 chunks/s, 122 in calls of 64.
+DOCUMENT_ROWS = 4096
+
+
+class AmxEncoder:
+    """all-MiniLM-L6-v2 on amx.c, vectors mean-pooled and unit length as sentence-transformers
+    gives them: a query one text per call to `kb_encode_query` (with a second core's help),
+    documents in batches through `kb_encode_documents`, on the calling thread."""
 
     kind = "amx-bf16"
 
-    def __init__(self, library: Path, model_dir: Path, tokenizer: Tokenizer) -> None:
+    def __init__(self, library: Path, model_dir: Path, max_seq_length: int) -> None:
         from safetensors.numpy import load_file
 
+        from services.common.embedders.tokenizing import model_input_tokenizer
+
         config = json.loads((model_dir / "config.json").read_text())
-        if any(config.get(key) != value for key, value in QUERY_MODEL.items()):
-            raise ValueError(f"{model_dir} is not the model kb_encode_query computes")
+        if any(config.get(key) != value for key, value in MODEL.items()):
+            raise ValueError(f"{model_dir} is not the model amx.c computes")
         lib = _open(library)
-        self._encode = lib.kb_encode_query
-        self._encode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        pointer, number = ctypes.c_void_p, ctypes.c_int
+        self._query = lib.kb_encode_query
+        self._query.argtypes = [pointer, number, pointer, pointer]
+        self._documents = lib.kb_encode_documents
+        self._documents.argtypes = [pointer, pointer, number, pointer, pointer]
         self._helped = lib.kb_helped_encodes
         self._helped.restype = ctypes.c_long
         weights = load_file(str(model_dir / "model.safetensors"))
@@ -269,31 +204,37 @@ class AmxQueryEncoder:
                     arrays += [fp32(f"{name}{block}.LayerNorm.bias")]
         self._arrays = arrays  # kept alive: the library reads them by address
         self._weights = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-        self._tokenizer = tokenizer
+        self._tokenizer = model_input_tokenizer(model_dir, max_seq_length)
 
     def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
         out = np.empty((len(texts), HIDDEN), dtype=np.float32)
-        for row, encoding in enumerate(self._tokenizer.encode_batch(texts)):
-            ids = np.asarray(encoding.ids, dtype=np.int32)
-            status = self._encode(ids.ctypes.data, len(ids), self._weights, out[row].ctypes.data)
-            if status != 0:
-                raise RuntimeError(f"amx query encoder failed ({status})")
+        encodings = [np.asarray(e.ids, np.int32) for e in self._tokenizer.encode_batch(texts)]
+        if query:
+            for row, ids in enumerate(encodings):
+                status = self._query(ids.ctypes.data, len(ids), self._weights, out[row].ctypes.data)
+                if status != 0:
+                    raise RuntimeError(f"amx query encoder failed ({status})")
+            return out
+        first = rows = 0
+        for last, ids in enumerate(encodings, 1):
+            rows += -(-len(ids) // ROWS) * ROWS
+            if rows >= DOCUMENT_ROWS or last == len(encodings):
+                self._encode_documents(encodings[first:last], out[first:last])
+                first, rows = last, 0
         return out
 
+    def _encode_documents(self, encodings: list[np.ndarray], out: np.ndarray) -> None:
+        ids = np.concatenate(encodings)
+        lengths = np.asarray([len(e) for e in encodings], np.int32)
+        status = self._documents(
+            ids.ctypes.data, lengths.ctypes.data, len(lengths), self._weights, out.ctypes.data
+        )
+        if status != 0:
+            raise RuntimeError(f"amx document encoder failed ({status})")
+
     def helped_encodes(self) -> int:
-        """Encodes in this process so far that had a second core (see amx.c's helper)."""
+        """Query encodes in this process so far that had a second core (see amx.c's helper)."""
         return int(self._helped())
-
-
-def load(path: Path | None) -> AmxKernels | None:
-    """The library at `path` (from `build`), or None where it cannot be used here (logged)."""
-    if path is None:
-        return None
-    try:
-        return AmxKernels(path)
-    except OSError as err:
-        log.warning("amx_kernels_unavailable reason=%s", err)
-        return None
 
 
 def main() -> None:

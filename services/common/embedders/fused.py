@@ -16,8 +16,7 @@ floats at every layer). On a Xeon with AMX, 256 man-page chunks, one thread: the
 projections took 10 % of a batch and that mask conversion 4 %; with both fused, 1.07x the
 chunks/s (docs/benchmarks.md).
 
-On a CPU with AMX, attention and the layer norms after the dense blocks can run in amx.c's
-kernels instead (amx.py): 1.2-1.3x the chunks/s again.
+(On a CPU with AMX, documents run in amx.c instead, see amx.py.)
 
 Only what is known is replaced: a layer whose structure or activation is not the one
 below, or a torch without the kernel, keeps its own modules.
@@ -31,8 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from services.common.embedders.amx import AmxKernels
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +59,11 @@ class DenseGelu(nn.Module):
 class PaddingMask:
     """The attention mask of one forward pass reduced to one row per text, computed once
     for all layers (they are all handed the same tensor). BERT's mask hides padded keys
-    from every query alike, so its rows repeat; a mask whose rows differ is passed as is.
-    Where it hides a tail of padding from each text, also each text's length."""
+    from every query alike, so its rows repeat; a mask whose rows differ is passed as is."""
 
     def __init__(self) -> None:
         self._mask: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
-        self._lengths: torch.Tensor | None = None
 
     def __call__(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         if mask is None or mask.dim() != 4:
@@ -77,37 +72,14 @@ class PaddingMask:
             row = mask[:, :, :1, :]
             self._mask = mask
             self._rows = row if torch.equal(mask, row.expand_as(mask)) else mask
-            self._lengths = self._padding(self._rows)
         return self._rows
-
-    @staticmethod
-    def _padding(rows: torch.Tensor) -> torch.Tensor | None:
-        if rows.shape[1:3] != (1, 1):
-            return None
-        seen = rows[:, 0, 0, :]
-        seen = seen if seen.dtype == torch.bool else seen == 0  # additive masks: 0 = seen
-        lengths = seen.sum(-1, dtype=torch.int32)
-        tail = torch.arange(seen.shape[-1]) < lengths[:, None]
-        return lengths if torch.equal(seen, tail) else None
-
-    def lengths(self, mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-        """Each text's unpadded length under `mask` (int32), or None where the mask hides
-        something other than a tail of padding."""
-        if mask is None:
-            return torch.full((batch,), length, dtype=torch.int32)
-        if mask.dim() != 4:
-            return None
-        self(mask)
-        return self._lengths
 
 
 class FusedSelfAttention(nn.Module):
     """`BertSelfAttention` of an encoder in inference: one multiply for query, key and value,
     then torch's scaled dot-product attention (what transformers' `sdpa` runs)."""
 
-    def __init__(
-        self, attention: Any, masks: PaddingMask, kernels: AmxKernels | None = None
-    ) -> None:
+    def __init__(self, attention: Any, masks: PaddingMask) -> None:
         super().__init__()
         projections = (attention.query, attention.key, attention.value)
         self.weight = nn.Parameter(torch.cat([p.weight for p in projections]).detach(), False)
@@ -116,7 +88,6 @@ class FusedSelfAttention(nn.Module):
         self.head_size: int = attention.attention_head_size
         self.scaling: float = attention.scaling
         self.masks = masks
-        self.kernels = kernels
 
     def forward(
         self,
@@ -131,10 +102,6 @@ class FusedSelfAttention(nn.Module):
             raise RuntimeError("fused self-attention serves encoders only")
         batch, length, _hidden = hidden_states.shape
         qkv = _pointwise(hidden_states, self.weight, self.bias, "none", [], "")
-        if self.kernels is not None and self.kernels.fits_attention(qkv, self.head_size):
-            lengths = self.masks.lengths(attention_mask, batch, length)
-            if lengths is not None:
-                return self.kernels.attention(qkv, lengths, self.heads, self.scaling), None
         shape = (batch, length, 3, self.heads, self.head_size)
         query, key, value = qkv.view(shape).permute(2, 0, 3, 1, 4).unbind(0)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -147,20 +114,14 @@ class DenseAddNorm(nn.Module):
     """`BertSelfOutput` / `BertOutput` in inference: dense, residual add, layer norm
     (their dropout is the identity outside training)."""
 
-    def __init__(
-        self, dense: nn.Linear, norm: nn.LayerNorm, kernels: AmxKernels | None = None
-    ) -> None:
+    def __init__(self, dense: nn.Linear, norm: nn.LayerNorm) -> None:
         super().__init__()
         self.weight = dense.weight
         self.bias = dense.bias
         self.LayerNorm = norm
-        self.kernels = kernels
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        fused = _pointwise.binary(hidden, residual, self.weight, self.bias, "add")
-        if self.kernels is not None and self.kernels.fits_layer_norm(fused, self.LayerNorm):
-            return self.kernels.layer_norm_(fused, self.LayerNorm)  # a fresh tensor: in place
-        return self.LayerNorm(fused)
+        return self.LayerNorm(_pointwise.binary(hidden, residual, self.weight, self.bias, "add"))
 
 
 def _exact_gelu(act: object) -> bool:
@@ -203,12 +164,9 @@ def _fusable(layer: nn.Module) -> bool:
     )
 
 
-def fuse_bert(
-    model: nn.Module, check: Callable[[], torch.Tensor], kernels: AmxKernels | None = None
-) -> bool:
+def fuse_bert(model: nn.Module, check: Callable[[], torch.Tensor]) -> bool:
     """Replace the dense blocks of a bfloat16 BERT encoder in eval mode by fused ones, if
-    the kernel exists and every layer is a known BERT layer; with AMX `kernels`, attention
-    and the layer norms after the dense blocks run on them. `check` embeds a probe in the
+    the kernel exists and every layer is a known BERT layer. `check` embeds a probe in the
     model as it is: it is run before and after, and any difference beyond bfloat16 rounding
     (or any error) puts the original modules back. True when fused."""
     layers = getattr(getattr(model, "encoder", None), "layer", None)
@@ -222,11 +180,11 @@ def fuse_bert(
     masks = PaddingMask()
     for layer in layers:
         layer.intermediate = DenseGelu(layer.intermediate.dense)
-        layer.output = DenseAddNorm(layer.output.dense, layer.output.LayerNorm, kernels)
+        layer.output = DenseAddNorm(layer.output.dense, layer.output.LayerNorm)
         block = layer.attention
         if _self_attention(block):
-            block.self = FusedSelfAttention(block.self, masks, kernels)
-        block.output = DenseAddNorm(block.output.dense, block.output.LayerNorm, kernels)
+            block.self = FusedSelfAttention(block.self, masks)
+        block.output = DenseAddNorm(block.output.dense, block.output.LayerNorm)
     try:
         after = check()
         agree = bool(torch.nn.functional.cosine_similarity(before, after).min() >= 0.9999)
@@ -239,14 +197,13 @@ def fuse_bert(
     return agree
 
 
-def fuse_sentence_transformer(st: Any, kernels: AmxKernels | None = None) -> bool:
+def fuse_sentence_transformer(st: Any) -> bool:
     """A bfloat16 sentence-transformers model's BERT fused in place (`fuse_bert`), checked
     on `_PROBE`; True when fused."""
     model = getattr(st[0], "auto_model", None)
     fused = model is not None and fuse_bert(
         model,
         lambda: st.encode(_PROBE, convert_to_tensor=True, show_progress_bar=False).float(),
-        kernels,
     )
     if not fused:  # correct, only slower: say so where an operator looks
         log.warning("bfloat16 encoder runs unfused: this torch or model is not the one expected")

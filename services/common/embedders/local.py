@@ -8,11 +8,11 @@
     ├── ProcessEncoder   an encoder in a child process
     └── EncoderGroup     several encoders, each call on a free one
 
-`KBMESH_LOCAL_BACKEND=auto` (the default): queries in this process, whole in amx.c on a CPU
-with AMX (`amx.AmxQueryEncoder`), else on onnxruntime (8-bit weights where that is faster);
-document batches in child processes at a lower CPU priority (`document_processes`), in
-bfloat16 on torch where the CPU computes bfloat16 in hardware (AMX or AVX-512 BF16; with AMX,
-attention and layer norms in amx.c's kernels), else onnxruntime fp32.
+`KBMESH_LOCAL_BACKEND=auto` (the default): queries in this process, document batches in child
+processes at a lower CPU priority (`document_processes`). On a CPU with AMX both run whole
+in amx.c (`amx.AmxEncoder`; the children then never import torch). Else queries run on
+onnxruntime (8-bit weights where that is faster) and documents in bfloat16 on torch where
+the CPU computes bfloat16 in hardware (AVX-512 BF16), else on onnxruntime fp32.
 `onnx`: onnxruntime for both, in this process (torch never imported, no children).
 
 Documents and queries take separate lanes. Document chunks of concurrent `kb.index`
@@ -212,12 +212,10 @@ class TorchEncoder:
         *,
         bf16: bool = False,
         threads: int | None = None,
-        amx_kernels: Path | None = None,
     ) -> None:
         import torch
         from sentence_transformers import SentenceTransformer
 
-        from services.common.embedders import amx
         from services.common.embedders.fused import fuse_sentence_transformer
 
         if threads:  # process-wide: only for an encoder with a process of its own
@@ -234,14 +232,10 @@ class TorchEncoder:
             # the time under autocast): ~10 % more chunks/s, cosine to fp32 >= 0.9998 on
             # 1,500 real chunks.
             st = st.to(torch.bfloat16)
-        # Attention and layer norms in amx.c where `amx.build` gave the library (bfloat16).
-        kernels = amx.load(amx_kernels) if bf16 else None
-        self.fused = bf16 and fuse_sentence_transformer(st, kernels)
-        # What runs, for the log: e.g. "torch-bf16-fused-amx".
+        self.fused = bf16 and fuse_sentence_transformer(st)
+        # What runs, for the log: e.g. "torch-bf16-fused".
         self.kind = "-".join(
-            ("torch", "bf16" if bf16 else "fp32")
-            + (("fused",) if self.fused else ())
-            + (("amx",) if self.fused and kernels else ())
+            ("torch", "bf16" if bf16 else "fp32") + (("fused",) if self.fused else ())
         )
         self._st = st
         self._batch_size = min(batch_size, BF16_BATCH) if bf16 else batch_size
@@ -393,7 +387,7 @@ def usable_physical_cores() -> int:
     return max(1, min(len(cores), usable_cores()))
 
 
-def document_workers(cores: int, processes: int = 0) -> tuple[int, int]:
+def document_workers(cores: int, processes: int = 0, *, most: int = 4) -> tuple[int, int]:
     """(child processes, threads each) of the document encoder on `cores` cores;
     `processes` above 0 is an operator's choice, the cores shared among them.
 
@@ -403,9 +397,14 @@ def document_workers(cores: int, processes: int = 0) -> tuple[int, int]:
     Measured on 2 cores with a process beside it busy 40 % of the time: one two-thread child
     59 chunks/s, two one-thread children 80 (89 and 95 on idle cores). Beyond four cores the
     children take several threads each, which keeps memory bounded (~0.45 GB a bfloat16
-    child, ~0.17 GB an onnxruntime one)."""
-    processes = processes or max(1, min(cores, 4))
+    child on torch, ~0.17 GB an onnxruntime one). amx.c's encoder computes on one thread
+    in ~0.15-0.25 GB: `most` is then AMX_CHILDREN."""
+    processes = processes or max(1, min(cores, most))
     return processes, max(1, cores // processes)
+
+
+# Children of amx.c's single-threaded document encoder, at most: one a core.
+AMX_CHILDREN = 16
 
 
 # CPU flags of bfloat16 matrix multiplies in hardware: Intel's AMX tiles, or the AVX-512
@@ -468,13 +467,17 @@ class LocalEmbedder:
         self._model = LOCAL_PREFIX + model.removeprefix(LOCAL_PREFIX)
         # The quantised ids only exist as ONNX graphs.
         self.backend: Backend = "onnx" if self._spec.quantized else backend
-        # `auto` embeds document batches in child processes (children, threads each):
-        # bfloat16 on torch where the CPU has bfloat16 instructions, else onnxruntime.
-        # None: in this process.
+        # `auto` embeds document batches in child processes (children, threads each): on
+        # amx.c where the CPU has AMX, bfloat16 on torch where it has other bfloat16
+        # instructions, else onnxruntime. None: in this process.
         self._children: tuple[int, int] | None = None
+        self._bf16 = False
         if self.backend == "auto" and not self._spec.quantized:
-            self._children = document_workers(usable_cores(), document_processes)
-        self._bf16 = self._children is not None and native_bf16()
+            from services.common.embedders import amx
+
+            self._bf16 = native_bf16()
+            most = AMX_CHILDREN if self._bf16 and cpu_flags() >= amx.CPU_FLAGS else 4
+            self._children = document_workers(usable_cores(), document_processes, most=most)
         # Queries beside document children: their own graph, 8-bit weights where it is
         # faster (`query_variant`). None: the documents' graph.
         self._query_variant: Variant | None = query_variant() if self._children else None
@@ -560,10 +563,11 @@ class LocalEmbedder:
                             self._query_variant = base
                     return graph(self._query_variant or base)
 
-                # On a CPU with AMX, amx.c: queries whole, the children's attention and
-                # layer norms. None where it does not apply or cannot be built.
-                library = self._amx_kernels() if self._bf16 else None
-                encoder = (self._children and self._amx_queries(library)) or OnnxEncoder(
+                # On a CPU with AMX, amx.c: queries here, document batches in the children.
+                # None where it does not apply or cannot be built.
+                library = self._amx_library() if self._bf16 else None
+                on_amx = self._amx_encoder(library) if self._children else None
+                encoder = on_amx or OnnxEncoder(
                     query_graph(),
                     self.model_dir,
                     self._spec,
@@ -574,21 +578,24 @@ class LocalEmbedder:
                     # Single queries stay here (fastest for one short text); document batches
                     # go to the children, in bfloat16 where the CPU has it.
                     processes, threads = self._children
-                    # One thread a child (the default up to four cores): amx.c's kernels
-                    # are single-threaded, and beside a child's other threads one would wait.
-                    kernels = library if threads == 1 else None
-                    factory: Callable[[], Encoder] = (
-                        functools.partial(
+                    factory: Callable[[], Encoder]
+                    if on_amx is not None and library is not None:
+                        from services.common.embedders import amx
+
+                        factory = functools.partial(
+                            amx.AmxEncoder, library, self.model_dir, self._spec.max_seq_length
+                        )
+                    elif self._bf16:
+                        factory = functools.partial(
                             TorchEncoder,
                             self.model_dir,
                             self._spec,
                             self._batch_size,
                             bf16=True,
                             threads=threads,
-                            amx_kernels=kernels,
                         )
-                        if self._bf16
-                        else functools.partial(
+                    else:
+                        factory = functools.partial(
                             OnnxEncoder,
                             graph(base),
                             self.model_dir,
@@ -597,7 +604,6 @@ class LocalEmbedder:
                             lanes="documents",
                             document_threads=threads,
                         )
-                    )
                     with ThreadPoolExecutor(processes) as starting:  # ~5 s each, so at once
                         children = starting.map(
                             lambda _: ProcessEncoder(factory, start=documents), range(processes)
@@ -625,30 +631,26 @@ class LocalEmbedder:
                 self.model_dir,
             )
 
-    def _amx_queries(self, library: Path | None) -> Encoder | None:
-        """The bundled model's queries on amx.c (`AmxQueryEncoder`), or None where the
-        library is missing or the model is not the one it computes (logged)."""
+    def _amx_encoder(self, library: Path | None) -> Encoder | None:
+        """The bundled model on amx.c (`AmxEncoder`), or None where the library is missing
+        or the model is not the one it computes (logged)."""
         from services.common.embedders import amx
 
         if library is None:
             return None
         try:
-            queries = amx.AmxQueryEncoder(
-                library,
-                self.model_dir,
-                model_input_tokenizer(self.model_dir, self._spec.max_seq_length),
-            )
+            encoder = amx.AmxEncoder(library, self.model_dir, self._spec.max_seq_length)
         except (OSError, ValueError) as err:
-            log.warning("amx_queries_unavailable model=%s reason=%s", self._model, err)
+            log.warning("amx_encoder_unavailable model=%s reason=%s", self._model, err)
             return None
         self._query_variant = None
-        self._queries_kind = queries.kind
-        return queries
+        self._queries_kind = encoder.kind
+        return encoder
 
-    def _amx_kernels(self) -> Path | None:
-        """The AMX library (amx.py) for this process's queries and the bfloat16 children,
-        built here once so that the children do not all compile it at their first start;
-        None where it does not apply."""
+    def _amx_library(self) -> Path | None:
+        """The AMX library (amx.py) for this process's queries and the children's document
+        batches, built here once so that the children do not all compile it at their first
+        start; None where it does not apply."""
         from services.common.embedders import amx
 
         return amx.build(self._cache_dir, cpu_flags())
