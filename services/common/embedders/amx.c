@@ -541,20 +541,26 @@ static void dense(const uint16_t *a, int rows, int k, const uint16_t *w, const f
    rounded to bfloat16 into `copy` too unless it is NULL. */
 static inline void norm_row(float *r, const float *y, const float *bias, const float *gain,
                             const float *offset, uint16_t *copy) {
-    __m512 v[HIDDEN / 16], sum = _mm512_setzero_ps(), squares = _mm512_setzero_ps();
+    /* Four partial sums each: one chain through all 24 vectors made every row wait ~100
+       cycles on its own additions. */
+    __m512 v[HIDDEN / 16], sum[4], squares[4];
+    for (int j = 0; j < 4; j++) sum[j] = squares[j] = _mm512_setzero_ps();
     for (int j = 0; j < HIDDEN / 16; j++) {
         v[j] = _mm512_loadu_ps(r + 16 * j);
         if (y) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(y + 16 * j));
         if (bias) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(bias + 16 * j));
-        sum = _mm512_add_ps(sum, v[j]);
+        sum[j % 4] = _mm512_add_ps(sum[j % 4], v[j]);
     }
-    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / HIDDEN);
+    const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3]));
+    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(total) / HIDDEN);
     for (int j = 0; j < HIDDEN / 16; j++) {
         v[j] = _mm512_sub_ps(v[j], mean);
-        squares = _mm512_fmadd_ps(v[j], v[j], squares);
+        squares[j % 4] = _mm512_fmadd_ps(v[j], v[j], squares[j % 4]);
     }
+    const __m512 square_total = _mm512_add_ps(_mm512_add_ps(squares[0], squares[1]),
+                                              _mm512_add_ps(squares[2], squares[3]));
     const __m512 inverse =
-        _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / HIDDEN + 1e-12f));
+        _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(square_total) / HIDDEN + 1e-12f));
     for (int j = 0; j < HIDDEN / 16; j += 2) {
         const __m512 lo = _mm512_fmadd_ps(_mm512_mul_ps(v[j], inverse),
                                           _mm512_loadu_ps(gain + 16 * j),
@@ -702,11 +708,44 @@ done:
    residual and the layer norm over whole rows, for the attention's output and the layer's.
    The residual stream stays in fp32, as in `kb_encode_query`; products take bfloat16. */
 
+/* What follows a block's product, left for the next block's product to do a few rows at a
+   time between its tile steps: AMX computes a block's products while AVX-512 finishes the
+   last one's rows. Done one after the other, the tiles waited for each block's GELU or
+   layer norm. */
+typedef struct {
+    int next, rows; /* the next row to finish, and how many there are (0: nothing to do) */
+    const float *o; /* the block's products, `stride` floats a row */
+    long stride;
+    const float *bias;
+    uint16_t *out; /* bias, GELU where `gelu`, rounded to bfloat16: 32 values a row */
+    long n;
+    int gelu;
+    float *x; /* or else: x = layer norm of (x + product + bias), copied into xb */
+    uint16_t *xb;
+    const float *gain, *offset;
+} pending;
+
+static inline void finish(pending *p, int count) {
+    const int end = p->next + count < p->rows ? p->next + count : p->rows;
+    for (; p->next < end; p->next++) {
+        const long i = p->next;
+        const float *o = p->o + i * p->stride;
+        if (p->x) {
+            norm_row(p->x + i * HIDDEN, o, p->bias, p->gain, p->offset, p->xb + i * HIDDEN);
+            continue;
+        }
+        __m512 lo = _mm512_add_ps(_mm512_load_ps(o), _mm512_loadu_ps(p->bias));
+        __m512 hi = _mm512_add_ps(_mm512_load_ps(o + 16), _mm512_loadu_ps(p->bias + 16));
+        if (p->gelu) lo = gelu_ps(lo), hi = gelu_ps(hi);
+        _mm512_storeu_si512(p->out + i * p->n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
 /* Rows r..r+31 of a[rows][k] times w (tiles as `dense_tiles` reads them), output tiles c and
-   c+1, into `o` (32 rows of 32 fp32, `stride` apart). Tiles 0-3 accumulate, 4-5 hold the
-   input, 6-7 the weights. */
+   c+1, into `o` (32 rows of 32 fp32, `stride` apart), finishing `per_step` rows of `p` at
+   each step. Tiles 0-3 accumulate, 4-5 hold the input, 6-7 the weights. */
 static inline void block_product(const uint16_t *a, int k, const uint16_t *w, int c, float *o,
-                                 long stride) {
+                                 long stride, pending *p, int per_step) {
     const int steps = k / 32;
     const uint16_t *w0 = w + (long)c * steps * 512, *w1 = w0 + steps * 512;
     _tile_zero(0);
@@ -722,6 +761,7 @@ static inline void block_product(const uint16_t *a, int k, const uint16_t *w, in
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        finish(p, per_step);
     }
     _tile_stored(0, o, stride * 4);
     _tile_stored(1, o + 16, stride * 4);
@@ -732,32 +772,34 @@ static inline void block_product(const uint16_t *a, int k, const uint16_t *w, in
 /* out[rows][n] = bfloat16 of (a w + bias), through GELU where `gelu`; rows a multiple of 32. */
 static void product_bf16(const uint16_t *a, int rows, int k, const uint16_t *w, const float *bias,
                          uint16_t *out, int n, int gelu) {
-    float o[32 * 32] __attribute__((aligned(64)));
-    for (int r = 0; r < rows; r += 32)
-        for (int c = 0; c < n / 16; c += 2) {
-            block_product(a + (long)r * k, k, w, c, o, 32);
-            const __m512 b0 = _mm512_loadu_ps(bias + c * 16), b1 = _mm512_loadu_ps(bias + c * 16 + 16);
-            for (int i = 0; i < 32; i++) {
-                __m512 lo = _mm512_add_ps(_mm512_load_ps(o + i * 32), b0);
-                __m512 hi = _mm512_add_ps(_mm512_load_ps(o + i * 32 + 16), b1);
-                if (gelu) lo = gelu_ps(lo), hi = gelu_ps(hi);
-                _mm512_storeu_si512(out + (long)(r + i) * n + c * 16,
-                                    (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-            }
+    static _Thread_local float o[2][32 * 32] __attribute__((aligned(64)));
+    const int steps = k / 32, per_step = (32 + steps - 1) / steps;
+    pending p = {.rows = 0};
+    for (int r = 0, b = 0; r < rows; r += 32)
+        for (int c = 0; c < n / 16; c += 2, b++) {
+            block_product(a + (long)r * k, k, w, c, o[b & 1], 32, &p, per_step);
+            finish(&p, 32);
+            p = (pending){.rows = 32, .o = o[b & 1], .stride = 32, .bias = bias + c * 16,
+                          .out = out + (long)r * n + c * 16, .n = n, .gelu = gelu};
         }
+    finish(&p, 32);
 }
 
 /* x = layer norm of (x + a w + bias), rows of HIDDEN, and its bfloat16 copy into xb: each
    row read and written once, while its product is in cache. */
 static void product_norm(const uint16_t *a, int rows, int k, const uint16_t *w, const float *bias,
                          float *x, uint16_t *xb, const float *gain, const float *offset) {
-    static _Thread_local float o[32 * HIDDEN] __attribute__((aligned(64)));
-    for (int r = 0; r < rows; r += 32) {
+    static _Thread_local float o[2][32 * HIDDEN] __attribute__((aligned(64)));
+    pending p = {.rows = 0};
+    for (int r = 0, b = 0; r < rows; r += 32, b++) {
         for (int c = 0; c < HIDDEN / 16; c += 2)
-            block_product(a + (long)r * k, k, w, c, o + c * 16, HIDDEN);
-        for (long i = r; i < r + 32; i++)
-            norm_row(x + i * HIDDEN, o + (i - r) * HIDDEN, bias, gain, offset, xb + i * HIDDEN);
+            block_product(a + (long)r * k, k, w, c, o[b & 1] + c * 16, HIDDEN, &p, 1);
+        finish(&p, 32);
+        p = (pending){.rows = 32, .o = o[b & 1], .stride = HIDDEN, .bias = bias,
+                      .x = x + (long)r * HIDDEN, .xb = xb + (long)r * HIDDEN, .gain = gain,
+                      .offset = offset};
     }
+    finish(&p, 32);
 }
 
 /* The unit-length mean-pooled embeddings of `count` texts into out[count][384]: text i has
