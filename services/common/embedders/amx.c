@@ -541,26 +541,20 @@ static void dense(const uint16_t *a, int rows, int k, const uint16_t *w, const f
    rounded to bfloat16 into `copy` too unless it is NULL. */
 static inline void norm_row(float *r, const float *y, const float *bias, const float *gain,
                             const float *offset, uint16_t *copy) {
-    /* Four partial sums each: one chain through all 24 vectors made every row wait ~100
-       cycles on its own additions. */
-    __m512 v[HIDDEN / 16], sum[4], squares[4];
-    for (int j = 0; j < 4; j++) sum[j] = squares[j] = _mm512_setzero_ps();
+    __m512 v[HIDDEN / 16], sum = _mm512_setzero_ps(), squares = _mm512_setzero_ps();
     for (int j = 0; j < HIDDEN / 16; j++) {
         v[j] = _mm512_loadu_ps(r + 16 * j);
         if (y) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(y + 16 * j));
         if (bias) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(bias + 16 * j));
-        sum[j % 4] = _mm512_add_ps(sum[j % 4], v[j]);
+        sum = _mm512_add_ps(sum, v[j]);
     }
-    const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3]));
-    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(total) / HIDDEN);
+    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / HIDDEN);
     for (int j = 0; j < HIDDEN / 16; j++) {
         v[j] = _mm512_sub_ps(v[j], mean);
-        squares[j % 4] = _mm512_fmadd_ps(v[j], v[j], squares[j % 4]);
+        squares = _mm512_fmadd_ps(v[j], v[j], squares);
     }
-    const __m512 square_total = _mm512_add_ps(_mm512_add_ps(squares[0], squares[1]),
-                                              _mm512_add_ps(squares[2], squares[3]));
     const __m512 inverse =
-        _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(square_total) / HIDDEN + 1e-12f));
+        _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / HIDDEN + 1e-12f));
     for (int j = 0; j < HIDDEN / 16; j += 2) {
         const __m512 lo = _mm512_fmadd_ps(_mm512_mul_ps(v[j], inverse),
                                           _mm512_loadu_ps(gain + 16 * j),

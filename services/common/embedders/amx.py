@@ -9,8 +9,9 @@ were half of that time, their exact GELU about as long as the intermediate produ
 `kb_encode_documents` runs the whole model in one call: the texts of a batch packed one
 after another (each rounded up to 16 rows, not padded to the longest), each product in
 blocks whose bias, GELU or residual and layer norm are applied while the block is in cache,
-the residual stream in fp32. On the same chunks, one core: 150-163 chunks a second, cosine
-to torch fp32 >= 0.99997 (torch bfloat16: 0.99993); docs/benchmarks.md has the figures.
+during the next block's tile steps, the residual stream in fp32. On the same chunks, one
+core: 158-170 chunks a second, cosine to torch fp32 >= 0.99997 (torch bfloat16: 0.99993);
+docs/benchmarks.md has the figures.
 
 Queries. A query is one short text: run op by op (torch) or graph node by node
 (onnxruntime), the model spends more time between its products than in them.
@@ -150,7 +151,8 @@ def _tiles(weight: np.ndarray) -> np.ndarray:
 
 # Rows of one `kb_encode_documents` call, at most (a text takes its length rounded up to 16):
 # its activations, about 8 KB a row, stay a few tens of MB. 1,155 man-page chunks on one
-# core, in calls of 4 to 32 texts of ~200 word pieces: 153-163 chunks/s, 122 in calls of 64.
+# core, in calls of 4 to 32 texts of ~200 word pieces: 142-163 chunks/s alike, 122 in calls
+# of 64 (measured before a block's GELU and layer norm moved between tile steps).
 DOCUMENT_ROWS = 4096
 
 
