@@ -207,7 +207,7 @@ def test_amx_refuses_another_model_and_onnx_answers(
 _CHILD = """
 import os, sys
 import numpy as np
-from tests.integration.test_amx_kernels import QUERIES, _encoder
+from tests.integration.test_amx_encoder import QUERIES, _encoder
 if sys.argv[1] == "one-core":
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 encoder = _encoder()
