@@ -380,9 +380,10 @@ def test_a_process_encoder_restarts_after_its_child_dies(
         first = encoder.encode(real_chunks[:4], query=False)
         assert np.allclose(first, local.encode(real_chunks[:4]), atol=1e-3)
         assert encoder._child is not None
-        # Below the server's priority, so searches get the cores first during an ingest.
+        # Below everything else, so searches get the cores first during an ingest.
         own = os.getpriority(os.PRIO_PROCESS, 0)
         assert os.getpriority(os.PRIO_PROCESS, encoder._child.pid) == min(19, own + NICENESS)
+        assert os.sched_getscheduler(encoder._child.pid) == os.SCHED_IDLE
         dead = encoder._child
         dead.kill()
         dead.wait()
