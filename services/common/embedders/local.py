@@ -4,15 +4,16 @@
     ├── OnnxEncoder      onnxruntime over a cached export of the weights
     ├── TorchEncoder     sentence-transformers on torch: fp32 (`KBMESH_LOCAL_BACKEND=torch`,
     │                    the reference) or bfloat16 for document batches
+    ├── amx.AmxEncoder   all of the model in amx.c on a CPU with AMX, queries and documents
     ├── LaneEncoder      queries on one, documents on the other
     ├── ProcessEncoder   an encoder in a child process
     └── EncoderGroup     several encoders, each call on a free one
 
 `KBMESH_LOCAL_BACKEND=auto` (the default): queries in this process, document batches in child
-processes at a lower CPU priority (`document_processes`). On a CPU with AMX both run whole
-in amx.c (`amx.AmxEncoder`; the children then never import torch). Else queries run on
-onnxruntime (8-bit weights where that is faster) and documents in bfloat16 on torch where
-the CPU computes bfloat16 in hardware (AVX-512 BF16), else on onnxruntime fp32.
+processes below every other process's CPU priority (`document_processes`). On a CPU with
+AMX both run whole in amx.c (`amx.AmxEncoder`; the children then never import torch). Else
+queries run on onnxruntime (8-bit weights where that is faster) and documents in bfloat16 on
+torch where the CPU computes bfloat16 in hardware (AVX-512 BF16), else on onnxruntime fp32.
 `onnx`: onnxruntime for both, in this process (torch never imported, no children).
 
 Documents and queries take separate lanes. Document chunks of concurrent `kb.index`
