@@ -9,8 +9,7 @@
    (16 queries x 16 keys at a time, the 32 dims of a head in one tile step), a softmax of
    each row in fp32 with AVX-512 over the text's real keys only, then P V on tiles, divided
    by the row's sum and rounded to bfloat16 straight into the layer's output. Keys past the
-   text are skipped rather than masked, and rows past its last block of 16 are written as
-   zeros.
+   text are skipped rather than masked.
 
    A query (`kb_encode_query`): one text, activations in fp32 between the products,
    attention in fp32; a helper thread on a second core computes part of each product (see
@@ -231,13 +230,13 @@ static void buffers_free(attention_buffers *b) {
     free(b->kt), free(b->vp), free(b->s), free(b->p), free(b->o);
 }
 
-/* Self-attention of one text of `len` tokens in `n` rows (a multiple of 16, n >= len):
-   text: its [n, 3 * heads * 32] rows of the fused projection's output; dst: its [n, heads
-   * 32] rows of the output, rows past len's last block of 16 written as zeros. `next` and
-   `ahead`: the next text's rows and length, fetched into the cache meanwhile (NULL, 0: none).
-   Tiles configured by the caller. */
-static void attend(const uint16_t *text, uint16_t *dst, int len, int n, int heads, float scale,
+/* Self-attention of one text of `len` tokens (1 to the buffers' n), in len rounded up to 16
+   rows: text: its rows of the fused projection's output (3 * heads * 32 wide); dst: its rows
+   of the output (heads * 32 wide). `next_text` and `next_len`: the next text's rows and
+   length, fetched into the cache meanwhile (NULL, 0: none). Tiles configured by the caller. */
+static void attend(const uint16_t *text, uint16_t *dst, int len, int heads, float scale,
                    const uint16_t *next_text, int next_len, attention_buffers *buf) {
+    const int n = (len + 15) / 16 * 16;
     const int hidden = heads * D;
     const long row = 3L * hidden;      /* elements from one token to the next in qkv */
     const int kp = (n + 31) / 32 * 32; /* keys rounded up to whole steps of P V */
@@ -256,9 +255,7 @@ static void attend(const uint16_t *text, uint16_t *dst, int len, int n, int head
     const __m512i gather = _mm512_loadu_si512(key_rows);
     const __m512i pair_low = _mm512_loadu_si512(low), pair_high = _mm512_loadu_si512(high);
 
-    if (len > n) len = n;
-    if (len < 1) len = 1;
-    const int blocks = (len + 15) / 16; /* blocks of 16 queries, and tiles of 16 keys */
+    const int blocks = n / 16; /* blocks of 16 queries, and tiles of 16 keys */
     const int steps = (len + 31) / 32;  /* steps of 32 keys in P V */
     for (int h = 0; h < heads; h++) {
         const uint16_t *q = text + h * D;
@@ -302,7 +299,6 @@ static void attend(const uint16_t *text, uint16_t *dst, int len, int n, int head
                 scores(q + (qb + 1) * 16 * row, row, kt, blocks, s + ((qb + 1) & 1) * 16 * n, n);
             weigh(p, kp, vp, steps, inverse_sum, o, out + (long)qb * 16 * hidden, hidden);
         }
-        for (int r = blocks * 16; r < n; r++) memset(out + (long)r * hidden, 0, D * 2);
     }
 }
 
@@ -836,7 +832,7 @@ int kb_encode_documents(const int32_t *ids, const int32_t *lengths, int count,
         for (int t = 0; t < count; t++) {
             const int n = (lengths[t] + 15) / 16 * 16;
             const int next = t + 1 < count;
-            attend(wide + at * 3 * HIDDEN, context + at * HIDDEN, lengths[t], n, HEADS, scale,
+            attend(wide + at * 3 * HIDDEN, context + at * HIDDEN, lengths[t], HEADS, scale,
                    next ? wide + (at + n) * 3 * HIDDEN : NULL, next ? lengths[t + 1] : 0, &buf);
             at += n;
         }
