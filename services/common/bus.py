@@ -168,10 +168,13 @@ class Bus:
 
     async def request(self, subject: str, payload: BaseModel, timeout: float) -> dict[str, Any]:
         """Ask a `Responder` on `subject` (see replies.py) and decode its JSON reply."""
-        data = payload.model_dump_json().encode()
-        reply = await replies.request(self._connection(), self._tracer, subject, data, timeout)
-        body: dict[str, Any] = json.loads(reply)
+        body: dict[str, Any] = json.loads(await self.ask(subject, payload, timeout))
         return body
+
+    async def ask(self, subject: str, payload: BaseModel, timeout: float) -> bytes:
+        """Ask a `Responder` on `subject`: its reply as it came."""
+        data = payload.model_dump_json().encode()
+        return await replies.request(self._connection(), self._tracer, subject, data, timeout)
 
     def _connection(self) -> nats.NATS:
         if self.nc is None:

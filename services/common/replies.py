@@ -112,5 +112,22 @@ async def request(
     return reply.data
 
 
+# A reply is `{"result": <JSON>}` or `{"error": <RemoteError>}`, put together from the JSON
+# the responder serialised, so that a requester can also take the result's JSON as it is.
+_RESULT = b'{"result":'
+
+
+def envelope(key: str, body: bytes) -> bytes:
+    """The reply holding `body` (JSON) as its `key`, "result" or "error"."""
+    return b'{"' + key.encode() + b'":' + body + b"}"
+
+
+def result_json(reply: bytes) -> bytes | None:
+    """The result's JSON as the responder serialised it; None for any other reply."""
+    if reply.startswith(_RESULT) and reply.endswith(b"}"):
+        return reply[len(_RESULT) : -1]
+    return None
+
+
 def _destination(subject: str) -> dict[str, str]:
     return {"messaging.system": "nats", "messaging.destination.name": subject}

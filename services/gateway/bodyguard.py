@@ -36,24 +36,18 @@ class JsonBodyGuard:
         self.max_depth = max_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in _METHODS or not _is_json(scope):
+        if scope["type"] != "http" or scope["method"] not in _METHODS or not is_json(scope):
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, _replay(b"".join(chunks), receive, message), send)
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body, other = await read_body(receive)
+        if other is not None:
+            await self.app(scope, replay(body, receive, other), send)
+            return
         found = self.inspect(body)
         if found is not None:
             await self._refuse(scope, receive, send, *found)
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay(body, receive), send)
 
     def inspect(self, body: bytes) -> tuple[str, str] | None:
         """(field, message) of what is wrong with `body`, or None."""
@@ -109,7 +103,19 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _is_json(scope: Scope) -> bool:
+async def read_body(receive: Receive) -> tuple[bytes, Message | None]:
+    """The request's body, and the message that cut it short (a disconnect), if any."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), message
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks), None
+
+
+def is_json(scope: Scope) -> bool:
     for name, value in scope.get("headers", []):
         if name == b"content-type":
             media = value.split(b";")[0].strip().lower()
@@ -117,7 +123,7 @@ def _is_json(scope: Scope) -> bool:
     return True  # FastAPI reads a body without a content type as JSON too
 
 
-def _replay(body: bytes, receive: Receive, pending: Message | None = None) -> Receive:
+def replay(body: bytes, receive: Receive, pending: Message | None = None) -> Receive:
     """A `receive` that hands the app the body already read, then the real channel."""
     sent = False
 

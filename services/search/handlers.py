@@ -12,8 +12,8 @@ from services.common import metrics
 from services.common.answers import AskRequest
 from services.common.errors import KbmeshError
 from services.common.events import Subject
-from services.common.queries import ChunkRequest, RemoteError, SearchRequest, SearchResponse
-from services.common.replies import Responder
+from services.common.queries import ChunkRequest, RemoteError, SearchRequest
+from services.common.replies import Responder, envelope
 from services.search import reply
 from services.search.ask import AskService
 from services.search.service import SearchService
@@ -33,8 +33,8 @@ def create_responders(
 ) -> list[Responder]:
     """`max_payload` reads the connected server's message size limit."""
 
-    async def search(request: SearchRequest) -> SearchResponse:
-        return reply.fit(await service.search(request), max_payload())
+    async def search(request: SearchRequest) -> bytes:
+        return reply.fitted_json(await service.search(request), max_payload())
 
     # Requests are answered concurrently: a reply spends much of its time waiting on the
     # model's thread, and concurrent query embeddings are coalesced.
@@ -67,7 +67,7 @@ def create_responders(
 async def _answer(
     body: bytes,
     model: type[BaseModel],
-    call: Callable[[Any], Awaitable[BaseModel]],
+    call: Callable[[Any], Awaitable[BaseModel | bytes]],
 ) -> bytes:
     """Requests never raise across the bus: errors travel as a `RemoteError` body."""
     try:
@@ -86,10 +86,6 @@ async def _answer(
             error_type="InternalError", message=f"search failed: {type(err).__name__}"
         )
     else:
-        return _envelope("result", result)
-    return _envelope("error", error)
-
-
-def _envelope(key: str, model: BaseModel) -> bytes:
-    """`{"<key>": <model>}`, the model serialised once, by pydantic."""
-    return b'{"' + key.encode() + b'":' + model.model_dump_json().encode() + b"}"
+        body = result if isinstance(result, bytes) else result.model_dump_json().encode()
+        return envelope("result", body)
+    return envelope("error", error.model_dump_json().encode())

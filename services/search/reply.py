@@ -22,10 +22,23 @@ ELLIPSIS = " …"
 R = TypeVar("R", bound=BaseModel)
 
 
+def fitted_json(reply: BaseModel, max_bytes: int) -> bytes:
+    """The JSON of `reply`, or of its `fit` when it is too large: serialised once when it
+    fits, which is nearly always."""
+    body = reply.model_dump_json().encode()
+    if len(body) <= _budget(max_bytes):
+        return body
+    return fit(reply, max_bytes).model_dump_json().encode()
+
+
+def _budget(max_bytes: int) -> int:
+    return max(1024, max_bytes - MARGIN_BYTES)
+
+
 def fit(reply: R, max_bytes: int, hits_field: str = "hits") -> R:
     """`reply` unchanged when it fits in `max_bytes`, else a copy with `truncated=True` whose
     hits are shortened until it does."""
-    budget = max(1024, max_bytes - MARGIN_BYTES)
+    budget = _budget(max_bytes)
     if _size(reply) <= budget:
         return reply
     hits: list[SearchHit] = list(getattr(reply, hits_field))
@@ -57,7 +70,7 @@ def _with(reply: R, hits_field: str, hits: list[SearchHit]) -> R:
 
 
 def _size(model: BaseModel) -> int:
-    return len(model.model_dump_json())
+    return len(model.model_dump_json().encode())
 
 
 def _cut(text: str, max_bytes: int) -> str:

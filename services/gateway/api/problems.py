@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from services.common.bus import unavailable
+from services.common.errors import KbmeshError
 from services.gateway.schemas import ProblemFieldError
 from services.gateway.tools import ToolErrorResult
 
@@ -77,6 +79,18 @@ def problem(status: int, error_type: str, message: str, **extra: Any) -> JSONRes
     }
     headers = RETRY_AFTER if status == 503 else None
     return JSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+
+
+def error_problem(err: KbmeshError) -> JSONResponse:
+    extra = {"field": err.field} if err.field else {}
+    return problem(err.status_code, err.error_type, err.message, **extra)
+
+
+def bus_problem(err: Exception) -> JSONResponse:
+    # NATS restarting, unreachable, or a cluster without JetStream quorum: any call may
+    # time out; the client should retry, not see a server error.
+    transient = unavailable(err)
+    return problem(transient.status_code, transient.error_type, transient.message)
 
 
 # ---- the OpenAPI document ----------------------------------------------------------------------
