@@ -4,6 +4,7 @@ compiler; the build's fallbacks are tested everywhere."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import subprocess
@@ -89,6 +90,13 @@ def test_auto_embeds_queries_and_documents_on_amx(library: Path) -> None:
     assert {m.kind for m in members} == {"amx-bf16"}
     for member in members:
         assert "libtorch" not in Path(f"/proc/{member._child.pid}/maps").read_text()
+    # A query embeds on the caller's thread, not through the query lane.
+    assert auto.queries_inline
+    calls = auto.queries.stats.calls
+    text = "where is the configuration file read from"
+    vector = asyncio.run(auto.embed([text], query=True))[0]
+    assert auto.queries.stats.calls == calls
+    assert np.array_equal(np.asarray(vector, dtype=np.float32), auto.encode([text], query=True)[0])
 
 
 def test_the_library_is_built_once_and_reused(tmp_path: Path) -> None:
