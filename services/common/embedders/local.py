@@ -20,7 +20,8 @@ Documents and queries take separate lanes. Document chunks of concurrent `kb.ind
 messages are coalesced into batches of up to `max_batch` texts (`Batcher`); an in-process
 encoder runs one batch at a time on its own thread, child processes one batch each.
 Queries (a few short texts) run on another thread with their own onnxruntime session, so a
-search never waits for a document batch to finish.
+search never waits for a document batch to finish; on amx.c, which embeds a query in about
+a millisecond with a helper thread of its own, on the caller's thread (`queries_inline`).
 """
 
 from __future__ import annotations
