@@ -138,8 +138,9 @@ class FastSearch:
             return None
         authorization = None
         for name, value in scope["headers"]:
-            if name == b"authorization":
+            if name == b"authorization":  # the first, as the route's `Header()` reads it
                 authorization = value.decode("latin-1")
+                break
         client = scope.get("client")
         try:
             caller = await self.keys.resolve(authorization, client[0] if client else None)
