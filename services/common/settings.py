@@ -51,8 +51,11 @@ class SearchSettings(BaseModel):
         description="the lift fades to nothing when the best document opening scores this "
         "fraction of the best chunk or less (the answer is inside a document)",
     )
+    # 50, not 100: the same quality on every set measured (MRR@10 within 0.003), and a
+    # search turns half as many candidates into hits (docs/benchmarks.md, "Candidates per
+    # list"). A larger `top_k` still gets lists of `top_k`.
     prefetch_limit: int = Field(
-        100, ge=1, le=1000, description="candidates per list (signal, lead or not, KB)"
+        50, ge=1, le=1000, description="candidates per list (signal, lead or not, KB)"
     )
     rerank_depth: int = Field(
         30, ge=1, le=200, description="best fused candidates handed to a rerank model"
