@@ -36,7 +36,7 @@ class JsonBodyGuard:
         self.max_depth = max_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in _METHODS or not is_json(scope):
+        if scope["type"] != "http" or scope["method"] not in _METHODS or not _is_json(scope):
             await self.app(scope, receive, send)
             return
         body, other = await read_body(receive)
@@ -115,7 +115,7 @@ async def read_body(receive: Receive) -> tuple[bytes, Message | None]:
             return b"".join(chunks), None
 
 
-def is_json(scope: Scope) -> bool:
+def _is_json(scope: Scope) -> bool:
     for name, value in scope.get("headers", []):
         if name == b"content-type":
             media = value.split(b";")[0].strip().lower()

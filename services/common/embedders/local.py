@@ -684,7 +684,9 @@ class LocalEmbedder:
     async def embed(self, texts: list[str], *, query: bool = False) -> list[list[float]]:
         if not texts:
             return []
-        if query and len(texts) <= QUERY_MAX_TEXTS and self.queries_inline:
+        if not (query and len(texts) <= QUERY_MAX_TEXTS):
+            vectors = await self.documents.submit(texts)
+        elif self.queries_inline:
             # amx.c embeds a query in about 1.3 ms with its own helper thread: on the
             # caller's thread, without the lane's thread hop and the batcher's turns of the
             # event loop. At 100k chunks that took a search from 12.7-13.1 to 11.5-11.8 ms
@@ -692,8 +694,7 @@ class LocalEmbedder:
             # concurrent queries no longer share a call (docs/benchmarks.md).
             vectors = self.encode(texts, query=True).tolist()
         else:
-            lane = self.queries if query and len(texts) <= QUERY_MAX_TEXTS else self.documents
-            vectors = await lane.submit(texts)
+            vectors = await self.queries.submit(texts)
         self._embed_count += len(texts)
         return vectors
 
