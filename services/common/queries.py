@@ -22,6 +22,8 @@ from pydantic import (
 from services.common.store.base import Mode
 
 # Metadata keys are plain names: no dots, so a caller can never address another payload path.
+# The most hits one search returns.
+TOP_K_MAX = 50
 METADATA_KEY = r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$"
 _METADATA_KEY_RE = re.compile(METADATA_KEY)
 _DATE_ONLY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
@@ -168,7 +170,7 @@ class SearchQuery(BaseModel):
     kb_ids: list[str] | None = Field(
         None, description="KB ids or names; omitted: every KB of the org"
     )
-    top_k: int = Field(5, ge=1, le=50)
+    top_k: int = Field(5, ge=1, le=TOP_K_MAX)
     mode: Mode = Mode.hybrid
     filters: SearchFilters | None = None
     min_score: float | None = Field(

@@ -51,16 +51,20 @@ from services.gateway.schemas import (
     Ack,
     DeadLetterList,
     DeadLetterView,
+    DefaultsView,
     DeleteResult,
     DocumentPatch,
     DocumentView,
     KbCreate,
+    KbDefaults,
     KbDocumentView,
     KbList,
     KbProgress,
     KbStats,
     KbUpdate,
     KbView,
+    LimitsView,
+    ModelDefaults,
     Page,
     PromptCreate,
     PromptDeleted,
@@ -217,6 +221,28 @@ NEW_KB_VIEW = KB_VIEW.model_copy(
     update={"document_count": 0, "chunk_count": 0, "created_at": CREATED, "updated_at": CREATED}
 )
 UPDATED_KB_VIEW = KB_VIEW.model_copy(update={"tag_ids": [*TAGS, "benefits"], "updated_at": UPDATED})
+DEFAULTS_VIEW = DefaultsView(
+    kb=KbDefaults(
+        chunker=Chunker.recursive,
+        chunk_size=200,
+        chunk_overlap=0,
+        embedding_model=DEFAULT_MODEL,
+        coalesce_neighbors=0,
+    ),
+    models=[ModelDefaults(embedding_model=DEFAULT_MODEL, max_chunk_size=254, chunk_size=200)],
+    limits=LimitsView(
+        chunk_size_min=50,
+        chunk_size_max=2000,
+        coalesce_neighbors_max=5,
+        top_k_max=50,
+        knowledge_bases_per_org=20,
+        tags_per_document=100,
+        tag_length=200,
+        metadata_bytes=65536,
+        uri_length=2048,
+        text_bytes=10485760,
+    ),
+)
 DOC_VIEW = DocumentView(
     document_id=DOC_ID,
     name=DOC_NAME,
@@ -746,6 +772,7 @@ REST_EXAMPLES: list[RestExample] = [
         query={"limit": 20},
     ),
     RestExample("GET", "/v1/kbs/{kb}", 200, KB_VIEW, path_params=KB_PATH),
+    RestExample("GET", "/v1/defaults", 200, DEFAULTS_VIEW),
     RestExample(
         "PATCH",
         "/v1/kbs/{kb}",

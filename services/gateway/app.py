@@ -275,6 +275,7 @@ def create_app(
 
     app.openapi = documented_openapi  # type: ignore[method-assign]
     app.include_router(kbs.router)
+    app.include_router(kbs.defaults_router)
     app.include_router(documents.router)
     app.include_router(search.router)
     app.include_router(progress.router)

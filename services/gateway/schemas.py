@@ -227,6 +227,43 @@ class KbView(BaseModel):
     updated_at: datetime
 
 
+class KbDefaults(BaseModel):
+    """What a knowledge base created with no settings gets."""
+
+    chunker: Chunker
+    chunk_size: int = Field(description="tokens per chunk for `embedding_model`")
+    chunk_overlap: int
+    embedding_model: str
+    coalesce_neighbors: int
+
+
+class ModelDefaults(BaseModel):
+    embedding_model: str
+    max_chunk_size: int = Field(description="the largest chunk_size the model takes in one input")
+    chunk_size: int = Field(description="the chunk_size a KB on this model gets by default")
+
+
+class LimitsView(BaseModel):
+    chunk_size_min: int
+    chunk_size_max: int = Field(description="for any model; each model's own is in `models`")
+    coalesce_neighbors_max: int
+    top_k_max: int
+    knowledge_bases_per_org: int
+    tags_per_document: int
+    tag_length: int
+    metadata_bytes: int
+    uri_length: int
+    text_bytes: int = Field(description="a document's text after extraction, UTF-8")
+
+
+class DefaultsView(BaseModel):
+    """Defaults and limits from the server, so that no client keeps a copy that can drift."""
+
+    kb: KbDefaults
+    models: list[ModelDefaults] = Field(description="the bundled models, and the default one")
+    limits: LimitsView
+
+
 class KbList(BaseModel):
     items: list[KbView]
     total: int

@@ -186,6 +186,25 @@ async def test_knowledge_base_lifecycle(page, stack, screenshots):
     assert (await stack.client.get(f"/v1/kbs/{name}")).status_code == 404
 
 
+async def test_new_knowledge_base_form_accepts_its_own_defaults(page, stack):
+    """The form is pre-filled from the server's published defaults, and creating a knowledge
+    base with nothing but a name (every other field as pre-filled) succeeds."""
+    defaults = (await stack.client.get("/v1/defaults")).json()
+    name = f"first-{uuid.uuid4().hex[:6]}"
+    await page.goto("/#/kbs/new")
+    await expect(page.get_by_role("heading", name="New knowledge base")).to_be_visible()
+    chunk_size = page.get_by_label("Chunk size")
+    await expect(chunk_size).to_have_value(str(defaults["kb"]["chunk_size"]))
+    await expect(page.get_by_label("Chunk overlap")).to_have_value(
+        str(defaults["kb"]["chunk_overlap"])
+    )
+    model = defaults["models"][0]
+    await expect(chunk_size).to_have_attribute("max", str(model["max_chunk_size"]))
+    await page.get_by_label("Name").fill(name)
+    await page.get_by_role("button", name="Create").click()
+    await expect(page.get_by_role("heading", name=name)).to_be_visible()
+
+
 async def test_list_filters_sorts_and_shows_names_as_text(page, stack, screenshots):
     """The list searches by name, filters by status, sorts by documents; a knowledge base
     named like markup shows as those characters in the list and on its page."""

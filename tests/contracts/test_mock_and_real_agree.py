@@ -190,6 +190,7 @@ REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
     ("GET", "/readyz"): lambda w: w.http.get("/readyz"),
     ("POST", "/v1/kbs"): lambda w: w.http.post("/v1/kbs", json={"name": uid("kb")}),
     ("GET", "/v1/kbs"): lambda w: w.http.get("/v1/kbs"),
+    ("GET", "/v1/defaults"): lambda w: w.http.get("/v1/defaults"),
     ("GET", "/v1/kbs/{kb}"): lambda w: w.http.get(f"/v1/kbs/{w.kb}"),
     ("PATCH", "/v1/kbs/{kb}"): lambda w: w.http.patch(
         f"/v1/kbs/{w.kb}", json={"description": "HR handbook"}

@@ -383,3 +383,29 @@ async def test_a_kb_on_the_bundled_int8_model_indexes_and_searches(stack):
     )
     assert r.status_code == 200, r.text
     assert r.json()["hits"][0]["document_name"] == "tides.txt"
+
+
+async def test_defaults_are_published_and_a_kb_made_of_them_works(stack):
+    """GET /v1/defaults gives the settings a KB gets when none are named, within the default
+    model's input limit; a KB created with exactly those values is accepted, and one created
+    with no settings at all gets the same ones."""
+    _rt, client = stack
+    r = await client.get("/v1/defaults")
+    assert r.status_code == 200, r.text
+    defaults = r.json()
+    kb = defaults["kb"]
+    model = next(m for m in defaults["models"] if m["embedding_model"] == kb["embedding_model"])
+    assert kb["chunk_size"] == model["chunk_size"] <= model["max_chunk_size"]
+    assert defaults["limits"]["chunk_size_min"] <= kb["chunk_size"]
+    assert 0 <= kb["chunk_overlap"] < kb["chunk_size"]
+
+    r = await client.post("/v1/kbs", json={"name": f"as-published-{uid()}", **kb})
+    assert r.status_code == 201, r.text
+    bare = await client.post("/v1/kbs", json={"name": f"bare-{uid()}"})
+    assert bare.status_code == 201, bare.text
+    for field, value in kb.items():
+        assert bare.json()[field] == value, field
+
+    # One token over the model's limit is refused, naming the field.
+    over = {**kb, "chunk_size": model["max_chunk_size"] + 1}
+    names_field(await client.post("/v1/kbs", json={"name": f"over-{uid()}", **over}), "chunk_size")

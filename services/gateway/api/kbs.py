@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Response
 from services.gateway.api.deps import WAITED, Caller, Docs, Kbs
 from services.gateway.schemas import (
     Ack,
+    DefaultsView,
     KbCreate,
     KbDocumentView,
     KbList,
@@ -21,7 +22,15 @@ from services.gateway.schemas import (
 )
 
 router = APIRouter(prefix="/v1/kbs", tags=["knowledge bases"])
+defaults_router = APIRouter()
 Wait = Annotated[bool, Query(description="wait until the index reflects the change")]
+
+
+@defaults_router.get("/v1/defaults", tags=["knowledge bases"])
+async def get_defaults(kbs: Kbs, caller: Caller) -> DefaultsView:
+    """The settings a knowledge base gets when none are given, per embedding model, and the
+    limits on what clients send. Clients read these instead of keeping their own copy."""
+    return await kbs.defaults()
 
 
 @router.post("", status_code=201)

@@ -17,6 +17,8 @@ from services.common.errors import Conflict, InvalidInput, NotFound
 from services.common.events import KbChanged, Subject
 from services.common.ids import new_kb_id
 from services.common.models import (
+    CHUNK_SIZE_RANGE,
+    MAX_NEIGHBORS,
     DocStatus,
     DocumentRecord,
     IndexEntry,
@@ -24,20 +26,25 @@ from services.common.models import (
     KnowledgeBase,
     utcnow,
 )
+from services.common.queries import TOP_K_MAX
 from services.common.registry import Registries
-from services.common.settings import Settings
+from services.common.settings import BUNDLED_MODELS, Settings
 from services.gateway.auth import Principal
 from services.gateway.modelcheck import check_model
 from services.gateway.progress import kb_progress
 from services.gateway.schemas import (
     Ack,
+    DefaultsView,
     KbCreate,
+    KbDefaults,
     KbDocumentView,
     KbList,
     KbProgress,
     KbStats,
     KbUpdate,
     KbView,
+    LimitsView,
+    ModelDefaults,
     Page,
 )
 from services.gateway.service.access import check_kb_tags_in_scope, kb_rank
@@ -104,7 +111,9 @@ class KnowledgeBases:
         self._check_count(await self.reg.kbs.of_org(p.org_id), body.name)
         # Off the loop: the first remote model lookup imports litellm (seconds).
         kb = await asyncio.to_thread(
-            checked_kb, {"org_id": p.org_id, "kb_id": new_kb_id(), **fields}
+            lambda: checked_kb(
+                {"org_id": p.org_id, "kb_id": new_kb_id(), **with_model_defaults(fields)}
+            )
         )
         await check_model(kb.embedding_model, kb.api_base, egress_policy(self.settings))
         if kb.rerank_api_base:
@@ -123,6 +132,12 @@ class KnowledgeBases:
             Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="created")
         )
         return await self.view(kb)
+
+    async def defaults(self) -> DefaultsView:
+        """The settings a KB gets when a client names none, per embedding model, and the
+        limits a client must respect: one source for the console, the CLI and the docs."""
+        # Off the loop: a remote default model's lookup imports litellm.
+        return await asyncio.to_thread(defaults_view, self.settings)
 
     def _check_count(self, existing: list[KnowledgeBase], name: str) -> None:
         if len(existing) >= self.settings.kb_limit:
@@ -352,6 +367,52 @@ class KnowledgeBases:
             self.reg.index.of_kb(kb.kb_id), self.reg.documents.of_org(kb.org_id)
         )
         return entries, [d for d in documents if kb.matches(d.tags)]
+
+
+def default_chunk_size(model: str) -> int:
+    """The KB default chunk size, cut to what `model` takes in one input."""
+    return min(int(KnowledgeBase.model_fields["chunk_size"].default), model_limits(model))
+
+
+def with_model_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` of a new KB with the chunk size its model takes when none is given, so a
+    KB created with defaults alone works with any model."""
+    if "chunk_size" in fields:
+        return fields
+    return {**fields, "chunk_size": default_chunk_size(fields["embedding_model"])}
+
+
+def defaults_view(settings: Settings) -> DefaultsView:
+    fields = KnowledgeBase.model_fields
+    model = settings.default_model
+    limits = settings.limits
+    return DefaultsView(
+        kb=KbDefaults(
+            chunker=fields["chunker"].default,
+            chunk_size=default_chunk_size(model),
+            chunk_overlap=fields["chunk_overlap"].default,
+            embedding_model=model,
+            coalesce_neighbors=fields["coalesce_neighbors"].default,
+        ),
+        models=[
+            ModelDefaults(
+                embedding_model=m, max_chunk_size=model_limits(m), chunk_size=default_chunk_size(m)
+            )
+            for m in dict.fromkeys((model, *BUNDLED_MODELS))
+        ],
+        limits=LimitsView(
+            chunk_size_min=CHUNK_SIZE_RANGE[0],
+            chunk_size_max=CHUNK_SIZE_RANGE[1],
+            coalesce_neighbors_max=MAX_NEIGHBORS,
+            top_k_max=TOP_K_MAX,
+            knowledge_bases_per_org=settings.kb_limit,
+            tags_per_document=limits.tags_per_document,
+            tag_length=limits.tag_length,
+            metadata_bytes=limits.metadata_bytes,
+            uri_length=limits.uri_length,
+            text_bytes=limits.text_bytes,
+        ),
+    )
 
 
 def checked_kb(fields: dict[str, Any]) -> KnowledgeBase:

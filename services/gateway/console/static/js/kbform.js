@@ -4,7 +4,13 @@ import { api } from "./api.js";
 import { h, nextId } from "./dom.js";
 import { confirmDialog, pageHeader, setView, splitList, toast } from "./ui.js";
 
-const DEFAULT_MODEL = "local/all-MiniLM-L6-v2";
+// The server's defaults and limits (GET /v1/defaults), read once: the form keeps no copy
+// that could drift from what the server accepts.
+let serverDefaults = null;
+async function defaults() {
+  serverDefaults ??= await api("GET", "/v1/defaults");
+  return serverDefaults;
+}
 // Changing any of these re-chunks or re-embeds every document (the server's REINDEX_FIELDS).
 const REINDEX = ["chunker", "chunk_size", "chunk_overlap", "embedding_model"];
 
@@ -17,25 +23,25 @@ const FIELDS = [
     help: "Comma-separated. Documents carrying any of these tags belong here, besides those uploaded into it." },
   { name: "chunker", label: "Chunker", type: "select", options: ["recursive", "sentence", "token"],
     help: "recursive splits on headings, paragraphs, then sentences; sentence keeps whole sentences; token cuts at fixed token counts." },
-  { name: "chunk_size", label: "Chunk size", type: "number", min: 50, max: 2000, step: 1,
-    help: "Tokens per chunk, 50–2000, and no more than the embedding model takes in one input." },
+  { name: "chunk_size", label: "Chunk size", type: "number", step: 1,
+    help: "Tokens per chunk, no more than the embedding model takes in one input." },
   { name: "chunk_overlap", label: "Chunk overlap", type: "number", min: 0, step: 1,
     help: "Tokens shared by neighbouring chunks; smaller than the chunk size." },
   { name: "embedding_model", label: "Embedding model", type: "text",
-    help: `${DEFAULT_MODEL} runs locally with no key; any LiteLLM model id (e.g. openai/text-embedding-3-small) for hosted providers.` },
-  { name: "coalesce_neighbors", label: "Coalesce neighbors", type: "number", min: 0, max: 5, step: 1,
-    help: "Chunks added on each side of every match in search results (0–5), for context." },
+    help: "The bundled local model runs with no key; any LiteLLM model id (e.g. openai/text-embedding-3-small) for hosted providers." },
+  { name: "coalesce_neighbors", label: "Coalesce neighbors", type: "number", min: 0, step: 1,
+    help: "Chunks added on each side of every match in search results, for context." },
 ];
 
-const DEFAULTS = { chunker: "recursive", chunk_size: 256, chunk_overlap: 32, embedding_model: DEFAULT_MODEL, coalesce_neighbors: 0 };
-
 export async function renderKbNew(main) {
+  const server = await defaults();
   setView(
     main,
     pageHeader("New knowledge base", {
       crumbs: [h("a", { href: "#/kbs" }, "Knowledge bases"), h("span", "New")],
     }),
     h("div.card", kbForm({
+      server,
       onSaved: (kb) => {
         toast(`Knowledge base “${kb.name}” created`);
         location.hash = `#/kbs/${encodeURIComponent(kb.kb_id)}`;
@@ -44,7 +50,7 @@ export async function renderKbNew(main) {
   );
 }
 
-function control(field, value, onInput) {
+function control(field, value, onInput, server) {
   const id = `kb-${field.name}`;
   const common = { id, name: field.name, "aria-describedby": `${id}-help ${id}-error`, oninput: onInput, onchange: onInput };
   if (field.type === "textarea") return h("textarea", { ...common, rows: 3, maxlength: field.maxlength, value: value ?? "" });
@@ -62,13 +68,13 @@ function control(field, value, onInput) {
     required: field.required,
     autocomplete: "off",
     value: field.type === "list" ? (value || []).join(", ") : value ?? "",
-    placeholder: field.name === "embedding_model" ? DEFAULT_MODEL : field.type === "list" ? "e.g. policies, handbook" : undefined,
+    placeholder: field.name === "embedding_model" ? server?.kb.embedding_model : field.type === "list" ? "e.g. policies, handbook" : undefined,
   });
 }
 
 /** The form; `kb` given: edit that KB (Save, reindex warning, Delete). */
-export function kbForm({ kb = null, documents = null, onSaved, pause, resume }) {
-  const initial = kb || DEFAULTS;
+export function kbForm({ kb = null, documents = null, server = null, onSaved, pause, resume }) {
+  const initial = kb || server.kb;
   const inputs = {};
   const errors = {};
   const formError = h("div.alert.alert-error", { role: "alert", hidden: true });
@@ -83,7 +89,7 @@ export function kbForm({ kb = null, documents = null, onSaved, pause, resume }) 
       else if (field.type === "list") out[field.name] = splitList(raw);
       else out[field.name] = raw.trim();
     }
-    if (!out.embedding_model) out.embedding_model = kb ? kb.embedding_model : DEFAULT_MODEL;
+    if (!out.embedding_model) out.embedding_model = kb ? kb.embedding_model : server.kb.embedding_model;
     return out;
   }
 
@@ -98,8 +104,13 @@ export function kbForm({ kb = null, documents = null, onSaved, pause, resume }) 
     warning.textContent = `Changing the ${what} reindexes ${count} of this knowledge base. Searches keep answering from the current index meanwhile.`;
   }
 
+  function onInput() {
+    updateWarning();
+    applyLimits();
+  }
+
   const rows = FIELDS.map((field) => {
-    const input = control(field, initial[field.name], updateWarning);
+    const input = control(field, initial[field.name], onInput, server);
     inputs[field.name] = input;
     errors[field.name] = h("p.field-error", { id: `${input.id}-error`, hidden: true });
     return h(
@@ -110,6 +121,19 @@ export function kbForm({ kb = null, documents = null, onSaved, pause, resume }) 
       errors[field.name],
     );
   });
+
+  // The server's limits on the inputs, the chunk size's by the model chosen (a model the
+  // server does not list keeps the general limit; the server still has the last word).
+  function applyLimits() {
+    const l = server.limits;
+    const model = inputs.embedding_model.value.trim() || server.kb.embedding_model;
+    const known = server.models.find((m) => m.embedding_model === model);
+    inputs.chunk_size.min = l.chunk_size_min;
+    inputs.chunk_size.max = known ? known.max_chunk_size : l.chunk_size_max;
+    inputs.coalesce_neighbors.max = l.coalesce_neighbors_max;
+  }
+  if (server) applyLimits();
+  else defaults().then((got) => { server = got; applyLimits(); }, () => {});
 
   function showErrors(err) {
     const byField = err.fieldErrors ? err.fieldErrors() : {};
