@@ -31,6 +31,7 @@ from services.gateway.api.problems import (
     openapi_document,
     problem,
 )
+from services.gateway.apidocs import mount_api_docs
 from services.gateway.auth import KeyResolver, Principal
 from services.gateway.bodyguard import JsonBodyGuard, read_body, replay
 from services.gateway.console import mount_console
@@ -195,6 +196,9 @@ def create_app(
         version="0.1.0",
         description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
         lifespan=lifespan,
+        # Served by `mount_api_docs` from packaged assets instead of a CDN.
+        docs_url=None,
+        redoc_url=None,
         # FastAPI's own OpenTelemetry (0.165+) would wrap `TracedRequests`' span in a second
         # server span of the same name, plus an operation span, for every request, and keep
         # HTTP metrics of its own beside /metrics. (An older FastAPI keeps this as `extra`.)
@@ -289,6 +293,7 @@ def create_app(
             Route("/mcp", MountRoot(mcp_http, "/mcp"), methods=["GET", "POST", "DELETE"])
         )
         app.mount("/mcp", mcp_http)
+    mount_api_docs(app)
     mount_console(app)
     app.fast_search = FastSearch(app.routed, service, keys)
     return app

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import uuid
 
+import pytest
 from playwright.async_api import expect
 
 from services.common.events import DocUploaded
@@ -203,6 +204,27 @@ async def test_new_knowledge_base_form_accepts_its_own_defaults(page, stack):
     await page.get_by_label("Name").fill(name)
     await page.get_by_role("button", name="Create").click()
     await expect(page.get_by_role("heading", name=name)).to_be_visible()
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc"])
+async def test_api_docs_render_offline_under_the_policy(page, stack, path):
+    """Swagger UI and ReDoc draw the API from assets kbmesh serves itself: every request
+    stays on the server's origin (no CDN), and the page's policy refuses no script of theirs
+    (a refusal is a console error, which fails the test)."""
+    requested: list[str] = []
+    page.on("request", lambda request: requested.append(request.url))
+    await page.goto(path)
+    await expect(page.get_by_role("heading", name=re.compile(r"^kbmesh"))).to_be_visible()
+    await expect(page.get_by_text("knowledge bases").first).to_be_visible()
+    # ReDoc's footer always asks for its vendor's logo from a CDN: the policy refuses it
+    # before it leaves the browser (Chromium says so), and the image hides itself.
+    refused = [e for e in page.watch.errors if "Content Security Policy" in e and "blocked" in e]
+    foreign = [u for u in requested if not u.startswith((stack.base, "data:", "blob:"))]
+    assert [u for u in foreign if not any(u in e for e in refused)] == []
+    assert all("cdn.redoc.ly" in e for e in refused), refused
+    page.watch.errors[:] = [e for e in page.watch.errors if e not in refused]
+    policy = (await stack.client.get(path)).headers["content-security-policy"]
+    assert "script-src 'self'" in policy and "unsafe-eval" not in policy
 
 
 async def test_list_filters_sorts_and_shows_names_as_text(page, stack, screenshots):
