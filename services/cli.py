@@ -25,8 +25,18 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated options: `--api` must never be taken for `--api-key`. Subcommands'
+    parsers are of this class too (argparse makes them of the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="kbmesh", description=__doc__)
+    parser = _Parser(prog="kbmesh", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="everything in one process: private NATS, embedded Qdrant")
@@ -137,6 +147,15 @@ def main(argv: list[str] | None = None) -> None:
         from services.cli_ingest import run as run_ingest
 
         sys.exit(run_ingest(args))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kbmesh")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:

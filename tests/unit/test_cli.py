@@ -1,0 +1,25 @@
+"""The `kbmesh` command line as a person types it: version, and no guessed options."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import pytest
+
+from services.cli import main
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kbmesh {version('kbmesh')}"
+
+
+def test_an_abbreviated_option_is_refused_not_guessed(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kbmesh mcp --api URL` once ran as `--api-key URL`: an unknown option is an error that
+    names it, in subcommands too."""
+    with pytest.raises(SystemExit) as stop:
+        main(["mcp", "--api", "http://127.0.0.1:8080"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --api" in capsys.readouterr().err
