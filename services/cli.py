@@ -372,6 +372,9 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
         if url and not _reachable(url):
             url = None
         if not url:
+            from services.runtime import check_data_dir
+
+            check_data_dir(settings.data_dir)
             nats_server = NatsServer(settings.data_dir / "nats").start()
             url = nats_server.url
     bus = Bus(settings, url, configure_telemetry("kbmesh-cli"))

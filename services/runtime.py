@@ -12,12 +12,14 @@ import contextlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import SpanProcessor
 
 from services.common import metrics
 from services.common.bus import Bus
+from services.common.datadir import CURRENT_FORMAT, DataDirError, open_data_dir
 from services.common.egress import egress_policy
 from services.common.embedders import EmbedderPool, LocalEmbedder
 from services.common.natsproc import NatsServer
@@ -89,6 +91,17 @@ def check_services(names: Iterable[str], settings: Settings) -> tuple[str, ...]:
     return chosen
 
 
+def check_data_dir(path: Path) -> None:
+    """The data dir in the format this kbmesh writes (an older one migrated), before anything
+    opens it; a newer one stops the process with the reason."""
+    try:
+        found = open_data_dir(path)
+    except DataDirError as err:
+        raise SystemExit(f"kbmesh: {err}") from err
+    if found < CURRENT_FORMAT:
+        log.info("data dir %s migrated from format %d to %d", path, found, CURRENT_FORMAT)
+
+
 async def build_runtime(
     settings: Settings,
     services: Iterable[str] = SERVICES,
@@ -101,6 +114,8 @@ async def build_runtime(
     provider = configure_telemetry("kbmesh-" + "-".join(chosen), processors=span_processors)
     nats_server = None
     url = settings.nats_url
+    if embedded_nats or not url or settings.store_kind == "edge":
+        check_data_dir(settings.data_dir)
     if embedded_nats or not url:
         nats_server = NatsServer(settings.data_dir / "nats").start()
         nats_server.supervise()
