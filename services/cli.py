@@ -114,6 +114,24 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--subject", help="only dead letters of this original subject")
         p.add_argument("--data-dir", type=Path)
 
+    backup = sub.add_parser(
+        "backup",
+        help="write an archive of a running stack (KBs, keys, prompts, documents and their "
+        "texts) without stopping it",
+    )
+    backup.add_argument("file", type=Path, help="the archive to write (.tar.gz)")
+    backup.add_argument(
+        "--data-dir", type=Path, help="where `kbmesh up` runs (default ./.kbmesh, KBMESH_DATA_DIR)"
+    )
+    restore = sub.add_parser(
+        "restore",
+        help="make a new data dir from an archive, its indexes rebuilt; `kbmesh up` then serves it",
+    )
+    restore.add_argument("file", type=Path, help="an archive written by `kbmesh backup`")
+    restore.add_argument(
+        "--data-dir", type=Path, required=True, help="the new data dir (must not exist or be empty)"
+    )
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("KBMESH_LOG_LEVEL", "INFO"),
@@ -143,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(asyncio.run(_dlq(args)))
     elif args.command == "contracts":
         sys.exit(_contracts(args.contracts_command, args.dir))
+    elif args.command in ("backup", "restore"):
+        sys.exit(asyncio.run(_backup_or_restore(args)))
     elif args.command == "ingest":
         from services.cli_ingest import run as run_ingest
 
@@ -385,6 +405,31 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
         await bus.close()
         if nats_server:
             nats_server.stop()
+
+
+async def _backup_or_restore(args: argparse.Namespace) -> int:
+    from services.backup import BackupError, backup, restore
+
+    try:
+        if args.command == "backup":
+            async with _cli_bus(_settings(args)) as bus:
+                manifest = await backup(bus.js, args.file)
+            print(
+                f"wrote {args.file}: " + ", ".join(f"{n} {k}" for k, n in manifest.counts.items())
+            )
+        else:
+            manifest = await restore(args.file, args.data_dir)
+            print(
+                f"restored {args.file} into {args.data_dir}: "
+                + ", ".join(f"{n} {k}" for k, n in manifest.counts.items())
+                + f"; start it with `kbmesh up --data-dir {args.data_dir}`"
+            )
+    except BackupError as err:
+        print(f"kbmesh {args.command}: {err}", file=sys.stderr)
+        return 1
+    for key in manifest.skipped_documents:
+        print(f"  not in the archive (still being extracted): {key}", file=sys.stderr)
+    return 0
 
 
 async def _create_key(args: argparse.Namespace) -> None:

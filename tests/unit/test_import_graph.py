@@ -20,7 +20,9 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"common", *SERVICES},
     # `kbmesh ingest` is a REST client of a running stack: no service, no runtime.
     "cli_ingest": {"common"},
-    "cli": {"common", "contracts", "gateway", "runtime", "cli_ingest"},
+    # Backup reads the bus; restore runs ingest and embed over a new data dir.
+    "backup": {"common", "runtime"},
+    "cli": {"common", "contracts", "gateway", "runtime", "cli_ingest", "backup"},
 }
 
 
