@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
 
     add_ingest_parser(sub)
 
+    from services.cli_api import add_parsers as add_api_parsers
+
+    add_api_parsers(sub)
+
     mock = sub.add_parser(
         "mock", help="serve the contract examples (REST, /api/v1/tools, MCP); no NATS, no model"
     )
@@ -161,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(asyncio.run(_dlq(args)))
     elif args.command == "contracts":
         sys.exit(_contracts(args.contracts_command, args.dir))
+    elif args.command in ("status", "search", "kb"):
+        from services.cli_api import run as run_api
+
+        sys.exit(run_api(args))
     elif args.command in ("backup", "restore"):
         sys.exit(asyncio.run(_backup_or_restore(args)))
     elif args.command == "ingest":
