@@ -105,16 +105,22 @@ def main(argv: list[str] | None = None) -> None:
             "--dir", type=Path, default=Path("contracts"), help="default ./contracts"
         )
 
-    dlq = sub.add_parser("dlq", help="dead letters: list them, replay them")
+    dlq = sub.add_parser("dlq", help="dead letters: list them, replay them, discard them")
     dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
     dlq_list = dlq_sub.add_parser("list", help="one JSON line per dead letter, oldest first")
     dlq_list.add_argument("--limit", type=int, default=100)
     dlq_replay = dlq_sub.add_parser(
         "replay", help="republish to the original subject and remove the dead letter"
     )
-    dlq_replay.add_argument("sequences", nargs="*", type=int, metavar="SEQUENCE")
-    dlq_replay.add_argument("--all", action="store_true", help="every dead letter (of --subject)")
-    for p in (dlq_list, dlq_replay):
+    dlq_discard = dlq_sub.add_parser(
+        "discard", help="remove dead letters without replaying them (their cause is known)"
+    )
+    for p in (dlq_replay, dlq_discard):
+        p.add_argument(
+            "sequences", nargs="*", type=int, metavar="SEQUENCE", help="as `dlq list` shows"
+        )
+        p.add_argument("--all", action="store_true", help="every dead letter (of --subject)")
+    for p in (dlq_list, dlq_replay, dlq_discard):
         p.add_argument("--subject", help="only dead letters of this original subject")
         p.add_argument("--data-dir", type=Path)
 
@@ -160,8 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as err:  # an unknown toolset
             sys.exit(f"kbmesh mock: {err}")
     elif args.command == "dlq":
-        if args.dlq_command == "replay" and not (args.all or args.sequences):
-            parser.error("dlq replay needs sequence numbers or --all")
+        if args.dlq_command != "list" and not (args.all or args.sequences):
+            parser.error(f"dlq {args.dlq_command} needs sequence numbers or --all")
         sys.exit(asyncio.run(_dlq(args)))
     elif args.command == "contracts":
         sys.exit(_contracts(args.contracts_command, args.dir))
@@ -459,7 +465,7 @@ async def _create_key(args: argparse.Namespace) -> None:
 async def _dlq(args: argparse.Namespace) -> int:
     import json
 
-    from services.common.deadletters import get_dead_letter, list_dead_letters, replay
+    from services.common.deadletters import discard, get_dead_letter, list_dead_letters, replay
 
     async with _cli_bus(_settings(args)) as bus:
         if args.dlq_command == "list":
@@ -476,8 +482,12 @@ async def _dlq(args: argparse.Namespace) -> int:
                 return 1
             letters = [letter for letter in found if letter is not None]
         for letter in letters:
-            await replay(bus.js, letter)
-            print(json.dumps({"replayed": letter.sequence, "subject": letter.subject}))
+            if args.dlq_command == "replay":
+                await replay(bus.js, letter)
+            else:
+                await discard(bus.js, letter)
+            done = "replayed" if args.dlq_command == "replay" else "discarded"
+            print(json.dumps({done: letter.sequence, "subject": letter.subject}))
         return 0
 
 

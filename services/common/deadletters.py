@@ -124,3 +124,9 @@ async def replay(js: JetStreamContext, letter: DeadLetter) -> None:
     )
     await js.publish(letter.subject, letter.data, headers=headers, stream=STREAM)
     await js.delete_msg(DLQ_STREAM, letter.sequence)
+
+
+async def discard(js: JetStreamContext, letter: DeadLetter) -> None:
+    """Remove the dead letter without replaying it (its cause is known and will not be fixed:
+    a malformed event from a test publisher, say)."""
+    await js.delete_msg(DLQ_STREAM, letter.sequence)

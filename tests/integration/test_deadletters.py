@@ -97,8 +97,8 @@ async def test_poison_events_of_any_shape_reach_the_dead_letter_subject(tmp_path
 async def test_dlq_list_prints_error_texts_that_are_not_ascii(tmp_path, embedders):
     """An error naming a value in any script (here an unsupported mime type with an accent,
     a check mark) is read back as written and `kbmesh dlq list` prints
-    it as JSON, exit 0."""
-    async with running_stack(tmp_path, embedders=embedders) as (rt, _):
+    it as JSON, exit 0; `kbmesh dlq discard` then removes it without replaying it."""
+    async with running_stack(tmp_path, embedders=embedders) as (rt, client):
         mime = "application/x-café ✓\nzweite Zeile"
         event = DocUploaded(org_id="local", name="odd.bin", content="x", mime_type=mime)
         await rt.bus.publish("doc.uploaded", event)
@@ -120,6 +120,24 @@ async def test_dlq_list_prints_error_texts_that_are_not_ascii(tmp_path, embedder
         summary = json.loads(line)
         assert summary["sequence"] == letter.sequence
         assert "application/x-café ✓" in summary["error"] and "\n" not in summary["error"]
+
+        # Its cause will not be fixed (no such type is read): discarded, not replayed.
+        discarded = subprocess.run(
+            [sys.executable, "-m", "services.cli", "dlq", "discard", str(letter.sequence)],
+            cwd=ROOT,
+            env=kbmesh_env(KBMESH_NATS_URL=rt.bus.url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert discarded.returncode == 0, discarded.stderr[-2000:]
+        assert json.loads(discarded.stdout) == {
+            "discarded": letter.sequence,
+            "subject": "doc.uploaded",
+        }
+        assert await list_dead_letters(rt.bus.js, "doc.uploaded") == []
+        documents = (await client.get("/v1/documents", params={"name_search": "odd.bin"})).json()
+        assert documents["total"] == 0, "a discarded upload is not replayed"
 
 
 async def test_dead_letters_over_rest_stay_in_their_org_and_scope(tmp_path, embedders):
