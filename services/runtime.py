@@ -236,7 +236,12 @@ def gateway_app(rt: Runtime) -> FastAPI:
     keys = api_keys(rt)
     mcp = create_mcp(rt.gateway, keys=keys) if rt.settings.toolsets else None
     return create_app(
-        rt.gateway, keys, mcp=mcp, ready=rt.ready, services=rt.services, nats_server=rt.nats
+        rt.gateway,
+        keys,
+        mcp=mcp,
+        ready=rt.ready,
+        services=rt.services,
+        nats_status=rt.nats.status if rt.nats else None,
     )
 
 

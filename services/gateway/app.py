@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -20,7 +20,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.bus import BUS_UNAVAILABLE
 from services.common.errors import KbmeshError
-from services.common.natsproc import NatsServer
 from services.common.queries import SearchQuery
 from services.gateway.api import answers, deadletters, documents, kbs, progress, search, tools
 from services.gateway.api.problems import (
@@ -173,12 +172,12 @@ def create_app(
     mcp: KbmeshMCP | None = None,
     ready: asyncio.Event | None = None,
     services: Sequence[str] = ("gateway",),
-    nats_server: NatsServer | None = None,
+    nats_status: Callable[[], dict[str, Any]] | None = None,
 ) -> FastAPI:
     """The gateway over its parts: the service, the API keys, and the MCP server (None: no
     /mcp and no /api/v1/tools). `ready` is set once the process's subscribers run; /readyz
-    reports it with the names of the `services` this process runs. `nats_server` is the
-    private server of `kbmesh up`, whose death /healthz reports."""
+    reports it with the names of the `services` this process runs. `nats_status` reports the
+    private server of `kbmesh up` (`{"running": bool, ...}`), whose death /healthz reports."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -251,9 +250,9 @@ def create_app(
         """Liveness: the process answers and, under `kbmesh up`, its private nats-server
         runs (503 while it is down: it is being restarted, and a probe that keeps failing
         should restart the process)."""
-        if nats_server is None:
+        if nats_status is None:
             return JSONResponse({"status": "ok"})
-        status = nats_server.status()
+        status = nats_status()
         alive = status["running"]
         return JSONResponse(
             {"status": "ok" if alive else "nats-server down", "nats_server": status},

@@ -72,6 +72,17 @@ def test_the_rules_cover_the_stated_layering() -> None:
     assert "cli" not in ALLOWED["runtime"]
 
 
+def test_no_gateway_module_imports_the_launcher() -> None:
+    """The gateway learns whether `kbmesh up`'s nats-server runs from a callable the runtime
+    hands it: process supervision stays out of the gateway."""
+    for path in (ROOT / "gateway").rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+        }
+        assert "services.common.natsproc" not in modules, path
+
+
 def test_the_checker_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text(
