@@ -227,6 +227,29 @@ async def test_api_docs_render_offline_under_the_policy(page, stack, path):
     assert "script-src 'self'" in policy and "unsafe-eval" not in policy
 
 
+async def test_destructive_dialogs_open_on_cancel_and_skip_link_stays(page, stack):
+    """ "Skip to content" moves the focus into the page without leaving it; a delete dialog
+    opens with the focus on Cancel, so Enter keeps the knowledge base."""
+    name = f"keep-{uuid.uuid4().hex[:6]}"
+    kb = (await stack.client.post("/v1/kbs", json={"name": name})).json()
+    await page.goto(f"/#/kbs/{kb['kb_id']}/overview")
+    await expect(page.get_by_role("heading", name=name)).to_be_visible()
+    url = page.url
+    await page.keyboard.press("Tab")
+    await expect(page.get_by_role("link", name="Skip to content")).to_be_focused()
+    await page.keyboard.press("Enter")
+    await expect(page.locator("#main")).to_be_focused()
+    assert page.url == url
+    await expect(page.get_by_role("heading", name=name)).to_be_visible()
+
+    await page.get_by_role("button", name="Delete", exact=True).click()
+    dialog = page.get_by_role("dialog")
+    await expect(dialog.get_by_role("button", name="Cancel")).to_be_focused()
+    await page.keyboard.press("Enter")
+    await expect(dialog).to_have_count(0)
+    assert (await stack.client.get(f"/v1/kbs/{kb['kb_id']}")).status_code == 200
+
+
 async def test_list_filters_sorts_and_shows_names_as_text(page, stack, screenshots):
     """The list searches by name, filters by status, sorts by documents; a knowledge base
     named like markup shows as those characters in the list and on its page."""
@@ -326,6 +349,12 @@ async def test_api_key_asked_for_and_kept_for_the_tab(browser, tmp_path, embedde
             await page.goto("/")
             await expect(page.get_by_text("This server needs an API key.")).to_be_visible()
             await shoot(page, screenshots, "11-api-key")
+            # A wrong key is said to be refused, at the field, and not kept.
+            await page.get_by_label("API key").fill("kbm_not-a-key")
+            await page.get_by_role("button", name="Use key").click()
+            await expect(page.locator("#api-key-error")).to_contain_text("This key was refused")
+            await expect(page.get_by_label("API key")).to_have_attribute("aria-invalid", "true")
+            assert await page.evaluate("sessionStorage.getItem('kbmesh.apiKey')") is None
             await page.get_by_label("API key").fill(key)
             await page.get_by_role("button", name="Use key").click()
             await expect(page.get_by_role("link", name=own)).to_be_visible()

@@ -67,18 +67,29 @@ function renderKeySlot() {
 function askForKey(message) {
   const bar = document.getElementById("keybar");
   if (!bar.hidden) return;
-  const input = h("input#api-key", { type: "password", autocomplete: "off", required: true, placeholder: "kbm_…" });
+  const input = h("input#api-key", { type: "password", autocomplete: "off", required: true, placeholder: "kbm_…", "aria-describedby": "api-key-error" });
+  const error = h("p.field-error#api-key-error", { role: "alert", hidden: true });
   bar.hidden = false;
   clear(bar).append(
     h(
       "form.keyform",
       {
-        onsubmit: (e) => {
+        onsubmit: async (e) => {
           e.preventDefault();
-          apiKey.set(input.value.trim());
+          const key = input.value.trim();
+          // Tried before it is kept: a key the server refuses is said so here, not "saved".
+          const refused = await refusal(key);
+          if (refused) {
+            error.textContent = refused;
+            error.hidden = false;
+            input.setAttribute("aria-invalid", "true");
+            input.focus();
+            return;
+          }
+          apiKey.set(key);
           bar.hidden = true;
           renderKeySlot();
-          toast("API key saved for this browser tab");
+          toast("API key accepted; kept for this browser tab");
           route();
         },
       },
@@ -88,10 +99,34 @@ function askForKey(message) {
         input,
         h("button.btn.btn-primary", { type: "submit" }, "Use key")),
       h("p.help", "Kept in this tab's session storage only and sent as a bearer token."),
+      error,
     ),
   );
   input.focus();
 }
+
+/** Why the server refuses `key` (null: it is accepted). */
+async function refusal(key) {
+  try {
+    const r = await fetch("/v1/kbs?limit=1", {
+      headers: { Accept: "application/json", Authorization: `Bearer ${key}` },
+    });
+    if (r.status !== 401 && r.status !== 403) return null;
+    const body = await r.json().catch(() => ({}));
+    return `This key was refused: ${body.detail || `HTTP ${r.status}`}`;
+  } catch (err) {
+    return `The server cannot be reached (${err.message}).`;
+  }
+}
+
+// "Skip to content" moves the focus to the page's content; following its #main link would
+// be read as a route and leave the page.
+document.querySelector(".skip-link").addEventListener("click", (e) => {
+  e.preventDefault();
+  const main = document.getElementById("main");
+  main.setAttribute("tabindex", "-1");
+  main.focus();
+});
 
 window.addEventListener("kbmesh:unauthorized", (e) => {
   // A key that was sent and refused says why; without one the request is enough.

@@ -160,7 +160,7 @@ export function modal({ title, body, confirm = "OK", dismiss = "Cancel", danger 
       error,
       h(
         "div.modal-actions",
-        h("button.btn", { type: "button", onclick: () => close(null) }, dismiss),
+        h("button.btn.modal-dismiss", { type: "button", onclick: () => close(null) }, dismiss),
         null,
       ),
     );
@@ -173,7 +173,9 @@ export function modal({ title, body, confirm = "OK", dismiss = "Cancel", danger 
     });
     document.body.append(dialog);
     dialog.showModal();
-    (dialog.querySelector("input, select, textarea") || submitBtn).focus();
+    // A destructive action is never one keypress away: Enter on open cancels it.
+    const safe = danger ? dialog.querySelector(".modal-dismiss") : submitBtn;
+    (dialog.querySelector("input, select, textarea") || safe).focus();
   });
 }
 
