@@ -250,6 +250,50 @@ async def test_destructive_dialogs_open_on_cancel_and_skip_link_stays(page, stac
     assert (await stack.client.get(f"/v1/kbs/{kb['kb_id']}")).status_code == 200
 
 
+async def test_search_tester_errors_at_the_field_filters_by_collection_and_source(page, stack):
+    """A Top k of 0 is refused at the field (no banner); the score is labelled as what the
+    API says it is; collection and source filters narrow the hits."""
+    name = f"tester-{uuid.uuid4().hex[:6]}"
+    kb = (await stack.client.post("/v1/kbs", json={"name": name})).json()
+    for doc, collection, source in (
+        ("etna.md", "europe", "volcano-wiki"),
+        ("fuji.md", "asia", "travel-notes"),
+    ):
+        r = await stack.client.post(
+            f"/v1/kbs/{kb['kb_id']}/documents?wait=true",
+            json={
+                "name": doc,
+                "content": f"{doc[:-3].title()} is a volcano that erupts lava and ash.",
+                "collection": collection,
+                "source_id": source,
+            },
+        )
+        assert r.status_code in (200, 202), r.text
+    await page.goto(f"/#/kbs/{kb['kb_id']}/search")
+    await page.get_by_label("Query").fill("volcano lava")
+    await page.get_by_label("Top k").fill("0")
+    page.watch.expect("POST", "/v1/search", 422)
+    await page.get_by_role("button", name="Search", exact=True).click()
+    await expect(page.locator("#sf-topk-error")).to_be_visible()
+    await expect(page.get_by_label("Top k")).to_have_attribute("aria-invalid", "true")
+    await expect(page.locator(".results .alert")).to_have_count(0)
+
+    await page.get_by_label("Top k").fill("5")
+    await page.get_by_role("button", name="Search", exact=True).click()
+    await expect(page.locator(".result-summary")).to_contain_text("rank fusion")
+    await expect(page.locator(".hit-doc")).to_have_count(2)
+    await expect(page.get_by_label("Top k")).not_to_have_attribute("aria-invalid", "true")
+
+    await page.get_by_text("Filters").click()
+    await page.get_by_label("Collection").fill("asia")
+    await page.get_by_role("button", name="Search", exact=True).click()
+    await expect(page.locator(".hit-doc")).to_have_text(["fuji.md"])
+    await page.get_by_label("Collection").fill("")
+    await page.get_by_label("Sources").fill("volcano-wiki")
+    await page.get_by_role("button", name="Search", exact=True).click()
+    await expect(page.locator(".hit-doc")).to_have_text(["etna.md"])
+
+
 async def test_list_filters_sorts_and_shows_names_as_text(page, stack, screenshots):
     """The list searches by name, filters by status, sorts by documents; a knowledge base
     named like markup shows as those characters in the list and on its page."""

@@ -3,6 +3,12 @@ import { all, api } from "./api.js";
 import { clear, h, highlighted } from "./dom.js";
 import { emptyState, errorBox, splitList, tagList } from "./ui.js";
 
+// What a hit's score means, by the response's `score_kind`.
+const SCORE_KINDS = {
+  fused: "rank fusion of the mode's signals (1.0 = first in every one)",
+  rerank: "the rerank model's relevance",
+};
+
 function field(id, label, input, help) {
   input.id = id;
   return h("div.field", h("label", { for: id }, label), input, help ? h("p.help", help) : null);
@@ -16,6 +22,8 @@ export function renderSearch(panel, getKb) {
   const docs = h("select", { multiple: true, size: 4 });
   const tags = h("input", { type: "text", autocomplete: "off", placeholder: "any of, comma-separated" });
   const name = h("input", { type: "text", autocomplete: "off", placeholder: "contains" });
+  const collection = h("input", { type: "text", autocomplete: "off", placeholder: "exactly this one" });
+  const sources = h("input", { type: "text", autocomplete: "off", placeholder: "any of, comma-separated" });
   const from = h("input", { type: "date" });
   const to = h("input", { type: "date" });
   const metaRows = h("div.meta-rows");
@@ -48,6 +56,9 @@ export function renderSearch(panel, getKb) {
       h("div",
         field("sf-name", "Document name", name),
         field("sf-tags", "Tags", tags)),
+      h("div",
+        field("sf-collection", "Collection", collection),
+        field("sf-sources", "Sources", sources, "Source ids, e.g. a repository's.")),
       field("sf-from", "Uploaded from", from),
       field("sf-to", "Uploaded to", to),
       h("div.field.span-2",
@@ -64,6 +75,9 @@ export function renderSearch(panel, getKb) {
     const t = splitList(tags.value);
     if (t.length) f.tags = t;
     if (name.value.trim()) f.document_name = name.value.trim();
+    if (collection.value.trim()) f.collection = collection.value.trim();
+    const s = splitList(sources.value);
+    if (s.length) f.source_ids = s;
     if (from.value) f.upload_date_from = from.value;
     if (to.value) f.upload_date_to = to.value;
     const meta = [];
@@ -92,11 +106,14 @@ export function renderSearch(panel, getKb) {
         const f = buildFilters();
         if (f) body.filters = f;
         submit.disabled = true;
+        clearFieldErrors();
         clear(results).append(h("p.muted", "Searching…"));
         try {
           showResults(await api("POST", "/v1/search", body), q.value);
         } catch (err) {
-          clear(results).append(errorBox(err));
+          // An error that names one of the fields above is shown at that field.
+          if (showFieldErrors(err)) clear(results);
+          else clear(results).append(errorBox(err));
         } finally {
           submit.disabled = false;
         }
@@ -112,6 +129,29 @@ export function renderSearch(panel, getKb) {
     filters,
   );
 
+  const atField = { query: q, top_k: topK, mode, coalesce_neighbors: coalesce };
+  function clearFieldErrors() {
+    for (const input of Object.values(atField)) {
+      input.removeAttribute("aria-invalid");
+      input.parentElement.querySelector(".field-error")?.remove();
+    }
+  }
+  function showFieldErrors(err) {
+    const byField = err.fieldErrors ? err.fieldErrors() : {};
+    let first = null;
+    for (const [name, message] of Object.entries(byField)) {
+      const input = atField[name];
+      if (!input) continue;
+      const note = h("p.field-error", { id: `${input.id}-error`, role: "alert" }, message);
+      input.setAttribute("aria-invalid", "true");
+      input.setAttribute("aria-describedby", note.id);
+      input.parentElement.append(note);
+      first ??= input;
+    }
+    first?.focus();
+    return first !== null;
+  }
+
   function showResults(answer, text) {
     clear(results);
     const matched = answer.hits.filter((hit) => hit.is_matched);
@@ -119,7 +159,7 @@ export function renderSearch(panel, getKb) {
       results.append(emptyState("No results", "Try other words, another mode, or fewer filters."));
       return;
     }
-    const scoreKind = answer.score_kind === "cosine" ? "cosine similarity" : "BM25, relative to the best hit";
+    const scoreKind = SCORE_KINDS[answer.score_kind] || answer.score_kind;
     results.append(h("p.result-summary.muted",
       `${matched.length} match${matched.length === 1 ? "" : "es"} · ${answer.mode} · score: ${scoreKind}`
       + (answer.coalesced ? ` · ${answer.coalesced} neighbour${answer.coalesced === 1 ? "" : "s"} each side` : "")));
