@@ -168,9 +168,7 @@ async def _wire(rt: Runtime) -> None:
             rt.search,
             rt.settings.ask,
             # Read per call: the policy is the operator's settings as they stand.
-            check_api_base=lambda url: egress_policy(rt.settings).check_url(
-                url, field="api_base", what="call the chat model at"
-            ),
+            egress=lambda: egress_policy(rt.settings),
         )
         rt.bus.responders += create_responders(
             rt.search,

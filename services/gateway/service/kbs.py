@@ -16,6 +16,7 @@ from services.common.embedders import model_limits
 from services.common.errors import Conflict, InvalidInput, NotFound
 from services.common.events import KbChanged, Subject
 from services.common.ids import new_kb_id
+from services.common.llm import check_destination
 from services.common.models import (
     DocStatus,
     DocumentRecord,
@@ -97,6 +98,22 @@ class KnowledgeBases:
         p.check_kb(kb.kb_id, write=write)
         return kb
 
+    async def _check_reranker(self, kb: KnowledgeBase) -> None:
+        """The reranker's address (its api_base, or its provider's default) must be one the
+        egress policy allows, checked at save like the embedding model's."""
+        if kb.rerank_model:
+            await check_destination(
+                egress_policy(self.settings),
+                kb.rerank_model,
+                kb.rerank_api_base,
+                model_field="rerank_model",
+                what="call the rerank model at",
+            )
+        elif kb.rerank_api_base:
+            await egress_policy(self.settings).check_url(
+                kb.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
+            )
+
     async def create(self, p: Principal, body: KbCreate) -> KbView:
         p.check_org_wide_write()
         fields = body.model_dump(exclude_none=True)
@@ -107,10 +124,7 @@ class KnowledgeBases:
             checked_kb, {"org_id": p.org_id, "kb_id": new_kb_id(), **fields}
         )
         await check_model(kb.embedding_model, kb.api_base, egress_policy(self.settings))
-        if kb.rerank_api_base:
-            await egress_policy(self.settings).check_url(
-                kb.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
-            )
+        await self._check_reranker(kb)
         # Check and create under the org's lock (one gateway), then check the rank among
         # what exists (gateways racing each other agree on who is over the limit).
         async with self._locks.setdefault(p.org_id, asyncio.Lock()):
@@ -193,10 +207,8 @@ class KnowledgeBases:
             await check_model(
                 checked.embedding_model, checked.api_base, egress_policy(self.settings)
             )
-        if checked.rerank_api_base and checked.rerank_api_base != kb.rerank_api_base:
-            await egress_policy(self.settings).check_url(
-                checked.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
-            )
+        if (checked.rerank_model, checked.rerank_api_base) != (kb.rerank_model, kb.rerank_api_base):
+            await self._check_reranker(checked)
         old, updated = await self._change(p.org_id, kb.kb_id, apply)
         if set(updated.tag_ids) != set(old.tag_ids):
             await self.bus.publish(
