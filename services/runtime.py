@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.sdk.trace import SpanProcessor
 
 from services.common import metrics
+from services.common.audit import sink as audit_sink
 from services.common.bus import Bus
 from services.common.egress import egress_policy
 from services.common.embedders import EmbedderPool, LocalEmbedder
@@ -138,7 +139,9 @@ async def _wire(rt: Runtime) -> None:
         from services.ingest.handlers import create_router as ingest_router
         from services.ingest.service import IngestService
 
-        rt.ingest = IngestService(rt.registries, publish, rt.settings)
+        rt.ingest = IngestService(
+            rt.registries, publish, rt.settings, audit=audit_sink(lambda: rt.bus.js)
+        )
         rt.bus.broker.include_router(ingest_router(rt.bus, rt.ingest))
     if "embed" in rt.services:
         from services.embed.handlers import create_router as embed_router
@@ -206,7 +209,9 @@ async def start_consuming(rt: Runtime) -> None:
 def api_keys(rt: Runtime) -> KeyResolver:
     from services.gateway.auth import KeyResolver
 
-    return KeyResolver(rt.registries.keys, rt.settings.default_org)
+    return KeyResolver(
+        rt.registries.keys, rt.settings.default_org, audit=audit_sink(lambda: rt.bus.js)
+    )
 
 
 def gateway_app(rt: Runtime) -> FastAPI:

@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from services.common.audit import AuditAction, AuditEntry
+from services.common.audit import sink as audit_sink
 from services.common.bus import Bus
 from services.common.egress import egress_policy
 from services.common.embedders import model_limits
@@ -54,6 +56,7 @@ class KnowledgeBases:
         self.reg = registries
         self.settings = settings
         self._locks: dict[str, asyncio.Lock] = {}
+        self._audit_sink = audit_sink(lambda: bus.js)
 
     def default_id(self, org_id: str) -> str:
         """The id of an org's default KB. KB ids must be unique across orgs: collections,
@@ -136,7 +139,20 @@ class KnowledgeBases:
         await self.bus.publish(
             Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="created")
         )
+        await self._audit(p, kb, "created")
         return await self.view(kb)
+
+    async def _audit(self, p: Principal, kb: KnowledgeBase, action: AuditAction) -> None:
+        await self._audit_sink(
+            AuditEntry(
+                org_id=p.org_id,
+                kind="kb",
+                action=action,
+                writer=p.writer,
+                kb_id=kb.kb_id,
+                name=kb.name,
+            )
+        )
 
     def _check_count(self, existing: list[KnowledgeBase], name: str) -> None:
         if len(existing) >= self.settings.kb_limit:
@@ -219,6 +235,7 @@ class KnowledgeBases:
             await self.bus.publish(
                 Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="settings")
             )
+        await self._audit(p, updated, "changed")
         return await self.view(updated)
 
     async def _change(
@@ -240,6 +257,7 @@ class KnowledgeBases:
             Subject.KB_CHANGED,
             KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="deleted", collections=collections),
         )
+        await self._audit(p, kb, "deleted")
         return Ack(status="deleted", kb_id=kb.kb_id)
 
     async def reindex(self, p: Principal, ref: str, *, failed_only: bool = False) -> Ack:
