@@ -36,16 +36,18 @@ BY_NAME = EgressPolicy.parse(["localhost"])
 
 
 @contextlib.asynccontextmanager
-async def redirector(target: str) -> AsyncIterator[str]:
+async def redirector(target: str) -> AsyncIterator[tuple[str, list[str]]]:
     """A server that answers every request with 307 to the same path on `target`; yields
-    its base URL spelt with the host name `localhost`."""
+    its base URL spelt with the host name `localhost`, and the paths it was asked for."""
+    asked: list[str] = []
 
     async def moved(request: Request) -> Response:
+        asked.append(request.url.path)
         return Response(status_code=307, headers={"location": target + request.url.path})
 
     app = Starlette(routes=[Route("/{path:path}", moved, methods=["GET", "POST"])])
     async with serve_app(app, lifespan="off") as base:
-        yield base.replace("127.0.0.1", "localhost")
+        yield base.replace("127.0.0.1", "localhost"), asked
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +70,14 @@ def embeddings():
 async def test_an_embedding_request_redirected_to_loopback_never_reaches_it(embeddings):
     """The embedding model at an allowed name answers 307 to 127.0.0.1: the call fails as the
     provider's error and the server on 127.0.0.1 receives nothing (no text leaves)."""
-    async with redirector(embeddings.base_url.removesuffix("/v1")) as base:
+    async with redirector(embeddings.base_url.removesuffix("/v1")) as (base, asked):
         embedder = LiteLLMEmbedder(
             "openai/test-embed", api_base=f"{base}/v1", api_key="test", tries=1, egress=BY_NAME
         )
         with pytest.raises(InvalidInput) as err:
             await embedder.embed(["the secret document text"])
     assert "307" in err.value.message
+    assert asked == ["/v1/embeddings"]  # the allowed first hop was asked, once
     assert embeddings.requests == 0
 
 
@@ -84,23 +87,27 @@ async def test_a_chat_request_redirected_to_loopback_never_reaches_it():
     chat = ScriptedChat(Text("should not be asked"))
     async with (
         serve_app(chat.app, lifespan="off") as target,
-        redirector(target) as base,
+        redirector(target) as (base, asked),
     ):
         model = LiteLLMChat("hosted_vllm/scripted", f"{base}/v1", tries=1, egress=lambda: BY_NAME)
         await model.check()
         with pytest.raises(InvalidInput) as err:
             await model.complete([{"role": "system", "content": "the system prompt"}])
     assert "307" in err.value.message
+    assert asked == ["/v1/chat/completions"]
     assert chat.requests == []
 
 
-async def test_a_rerank_request_redirected_to_loopback_never_reaches_it():
+async def test_a_rerank_request_redirected_to_loopback_never_reaches_it(monkeypatch):
     """The same for the reranker: search keeps its own order (RerankFailed), the target
     receives nothing."""
-    async with rerank_server() as (target, script), redirector(target) as base:
-        reranker = LiteLLMReranker(10.0, egress=BY_NAME)
+    monkeypatch.setenv("COHERE_API_KEY", "test")
+    async with rerank_server() as (target, script), redirector(target) as (base, asked):
+        # A generous timeout: the first `import litellm` counts against it.
+        reranker = LiteLLMReranker(60.0, egress=BY_NAME)
         with pytest.raises(RerankFailed):
             await reranker.rerank("cohere/rerank-english-v3.0", base, "q", ["a", "b"])
+    assert len(asked) == 1 and asked[0].endswith("/rerank")
     assert script.requests == []
 
 
@@ -108,7 +115,7 @@ async def test_the_transport_vets_every_hop_of_a_client_that_follows_redirects(e
     """Where a client does follow redirects, the egress transport checks each hop where it is
     sent: the allowed first hop goes out, the 307 to 127.0.0.1 is refused before connecting."""
     async with (
-        redirector(embeddings.base_url.removesuffix("/v1")) as base,
+        redirector(embeddings.base_url.removesuffix("/v1")) as (base, asked),
         httpx.AsyncClient(transport=EgressTransport(), follow_redirects=True) as client,
     ):
         with (
@@ -120,6 +127,7 @@ async def test_the_transport_vets_every_hop_of_a_client_that_follows_redirects(e
         with pytest.raises(EgressRefused):
             await client.post(f"{base}/v1/embeddings", json={"input": ["x"], "model": "m"})
     assert "127.0.0.1" in err.value.message and err.value.field == "api_base"
+    assert asked == ["/v1/embeddings"]  # the first hop went out; the second did not
     assert embeddings.requests == 0
 
 
