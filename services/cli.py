@@ -1,4 +1,4 @@
-"""The `kbmesh` command: up, serve, keys, mcp, ingest, mock, contracts, dlq."""
+"""The `kbmesh` command: up, serve, keys, mcp, ingest, mock, contracts, dlq, audit."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Coroutine, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +142,19 @@ def main(argv: list[str] | None = None) -> None:
     restore.add_argument(
         "--data-dir", type=Path, required=True, help="the new data dir (must not exist or be empty)"
     )
+    audit = sub.add_parser(
+        "audit", help="the audit trail of an org: one JSON line per entry, oldest first"
+    )
+    audit.add_argument("--org", help="default: the default org (KBMESH_DEFAULT_ORG)")
+    audit.add_argument("--writer", help="an API key's id or name, a publisher, local, bus")
+    audit.add_argument("--kind", choices=["document", "kb", "key"])
+    audit.add_argument("--action", choices=["uploaded", "changed", "deleted", "created"])
+    audit.add_argument("--document", dest="document_id")
+    audit.add_argument("--kb", dest="kb_id")
+    audit.add_argument("--since", type=_timestamp, help="ISO 8601, e.g. 2026-11-26T22:00Z")
+    audit.add_argument("--until", type=_timestamp, help="ISO 8601")
+    audit.add_argument("--limit", type=int, default=100)
+    audit.add_argument("--data-dir", type=Path)
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -177,6 +191,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_api(args))
     elif args.command in ("backup", "restore"):
         sys.exit(asyncio.run(_backup_or_restore(args)))
+    elif args.command == "audit":
+        if not 1 <= args.limit <= 1000:
+            parser.error("--limit must be 1-1000")
+        asyncio.run(_audit(args))
     elif args.command == "ingest":
         from services.cli_ingest import run as run_ingest
 
@@ -447,6 +465,7 @@ async def _backup_or_restore(args: argparse.Namespace) -> int:
 
 
 async def _create_key(args: argparse.Namespace) -> None:
+    from services.common.audit import sink as audit_sink
     from services.common.ids import check_id
     from services.common.registry import Registries
     from services.gateway.auth import KeyResolver
@@ -455,11 +474,42 @@ async def _create_key(args: argparse.Namespace) -> None:
     check_id(args.org, "--org")
     async with _cli_bus(settings) as bus:
         registries = await Registries.open(bus.js)
-        token = await KeyResolver(registries.keys, settings.default_org).create(
-            args.org, args.name, args.kbs, args.read_only
+        resolver = KeyResolver(
+            registries.keys, settings.default_org, audit=audit_sink(lambda: bus.js)
         )
+        token = await resolver.create(args.org, args.name, args.kbs, args.read_only)
         await registries.close()
         print(token)
+
+
+def _timestamp(raw: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {raw!r}") from err
+    return value if value.tzinfo else value.replace(tzinfo=UTC)  # naive: UTC
+
+
+async def _audit(args: argparse.Namespace) -> None:
+    from services.common.audit import AuditQuery, read_audit
+    from services.common.ids import check_id
+
+    settings = _settings(args)
+    org = args.org or settings.default_org
+    check_id(org, "--org")
+    query = AuditQuery(
+        writer=args.writer,
+        kind=args.kind,
+        action=args.action,
+        document_id=args.document_id,
+        kb_id=args.kb_id,
+        since=args.since,
+        until=args.until,
+        limit=args.limit,
+    )
+    async with _cli_bus(settings) as bus:
+        for entry in await read_audit(bus.js, org, query):
+            print(entry.model_dump_json())
 
 
 async def _dlq(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.sdk.trace import SpanProcessor
 
 from services.common import metrics
+from services.common.audit import sink as audit_sink
 from services.common.bus import Bus
 from services.common.datadir import CURRENT_FORMAT, DataDirError, open_data_dir
 from services.common.egress import egress_policy
@@ -153,7 +154,9 @@ async def _wire(rt: Runtime) -> None:
         from services.ingest.handlers import create_router as ingest_router
         from services.ingest.service import IngestService
 
-        rt.ingest = IngestService(rt.registries, publish, rt.settings)
+        rt.ingest = IngestService(
+            rt.registries, publish, rt.settings, audit=audit_sink(lambda: rt.bus.js)
+        )
         rt.bus.broker.include_router(ingest_router(rt.bus, rt.ingest))
     if "embed" in rt.services:
         from services.embed.handlers import create_router as embed_router
@@ -183,9 +186,7 @@ async def _wire(rt: Runtime) -> None:
             rt.search,
             rt.settings.ask,
             # Read per call: the policy is the operator's settings as they stand.
-            check_api_base=lambda url: egress_policy(rt.settings).check_url(
-                url, field="api_base", what="call the chat model at"
-            ),
+            egress=lambda: egress_policy(rt.settings),
         )
         rt.bus.responders += create_responders(
             rt.search,
@@ -223,7 +224,9 @@ async def start_consuming(rt: Runtime) -> None:
 def api_keys(rt: Runtime) -> KeyResolver:
     from services.gateway.auth import KeyResolver
 
-    return KeyResolver(rt.registries.keys, rt.settings.default_org)
+    return KeyResolver(
+        rt.registries.keys, rt.settings.default_org, audit=audit_sink(lambda: rt.bus.js)
+    )
 
 
 def gateway_app(rt: Runtime) -> FastAPI:

@@ -34,6 +34,7 @@ from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
 
 from services.common import replies
+from services.common.audit import declare_audit_stream
 from services.common.errors import InvalidInput, KbmeshError, Transient
 from services.common.events import (
     DLQ_STREAM,
@@ -43,7 +44,7 @@ from services.common.events import (
     Event,
     dlq_subject,
 )
-from services.common.settings import BusSettings, Settings
+from services.common.settings import AuditSettings, BusSettings, Settings
 
 log = logging.getLogger("kbmesh.bus")
 
@@ -116,7 +117,7 @@ class Bus:
         attempt = 0
         while True:
             try:
-                await declare_topology(self._js, self.settings.bus)
+                await declare_topology(self._js, self.settings.bus, self.settings.audit)
                 break
             except BUS_UNAVAILABLE as err:
                 # A cluster that is still electing its JetStream leader, or a server that
@@ -182,7 +183,10 @@ class Bus:
         return self.nc
 
 
-async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
+async def declare_topology(
+    js: JetStreamContext, bus: BusSettings, audit: AuditSettings | None = None
+) -> None:
+    audit = audit or AuditSettings()
     stream = StreamConfig(
         name=STREAM,
         subjects=STREAM_SUBJECTS,
@@ -203,6 +207,7 @@ async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
             await js.add_stream(config)
         except BadRequestError:
             await js.update_stream(config)
+    await declare_audit_stream(js, audit, bus.replicas)
     for bucket in KV_BUCKETS:
         await _set_replicas(js, f"KV_{bucket}", bus.replicas)
         await js.create_key_value(bucket=bucket, history=1, replicas=bus.replicas)

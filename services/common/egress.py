@@ -6,14 +6,23 @@ A destination is allowed when every address its host resolves to is public, or w
 operator allows it: `KBMESH_EGRESS__ALLOWLIST` (host names, `*.suffix`, addresses, CIDRs) or
 `KBMESH_EGRESS__ALLOW_PRIVATE=true` (every non-public address: self-hosted models on the same
 machine or network).
+
+Model calls (embedding, rerank, chat through LiteLLM) send every HTTP request through
+`EgressTransport`: the policy of the surrounding `egress_scope` is applied to each request where
+it is sent — a provider's built-in address (Ollama's localhost:11434) as much as a client's
+`api_base` — and the connection goes to the address that was checked. Model calls follow no
+redirects: a 3xx is the provider's answer, reported as an error, never a second destination.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import socket
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import httpx
@@ -137,3 +146,99 @@ def _normalise(address: IPAddress) -> IPAddress:
 def is_public(address: IPAddress) -> bool:
     # is_global excludes private, loopback, link-local, shared (CGNAT), reserved, unspecified.
     return address.is_global and not address.is_multicast
+
+
+# ---- model calls ------------------------------------------------------------------------------
+
+
+class EgressRefused(Forbidden):
+    """A model call's request was stopped by the egress policy before it left."""
+
+
+@dataclass(frozen=True)
+class _Scope:
+    policy: EgressPolicy
+    field: str
+    what: str
+
+
+# The policy the model calls of the current task are held to. Outside any scope every request
+# through `EgressTransport` meets the strictest policy: public addresses only.
+_SCOPE: ContextVar[_Scope | None] = ContextVar("kbmesh_egress_scope", default=None)
+_STRICT = _Scope(EgressPolicy(), "api_base", "call the model at")
+
+
+@contextlib.contextmanager
+def egress_scope(policy: EgressPolicy, *, field: str, what: str) -> Iterator[None]:
+    """Model calls made inside are held to `policy`; a refusal names `field` (the setting or
+    request field that chose the destination) and `what` the call was."""
+    token = _SCOPE.set(_Scope(policy, field, what))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def refusal_in(err: BaseException) -> EgressRefused | None:
+    """The egress refusal behind a provider library's error, if that is what it was: LiteLLM
+    wraps whatever its HTTP client raised in its own connection error."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, EgressRefused):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+class EgressTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that sends a request only where the egress policy allows: vetted
+    per request (a redirect, if a client follows one, is a new request and vetted again), then
+    connected to the vetted address itself, so a second DNS answer cannot re-point it."""
+
+    def __init__(self) -> None:
+        # Connection pools belong to one event loop; tests and CLI commands run several.
+        self._pools: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, httpx.AsyncHTTPTransport
+        ] = weakref.WeakKeyDictionary()
+
+    def _pool(self) -> httpx.AsyncHTTPTransport:
+        loop = asyncio.get_running_loop()
+        pool = self._pools.get(loop)
+        if pool is None:
+            pool = self._pools[loop] = httpx.AsyncHTTPTransport(retries=0)
+        return pool
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        scope = _SCOPE.get() or _STRICT
+        url = request.url
+        try:
+            addresses = await scope.policy.vet(url, field=scope.field, what=scope.what)
+        except Forbidden as err:
+            raise EgressRefused(err.message, field=err.field) from None
+        except InvalidInput as err:
+            raise httpx.ConnectError(err.message, request=request) from err
+        pool = self._pool()
+        error: httpx.ConnectError | None = None
+        for address in addresses:
+            pinned = httpx.Request(
+                request.method,
+                url.copy_with(host=str(address)),
+                # The Host header still names the host; TLS verifies the name, not the address.
+                headers=request.headers,
+                stream=request.stream,
+                extensions={**request.extensions, "sni_hostname": url.host}
+                if url.scheme == "https"
+                else request.extensions,
+            )
+            try:
+                return await pool.handle_async_request(pinned)
+            except httpx.ConnectError as err:
+                error = err  # a name with several addresses: try the next one
+        raise error or httpx.ConnectError(f"{url.host} has no address", request=request)
+
+    async def aclose(self) -> None:
+        for pool in list(self._pools.values()):
+            await pool.aclose()
+        self._pools.clear()

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.content import STAGING_PREFIX
 from services.common.ids import new_id
-from services.common.models import DEFAULT_SOURCE, utcnow
+from services.common.models import DEFAULT_SOURCE, Writer, utcnow
 
 
 class Subject(StrEnum):
@@ -56,6 +56,10 @@ class Event(BaseModel):
 
 _ID = r"^[A-Za-z0-9_-]{1,64}$"
 DocumentId = Annotated[str, Field(pattern=_ID)]
+WRITER_DESCRIPTION = (
+    "who made the change, as the gateway saw the caller (API key, or keyless loopback); "
+    "absent on events from upstream publishers, whose writer is their bus identity"
+)
 SCOPE_DESCRIPTION = (
     "the KB scope of the key that made the change, if limited: an existing document outside "
     "it is neither replaced nor changed (Conflict)"
@@ -95,6 +99,7 @@ class DocUploaded(Event):
     )
     needs_ocr: bool = False
     scope_kb_ids: list[str] | None = Field(None, description=SCOPE_DESCRIPTION)
+    writer: Writer | None = Field(None, description=WRITER_DESCRIPTION)
 
     @model_validator(mode="after")
     def _object_of_own_org(self) -> DocUploaded:
@@ -107,6 +112,7 @@ class DocDeleted(Event):
 
     document_ids: list[DocumentId] = Field(default_factory=list)
     source_id: str | None = Field(None, min_length=1)
+    writer: Writer | None = Field(None, description=WRITER_DESCRIPTION)
 
 
 class OcrDone(Event):
@@ -134,6 +140,7 @@ class TagsChanged(Event):
         None, ge=1, description="the revision this change creates; older ones are dropped"
     )
     scope_kb_ids: list[str] | None = Field(None, description=SCOPE_DESCRIPTION)
+    writer: Writer | None = Field(None, description=WRITER_DESCRIPTION)
 
 
 class KbIndex(Event):

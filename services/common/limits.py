@@ -28,6 +28,12 @@ class LimitSettings(BaseModel):
     text_bytes: int = Field(
         10 * 1024 * 1024, ge=1, description="a document's text after extraction (UTF-8)"
     )
+    fetch_total_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="an upload by URL: the whole fetch (every redirect, headers and body), "
+        "however steadily the server drips bytes",
+    )
 
 
 def check_labels(tags: Iterable[str], collection: str | None, limits: LimitSettings) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from services.common.errors import Conflict
 from services.common.settings import BUNDLED_MODELS, DEFAULT_MODEL
@@ -19,6 +19,8 @@ KB_TAG_PREFIX = "kb:"
 COLLECTION_PREFIX = "collection:"
 DEFAULT_SOURCE = "user-provided"
 RECENT_EVENTS = 16
+# Revisions whose writer a document record keeps; the audit trail keeps every one.
+WRITER_HISTORY = 50
 
 
 def utcnow() -> datetime:
@@ -233,6 +235,37 @@ def collection_for(kb_id: str, generation: int) -> str:
     return f"kb_{kb_id}" if generation == 1 else f"kb_{kb_id}_g{generation}"
 
 
+class Writer(BaseModel):
+    """Who made a change: an API key (its id and name), a keyless loopback client (`local`),
+    an upstream publisher on the bus (`bus`, with its user when known), or an operator's
+    command (`operator`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["key", "local", "bus", "operator"]
+    key_id: str | None = Field(
+        None, max_length=64, description="the API key's id (the start of its hash)"
+    )
+    name: str | None = Field(
+        None, max_length=200, description="the key's name; for `bus`, the publisher's user"
+    )
+
+    def matches(self, ref: str) -> bool:
+        """Whether `ref` names this writer: a key id, a key or publisher name, or a kind."""
+        return ref in (self.key_id, self.name, self.kind)
+
+
+LOCAL_WRITER = Writer(kind="local")
+
+
+class RevisionWriter(BaseModel):
+    """Who wrote one revision of a document, and when."""
+
+    revision: int
+    writer: Writer
+    at: datetime
+
+
 class DocStatus(StrEnum):
     processing = "processing"
     awaiting_ocr = "awaiting_ocr"
@@ -272,6 +305,10 @@ class DocumentRecord(BaseModel):
     kb_errors: dict[str, str] = Field(
         default_factory=dict, description="KB id → why indexing this revision there failed"
     )
+    writers: list[RevisionWriter] = Field(
+        default_factory=list,
+        description=f"who wrote each revision, oldest first (the last {WRITER_HISTORY})",
+    )
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
 
@@ -279,12 +316,26 @@ class DocumentRecord(BaseModel):
     def key(self) -> str:
         return f"{self.org_id}.{self.document_id}"
 
-    def applied(self, event_id: str) -> None:
-        """Record that `event_id` made the current revision."""
+    def applied(self, event_id: str, writer: Writer | None = None) -> None:
+        """Record that `event_id`, sent by `writer`, made the current revision."""
         self.last_event_id = event_id
         self.recent_events[event_id] = self.revision
         while len(self.recent_events) > RECENT_EVENTS:
             del self.recent_events[next(iter(self.recent_events))]
+        if writer is not None:
+            self.writers = [w for w in self.writers if w.revision != self.revision]
+            self.writers.append(RevisionWriter(revision=self.revision, writer=writer, at=utcnow()))
+            del self.writers[:-WRITER_HISTORY]
+
+    @property
+    def writer(self) -> Writer | None:
+        """Who wrote the current revision (None for documents stored before writers were)."""
+        last = self.writers[-1] if self.writers else None
+        return last.writer if last is not None and last.revision == self.revision else None
+
+    def written_by(self, ref: str) -> bool:
+        """Whether any kept revision was written by the writer `ref` names."""
+        return any(w.writer.matches(ref) for w in self.writers)
 
     def writable_in(self, scope: list[str] | tuple[str, ...] | None) -> bool:
         """Whether such a key may replace or change it: visible, and in no KB outside scope."""

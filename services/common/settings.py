@@ -95,6 +95,17 @@ class EgressSettings(BaseModel):
     )
 
 
+class AuditSettings(BaseModel):
+    """The audit trail's stream (`KBMESH_AUDIT`): how long and how much of it is kept."""
+
+    max_age_days: float = Field(365.0, gt=0, description="how long audit entries are kept")
+    max_bytes: int = Field(
+        1024 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="the audit stream's size at most; the oldest entries go first",
+    )
+
+
 class AskSettings(BaseModel):
     """The answer loop (`search.ask`): which chat model answers when a request names none,
     and how long a loop may take."""
@@ -196,6 +207,7 @@ class Settings(BaseSettings):
     egress: EgressSettings = Field(default_factory=EgressSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     ask: AskSettings = Field(default_factory=AskSettings)
+    audit: AuditSettings = Field(default_factory=AuditSettings)
 
     @field_validator("default_org")
     @classmethod

@@ -23,6 +23,7 @@ from services.common.answers import (
     SearchMade,
     Usage,
 )
+from services.common.audit import AuditEntry
 from services.common.events import (
     DocDeleted,
     DocFailed,
@@ -37,7 +38,7 @@ from services.common.events import (
     TagsChanged,
 )
 from services.common.ids import point_id
-from services.common.models import Chunker, KBStatus
+from services.common.models import Chunker, KBStatus, RevisionWriter, Writer
 from services.common.queries import (
     ChunkResponse,
     SearchFilters,
@@ -49,6 +50,7 @@ from services.common.settings import DEFAULT_MODEL
 from services.common.store.base import Mode
 from services.gateway.schemas import (
     Ack,
+    AuditList,
     DeadLetterList,
     DeadLetterView,
     DefaultsView,
@@ -243,6 +245,11 @@ DEFAULTS_VIEW = DefaultsView(
         text_bytes=10485760,
     ),
 )
+HR_KEY = Writer(kind="key", key_id="3f9a1c0b7d2e", name="hr-sync")
+DOC_REVISIONS = [
+    RevisionWriter(revision=1, writer=HR_KEY, at=CREATED),
+    RevisionWriter(revision=2, writer=Writer(kind="local"), at=CREATED + timedelta(days=1)),
+]
 DOC_VIEW = DocumentView(
     document_id=DOC_ID,
     name=DOC_NAME,
@@ -257,6 +264,8 @@ DOC_VIEW = DocumentView(
     error=None,
     kb_ids=[KB_ID],
     size_bytes=len(DOC_TEXT.encode()),
+    writer=DOC_REVISIONS[-1].writer,
+    revisions=DOC_REVISIONS,
     created_at=CREATED,
     updated_at=CREATED + timedelta(days=1),
 )
@@ -940,6 +949,30 @@ REST_EXAMPLES: list[RestExample] = [
         200,
         DeadLetterList(items=[DEAD_LETTER], total=1),
         query={"subject": "doc.uploaded"},
+    ),
+    RestExample(
+        "GET",
+        "/v1/audit",
+        200,
+        AuditList(
+            items=[
+                AuditEntry(
+                    event_id="0b6f3e0c5a7d4e21b9c8a1f2d3e4f5a6.doc-handbook",
+                    org_id="acme",
+                    occurred_at=CREATED,
+                    kind="document",
+                    action="uploaded",
+                    writer=HR_KEY,
+                    document_id=DOC_ID,
+                    kb_id=KB_ID,
+                    kb_ids=[KB_ID],
+                    revision=1,
+                    name=DOC_NAME,
+                )
+            ],
+            total=1,
+        ),
+        query={"writer": HR_KEY.key_id or "", "kind": "document"},
     ),
     RestExample(
         "POST",

@@ -21,7 +21,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.common.bus import BUS_UNAVAILABLE
 from services.common.errors import KbmeshError
 from services.common.queries import SearchQuery
-from services.gateway.api import answers, deadletters, documents, kbs, progress, search, tools
+from services.gateway.api import (
+    answers,
+    audit,
+    deadletters,
+    documents,
+    kbs,
+    progress,
+    search,
+    tools,
+)
 from services.gateway.api.problems import (
     ProblemFieldError,
     bus_problem,
@@ -284,6 +293,7 @@ def create_app(
     app.include_router(progress.router)
     app.include_router(answers.router)
     app.include_router(deadletters.router)
+    app.include_router(audit.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))
         mcp_http = mcp.streamable_http_app(streamable_http_path="/")

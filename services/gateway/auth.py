@@ -7,8 +7,10 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from services.common.audit import AuditEntry, AuditSink
 from services.common.errors import Forbidden, KbmeshError, NotFound
-from services.common.ids import check_id
+from services.common.ids import check_id, new_id
+from services.common.models import LOCAL_WRITER, Writer
 from services.common.registry import ApiKey, Registry
 
 KEY_PREFIX = "kbm_"
@@ -24,6 +26,8 @@ class Principal:
     org_id: str
     kb_ids: tuple[str, ...] | None = None  # None: every KB of the org
     read_only: bool = False
+    # Who the caller is, recorded on what it writes: keyless loopback unless a key.
+    writer: Writer = LOCAL_WRITER
 
     def can_see(self, kb_id: str) -> bool:
         return self.kb_ids is None or kb_id in self.kb_ids
@@ -44,6 +48,11 @@ class Principal:
         if self.kb_ids is not None:
             raise Forbidden("this API key is limited to some knowledge bases")
 
+    def check_admin(self) -> None:
+        """The org's administrators: an unscoped, writable key (or keyless loopback)."""
+        if self.read_only or self.kb_ids is not None:
+            raise Forbidden("only an org-wide, writable API key (an org admin) may do this")
+
     @property
     def scope(self) -> list[str] | None:
         return list(self.kb_ids) if self.kb_ids is not None else None
@@ -57,12 +66,24 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+def key_id(key_hash: str) -> str:
+    """A key's public id: the start of its hash (never the key itself)."""
+    return key_hash[:12]
+
+
+def key_writer(record: ApiKey) -> Writer:
+    return Writer(kind="key", key_id=key_id(record.key_hash), name=record.name or None)
+
+
 class KeyResolver:
     """Resolves bearer tokens; with no keys at all, everyone (on loopback) is the default org."""
 
-    def __init__(self, keys: Registry[ApiKey], default_org: str) -> None:
+    def __init__(
+        self, keys: Registry[ApiKey], default_org: str, audit: AuditSink | None = None
+    ) -> None:
         self.keys = keys
         self.default_org = default_org
+        self.audit = audit
         self._any_keys: tuple[float, bool] = (0.0, False)
 
     async def any_keys(self) -> bool:
@@ -107,6 +128,7 @@ class KeyResolver:
             org_id=record.org_id,
             kb_ids=tuple(record.kb_ids) if record.kb_ids is not None else None,
             read_only=record.read_only,
+            writer=key_writer(record),
         )
 
     async def create(
@@ -115,19 +137,32 @@ class KeyResolver:
         name: str = "",
         kb_ids: list[str] | None = None,
         read_only: bool = False,
+        writer: Writer | None = None,
     ) -> str:
+        """A new key, printed once; its creation goes on the audit trail with `writer` (by
+        default the operator's command)."""
         # The org becomes the first segment of every registry key: no dots, no wildcards.
         check_id(org_id, "org_id")
         token = new_key()
-        await self.keys.put(
-            hash_key(token),
-            ApiKey(
-                key_hash=hash_key(token),
-                org_id=org_id,
-                name=name,
-                kb_ids=kb_ids,
-                read_only=read_only,
-            ),
+        record = ApiKey(
+            key_hash=hash_key(token),
+            org_id=org_id,
+            name=name,
+            kb_ids=kb_ids,
+            read_only=read_only,
         )
+        await self.keys.put(record.key_hash, record)
         self._any_keys = (0.0, False)
+        if self.audit is not None:
+            await self.audit(
+                AuditEntry(
+                    event_id=new_id(),
+                    org_id=org_id,
+                    kind="key",
+                    action="created",
+                    writer=writer or Writer(kind="operator", name="kbmesh keys"),
+                    key_id=key_id(record.key_hash),
+                    name=name or None,
+                )
+            )
         return token

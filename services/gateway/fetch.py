@@ -4,8 +4,9 @@ bytes become an ordinary upload.
 URL: http(s) only. Every address the host resolves to must be allowed by the egress policy
 (`services.common.egress`: public, or allow-listed by the operator); the connection then goes
 to the vetted address (no second DNS lookup to rebind), redirects are re-checked hop by hop,
-and the size limit is enforced while streaming. Path: only regular files under
-`KBMESH_UPLOAD_ROOT` once every symlink is resolved.
+the size limit is enforced while streaming, and the whole fetch has a deadline
+(`KBMESH_LIMITS__FETCH_TOTAL_SECONDS`). Path: only regular files under `KBMESH_UPLOAD_ROOT`
+once every symlink is resolved.
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ class Fetched:
 
 
 async def fetch_url(url: str, settings: Settings) -> Fetched:
+    # The per-read timeout alone lets a server drip one byte every few seconds for ever; the
+    # total deadline bounds what one upload can hold (a connection, a worker, the caller).
+    deadline = settings.limits.fetch_total_seconds
+    try:
+        async with asyncio.timeout(deadline):
+            return await _fetch_url(url, settings)
+    except TimeoutError as err:
+        raise FetchFailed(
+            f"fetching {url} took longer than {deadline:g} s (KBMESH_LIMITS__FETCH_TOTAL_SECONDS)",
+            field="url",
+        ) from err
+
+
+async def _fetch_url(url: str, settings: Settings) -> Fetched:
     policy = egress_policy(settings)
     limit = settings.max_content_bytes
     current = _parse_url(url)

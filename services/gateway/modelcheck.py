@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from services.common.egress import EgressPolicy
 from services.common.embedders import LiteLLMEmbedder, is_local, model_limits
-from services.common.errors import InvalidInput, Transient
+from services.common.errors import Forbidden, InvalidInput, Transient
+from services.common.llm import check_destination
 
 PROBE_TIMEOUT_SECONDS = 15.0
 
@@ -17,8 +18,15 @@ async def check_model(model: str, api_base: str | None, egress: EgressPolicy) ->
     if is_local(model):
         model_limits(model)  # raises for a model that is not bundled
         return
-    if api_base is not None:
-        await egress.check_url(api_base, field="api_base", what="call the embedding model at")
+    # The address LiteLLM would call — the api_base, or the provider's own default such as
+    # Ollama's localhost:11434 — is vetted before the probe sends anything.
+    await check_destination(
+        egress,
+        model,
+        api_base,
+        model_field="embedding_model",
+        what="call the embedding model at",
+    )
     # One real request, no retries: the caller is waiting, and a provider that cannot answer
     # one embedding now is not one to index with.
     embedder = LiteLLMEmbedder(
@@ -26,6 +34,8 @@ async def check_model(model: str, api_base: str | None, egress: EgressPolicy) ->
     )
     try:
         await embedder.probe()
+    except Forbidden:
+        raise
     except InvalidInput as err:
         raise InvalidInput(
             f"embedding_model {model!r} cannot embed: {err.message}", field="embedding_model"

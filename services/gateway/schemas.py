@@ -8,6 +8,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.answers import AskOptions
+from services.common.audit import AuditEntry
 from services.common.content import SUPPORTED
 from services.common.ids import ID_PATTERN
 from services.common.models import (
@@ -16,6 +17,8 @@ from services.common.models import (
     MAX_NEIGHBORS,
     Chunker,
     KBStatus,
+    RevisionWriter,
+    Writer,
 )
 from services.common.settings import DEFAULT_MODEL
 
@@ -317,8 +320,21 @@ class DocumentView(BaseModel):
         description="sha256 of the bytes as uploaded: compare with a local file's to skip "
         "uploading it again",
     )
+    writer: Writer | None = Field(
+        None,
+        description="who wrote the current revision: an API key (id and name), `local` "
+        "(keyless loopback), `bus` (an upstream publisher) or `operator`",
+    )
+    revisions: list[RevisionWriter] = Field(
+        default_factory=list, description="who wrote each kept revision, and when, oldest first"
+    )
     created_at: datetime
     updated_at: datetime
+
+
+class AuditList(BaseModel):
+    items: list[AuditEntry] = Field(description="oldest first")
+    total: int = Field(description="entries in this answer")
 
 
 class KbDocumentView(BaseModel):

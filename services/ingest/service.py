@@ -12,6 +12,7 @@ from typing import TypeVar
 from nats.js.errors import APIError
 
 from services.common import metrics
+from services.common.audit import AuditAction, AuditEntry, AuditSink
 from services.common.content import (
     check_size,
     checksum,
@@ -45,6 +46,7 @@ from services.common.models import (
     DocStatus,
     DocumentRecord,
     KnowledgeBase,
+    Writer,
     id_unavailable,
     join_tags,
     kb_tag,
@@ -64,11 +66,54 @@ CAS_ATTEMPTS = 10
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed compare-and-set
 
 
+def writer_for_bus_event(ev: DocUploaded | TagsChanged | DocDeleted) -> Writer:
+    """Who wrote the change an event carries: the writer the gateway stated for its caller,
+    else (an upstream publisher's event) kind `bus`.
+
+    The one place that decides it. Where the bus tells which user published the message,
+    that user belongs here: as the `bus` writer's name, and to accept a stated writer only
+    from the gateway's own user, so that a publisher cannot pass itself off as an API key."""
+    if ev.writer is not None:
+        return ev.writer
+    return Writer(kind="bus")
+
+
 class IngestService:
-    def __init__(self, registries: Registries, publish: Publish, settings: Settings) -> None:
+    def __init__(
+        self,
+        registries: Registries,
+        publish: Publish,
+        settings: Settings,
+        audit: AuditSink | None = None,
+    ) -> None:
         self.reg = registries
         self.publish = publish
         self.settings = settings
+        self.audit = audit
+
+    async def _audit(
+        self,
+        ev: DocUploaded | TagsChanged | DocDeleted,
+        record: DocumentRecord,
+        action: AuditAction,
+    ) -> None:
+        if self.audit is None:
+            return
+        await self.audit(
+            AuditEntry(
+                # Derived from the change: a redelivery records nothing twice.
+                event_id=f"{ev.event_id}.{record.document_id}",
+                org_id=record.org_id,
+                kind="document",
+                action=action,
+                writer=writer_for_bus_event(ev),
+                document_id=record.document_id,
+                kb_id=getattr(ev, "kb_id", None),
+                kb_ids=record.kb_ids,
+                revision=record.revision,
+                name=record.name,
+            )
+        )
 
     # ---- documents ------------------------------------------------------------------------
 
@@ -135,7 +180,8 @@ class IngestService:
                 record.created_at = existing.created_at
                 record.kb_ids = existing.kb_ids
                 record.recent_events = dict(existing.recent_events)
-            record.applied(ev.event_id)
+                record.writers = list(existing.writers)
+            record.applied(ev.event_id, writer_for_bus_event(ev))
             record.upload_event_id = ev.event_id
             if text is None:
                 record.status = DocStatus.awaiting_ocr
@@ -144,7 +190,10 @@ class IngestService:
                 return record
             return await self._store_text(record, text, existing, last)
 
-        return await self._cas(write)
+        record = await self._cas(write)
+        if record.upload_event_id == ev.event_id:
+            await self._audit(ev, record, "uploaded")
+        return record
 
     async def ocr_done(self, ev: OcrDone) -> DocumentRecord:
         key = f"{ev.org_id}.{ev.document_id}"
@@ -236,14 +285,17 @@ class IngestService:
             if ev.metadata is not None:
                 record.metadata = ev.metadata
             record.revision = ev.revision or record.revision + 1
-            record.applied(ev.event_id)
+            record.applied(ev.event_id, writer_for_bus_event(ev))
             if record.status in (DocStatus.awaiting_ocr, DocStatus.failed):
                 record.updated_at = utcnow()
                 await self._save(record, last)
                 return record
             return await self._apply_membership(record, last)
 
-        return await self._cas(write)
+        changed = await self._cas(write)
+        if changed is not None and changed.last_event_id == ev.event_id:
+            await self._audit(ev, changed, "changed")
+        return changed
 
     async def delete(self, ev: DocDeleted) -> list[DocumentRecord]:
         keys = [f"{ev.org_id}.{document_id}" for document_id in ev.document_ids]
@@ -283,6 +335,7 @@ class IngestService:
             await self.reg.texts.delete(record.text_object)
             await self.reg.texts.delete(f"{record.org_id}/{record.document_id}/original")
             deleted.append(record)
+            await self._audit(ev, record, "deleted")
         return deleted
 
     # ---- knowledge bases ------------------------------------------------------------------

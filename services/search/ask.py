@@ -35,7 +35,7 @@ from services.common.answers import (
     schema_validator,
 )
 from services.common.errors import BadModelOutput, Conflict, InvalidInput, NotFound, Transient
-from services.common.llm import ApiBaseCheck, ChatModel, ChatReply, LiteLLMChat, ToolCall
+from services.common.llm import ChatModel, ChatReply, LiteLLMChat, PolicySource, ToolCall
 from services.common.models import DocStatus, DocumentRecord, KnowledgeBase
 from services.common.queries import MetadataCondition, SearchFilters, SearchHit, SearchRequest
 from services.common.registry import Registries
@@ -89,14 +89,14 @@ class AskService:
         search: SearchService,
         settings: AskSettings,
         chat: ChatFactory | None = None,
-        check_api_base: ApiBaseCheck | None = None,
+        egress: PolicySource | None = None,
     ) -> None:
         self.reg = registries
         self.search = search
         self.settings = settings
         self._chat = chat or self._litellm_chat
-        # The egress policy: a request's api_base is vetted before anything is sent to it.
-        self._check_api_base = check_api_base
+        # The egress policy: every model request is vetted before it is sent.
+        self._egress = egress
 
     def _litellm_chat(self, model: str, api_base: str | None) -> ChatModel:
         return LiteLLMChat(
@@ -105,7 +105,7 @@ class AskService:
             timeout_seconds=self.settings.model_timeout_seconds,
             tries=self.settings.tries,
             backoff_seconds=self.settings.backoff_seconds,
-            check_api_base=self._check_api_base,
+            egress=self._egress,
         )
 
     async def ask(self, req: AskRequest) -> AskResponse:

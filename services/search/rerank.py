@@ -11,9 +11,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from services.common.egress import EgressPolicy
+from services.common.egress import EgressPolicy, egress_scope, refusal_in
 from services.common.errors import KbmeshError
-from services.common.llm import import_litellm
+from services.common.llm import check_destination, http_client, import_litellm
+
+_WHAT = "call the rerank model at"
 
 
 class RerankFailed(Exception):
@@ -35,31 +37,36 @@ class LiteLLMReranker:
     async def rerank(
         self, model: str, api_base: str | None, query: str, documents: Sequence[str]
     ) -> list[tuple[int, float]]:
+        # None: unrestricted (tests with their own servers); search passes the operator's.
+        policy = self.egress or EgressPolicy(allow_private=True)
+        field = "rerank_api_base" if api_base else "rerank_model"
+
         async def call() -> Any:
             # The first `import litellm` takes seconds: it counts against the timeout too,
             # and finishes in its thread for the next search if it runs out.
             litellm = await asyncio.to_thread(import_litellm)
-            return await litellm.arerank(
-                model=model,
-                query=query,
-                documents=list(documents),
-                top_n=len(documents),
-                api_base=api_base,
-                max_retries=0,
-            )
-
-        if self.egress is not None and api_base:
-            try:
-                await self.egress.check_url(
-                    api_base, field="rerank_api_base", what="call the rerank model at"
+            await check_destination(policy, model, api_base, model_field=field, what=_WHAT)
+            with egress_scope(policy, field=field, what=_WHAT):
+                return await litellm.arerank(
+                    model=model,
+                    query=query,
+                    documents=list(documents),
+                    top_n=len(documents),
+                    api_base=api_base,
+                    max_retries=0,
+                    **http_client(model, api_base),
                 )
-            except KbmeshError as err:
-                raise RerankFailed(err.message) from err
+
         try:
             response = await asyncio.wait_for(call(), self.timeout_seconds)
         except TimeoutError as err:
             raise RerankFailed(f"no answer within {self.timeout_seconds:g} s") from err
+        except KbmeshError as err:
+            raise RerankFailed(err.message) from err
         except Exception as err:
+            refused = refusal_in(err)
+            if refused is not None:
+                raise RerankFailed(refused.message) from err
             # The provider's body stays out: whoever runs api_base chose its words.
             status = getattr(err, "status_code", None)
             kind = type(err).__name__

@@ -241,6 +241,8 @@ REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
     ),
     ("GET", "/v1/dead-letters"): _list_dead_letters,
     ("POST", "/v1/dead-letters/{sequence}/replay"): _replay_dead_letter,
+    # The world's uploads are on the trail (keyless loopback: the org's admin).
+    ("GET", "/v1/audit"): lambda w: w.http.get("/v1/audit", params={"kind": "document"}),
     LIST_TOOLS: lambda w: w.http.get(TOOLS_PATH),
     CALL_TOOL: lambda w: w.tool("kb_search", {"query": QUERY, "kb": w.kb}),
 }

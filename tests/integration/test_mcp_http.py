@@ -4,6 +4,7 @@ tools as `POST /api/v1/tools/<name>`."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import uuid
@@ -643,6 +644,17 @@ async def _doc(request: Request) -> PlainTextResponse:
     return PlainTextResponse(DOCS["volcanoes.md"], media_type="text/markdown")
 
 
+async def _drip(request: Request) -> StreamingResponse:
+    """40 bytes, one every 0.2 s: each read is quick, the whole body slow."""
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(40):
+            yield b"x"
+            await asyncio.sleep(0.2)
+
+    return StreamingResponse(body(), media_type="text/plain")
+
+
 async def _moved(request: Request) -> Response:
     return Response(status_code=302, headers={"location": "/volcanoes.md"})
 
@@ -655,6 +667,7 @@ async def loopback_site() -> AsyncIterator[str]:
             Route("/page", _page),
             Route("/huge.txt", _huge),
             Route("/moved", _moved),
+            Route("/drip.txt", _drip),
         ]
     )
     async with serve_app(app, lifespan="off") as base:
@@ -741,6 +754,34 @@ async def test_url_ingest_from_allowlisted_loopback_and_refused_without(stack):
             await session.call_tool("kb_upload", {"kb": kb, "url": "file:///etc/passwd"}),
             "ValidationError",
         )
+
+
+async def test_a_dripped_body_is_cut_off_at_the_total_fetch_deadline(stack):
+    """A server that sends each byte well within the read timeout but the whole body past
+    KBMESH_LIMITS__FETCH_TOTAL_SECONDS is refused with an error naming the deadline, and no
+    document is stored."""
+    limits = stack.rt.settings.limits
+    async with loopback_site() as site, http_session(stack.base) as session:
+        kb = (await new_kb(session))["name"]
+        before = limits.fetch_total_seconds
+        limits.fetch_total_seconds = 1.0
+        try:
+            with allowlist(stack.rt.settings, ["127.0.0.1/32"]):
+                started = asyncio.get_running_loop().time()
+                refused = failed(
+                    await session.call_tool("kb_upload", {"kb": kb, "url": f"{site}/drip.txt"}),
+                    "FetchError",
+                )
+                elapsed = asyncio.get_running_loop().time() - started
+        finally:
+            limits.fetch_total_seconds = before
+        assert "longer than 1 s" in refused["message"]
+        assert "KBMESH_LIMITS__FETCH_TOTAL_SECONDS" in refused["message"]
+        assert refused["field"] == "url"
+        # The body takes 8 s to drip; the refusal comes well before it would have finished.
+        assert elapsed < 7.5
+        listed = ok(await session.call_tool("kb_list_documents", {"kb": kb}))
+        assert listed["total"] == 0
 
 
 async def test_path_ingest_only_under_the_upload_root(stack, tmp_path):

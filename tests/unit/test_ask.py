@@ -93,9 +93,7 @@ async def test_a_private_api_base_is_refused_before_any_call():
         return LiteLLMChat(
             "hosted_vllm/scripted",
             "http://127.0.0.1:9/v1",
-            check_api_base=lambda url: policy.check_url(
-                url, field="api_base", what="call the chat model at"
-            ),
+            egress=lambda: policy,
         )
 
     with pytest.raises(Forbidden, match="non-public address"):

@@ -5,27 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from services.common import metrics
+from services.common.egress import EgressPolicy, egress_scope
 from services.common.embedders.base import MODEL_FIELD, QUERY_MAX_TEXTS, normalise
 from services.common.embedders.batching import Batcher
 from services.common.embedders.tokenizing import tiktoken_tokenizer
 from services.common.errors import InvalidInput, Transient
 from services.common.llm import (
     NO_SDK_RETRIES,
+    check_destination,
+    http_client,
     import_litellm,
     import_litellm_off_loop,
     is_retryable,
+    raise_refusal,
 )
-
-if TYPE_CHECKING:
-    from services.common.egress import EgressPolicy
 
 log = logging.getLogger(__name__)
 
+_WHAT = "call the embedding model at"
 # LiteLLM's usual limit for OpenAI embedding models; used when the model is not in its map.
 DEFAULT_REMOTE_MAX_TOKENS = 8191
 
@@ -119,24 +121,31 @@ class LiteLLMEmbedder:
 
     async def _embed_batch(self, batch: list[str]) -> list[list[float]]:
         litellm = await import_litellm_off_loop()
-        if self._egress is not None and self.api_base:
-            # Checked at every call, not only when the KB was saved: a name can be re-pointed
-            # at an internal address later, and KBs saved before the policy existed remain.
-            await self._egress.check_url(
-                self.api_base, field="api_base", what="call the embedding model at"
-            )
+        # None: unrestricted (tools and tests with their own model servers); the services
+        # always pass the operator's policy.
+        policy = self._egress or EgressPolicy(allow_private=True)
+        # Checked at every call, not only when the KB was saved: a name can be re-pointed at
+        # an internal address later, and KBs saved before the policy existed remain.
+        await check_destination(
+            policy, self._model, self.api_base, model_field=MODEL_FIELD, what=_WHAT
+        )
+        field = "api_base" if self.api_base else MODEL_FIELD
+        client = http_client(self._model, self.api_base)
         for attempt in range(1, self._tries + 1):
             try:
-                response = await litellm.aembedding(
-                    model=self._model,
-                    input=batch,
-                    api_base=self.api_base,
-                    api_key=self._api_key,
-                    timeout=self._timeout,
-                    # One retry policy, ours: the OpenAI SDK would otherwise retry underneath.
-                    max_retries=NO_SDK_RETRIES,
-                )
+                with egress_scope(policy, field=field, what=_WHAT):
+                    response = await litellm.aembedding(
+                        model=self._model,
+                        input=batch,
+                        api_base=self.api_base,
+                        api_key=self._api_key,
+                        timeout=self._timeout,
+                        # One retry policy, ours: the OpenAI SDK would otherwise retry too.
+                        max_retries=NO_SDK_RETRIES,
+                        **client,
+                    )
             except Exception as err:
+                raise_refusal(err)
                 retryable = is_retryable(err, litellm)
                 if retryable is None:
                     raise

@@ -10,6 +10,7 @@ from services.gateway.auth import KeyResolver, Principal
 from services.gateway.schemas import UploadResult
 from services.gateway.service import (
     Answers,
+    AuditLog,
     DeadLetters,
     Documents,
     GatewayService,
@@ -50,6 +51,10 @@ async def get_dead_letters(request: Request) -> DeadLetters:
     return _service(request).dead_letters
 
 
+async def get_audit(request: Request) -> AuditLog:
+    return _service(request).audit
+
+
 async def get_principal(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
@@ -64,6 +69,7 @@ Docs = Annotated[Documents, Depends(get_documents)]
 Searcher = Annotated[Search, Depends(get_search)]
 Answerer = Annotated[Answers, Depends(get_answers)]
 Letters = Annotated[DeadLetters, Depends(get_dead_letters)]
+AuditTrail = Annotated[AuditLog, Depends(get_audit)]
 Caller = Annotated[Principal, Depends(get_principal)]
 
 # With wait=true an upload that finished answers 200 instead of 202.

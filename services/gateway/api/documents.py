@@ -40,6 +40,14 @@ async def list_documents(
     collection: str | None = None,
     source_id: str | None = None,
     name_search: str | None = None,
+    writer: Annotated[
+        str | None,
+        Query(
+            max_length=200,
+            description="only documents a revision of which this writer wrote: an API key's "
+            "id or name, a publisher's user, or local / bus / operator",
+        ),
+    ] = None,
     skip: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> Page[DocumentView]:
@@ -50,6 +58,7 @@ async def list_documents(
         collection=collection,
         source_id=source_id,
         name_search=name_search,
+        writer=writer,
         skip=skip,
         limit=limit,
     )

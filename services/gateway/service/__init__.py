@@ -12,6 +12,7 @@ from services.common.registry import Registries
 from services.common.settings import Settings
 from services.gateway.progress import ProgressFeed
 from services.gateway.service.answers import Answers
+from services.gateway.service.audit import AuditLog
 from services.gateway.service.deadletters import DeadLetters
 from services.gateway.service.documents import Documents
 from services.gateway.service.kbs import KnowledgeBases, checked_kb
@@ -20,6 +21,7 @@ from services.gateway.service.waiting import Waiting
 
 __all__ = [
     "Answers",
+    "AuditLog",
     "DeadLetters",
     "Documents",
     "GatewayService",
@@ -43,6 +45,7 @@ class GatewayService:
         self.progress = ProgressFeed()
         self.answers = Answers(bus, registries, settings, self.kbs)
         self.dead_letters = DeadLetters(bus)
+        self.audit = AuditLog(bus)
 
     async def start(self) -> None:
         """Subscribe to index notifications and make sure the default org has its KB."""

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from services.common.answers import AskQuery, AskRequest, AskResponse, AskTask, Prompt
 from services.common.bus import Bus
+from services.common.egress import egress_policy
 from services.common.errors import Conflict, InvalidInput, NotFound
 from services.common.events import Subject
 from services.common.ids import is_id, new_id
+from services.common.llm import check_destination
 from services.common.models import utcnow
 from services.common.registry import Registries
 from services.common.settings import Settings
@@ -74,6 +76,7 @@ class Answers:
         fields = body.model_dump(exclude={"kb_ids"})
         kb_ids = await self._kb_ids(p, body.kb_ids)
         prompt = Prompt(org_id=p.org_id, prompt_id=new_id(), kb_ids=kb_ids, **fields)
+        await self._check_model(prompt)
         await self.reg.prompts.create(prompt.key, prompt)
         return view(prompt)
 
@@ -98,6 +101,8 @@ class Answers:
         if "kb_ids" in changes:
             changes["kb_ids"] = await self._kb_ids(p, body.kb_ids)
         updated = Prompt.model_validate({**prompt.model_dump(), **changes, "updated_at": utcnow()})
+        if (updated.model, updated.api_base) != (prompt.model, prompt.api_base):
+            await self._check_model(updated)
         # Compare-and-set: two concurrent edits cannot silently overwrite each other.
         await self.reg.prompts.update(prompt.key, updated, revision)
         return view(updated)
@@ -118,6 +123,22 @@ class Answers:
             {**prompt.options(), **(overrides or {}), **task.model_dump(exclude_unset=True)}
         )
         return await self.ask(p, query)
+
+    async def _check_model(self, prompt: Prompt) -> None:
+        """A stored prompt's model address is vetted at save, as a KB's is: its api_base, or
+        the provider's default (a model without api_base runs where LiteLLM routes it)."""
+        model = prompt.model or self.settings.ask.model
+        if model is None and prompt.api_base is None:
+            return
+        policy = egress_policy(self.settings)
+        if model is None:
+            await policy.check_url(
+                prompt.api_base or "", field="api_base", what="call the chat model at"
+            )
+            return
+        await check_destination(
+            policy, model, prompt.api_base, model_field="model", what="call the chat model at"
+        )
 
     async def _prompt(self, p: Principal, ref: str) -> tuple[Prompt, int]:
         """A prompt id or name, within the caller's org and scope (else 404)."""

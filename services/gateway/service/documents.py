@@ -141,6 +141,7 @@ class Documents:
             metadata=body.metadata,
             kb_id=kb.kb_id if kb else None,
             scope_kb_ids=p.scope,
+            writer=p.writer,
         )
         if len(data) <= self.settings.inline_content_bytes:
             event.content, event.content_encoding = content.text, content.encoding
@@ -294,9 +295,13 @@ class Documents:
         collection: str | None = None,
         source_id: str | None = None,
         name_search: str | None = None,
+        writer: str | None = None,
         skip: int = 0,
         limit: int = 50,
     ) -> Page[DocumentView]:
+        """`writer` (a key id, a key or publisher name, or local / bus / operator) keeps the
+        documents any of whose kept revisions that writer wrote: how a planted document is
+        found, and then removed."""
         records = await self.reg.documents.of_org(p.org_id)
         if kb:
             kb_obj = await self.kbs.resolve(p, kb)
@@ -310,6 +315,8 @@ class Documents:
             records = [r for r in records if r.source_id == source_id]
         if name_search:
             records = [r for r in records if name_search.lower() in r.name.lower()]
+        if writer:
+            records = [r for r in records if r.written_by(writer)]
         records.sort(key=lambda r: r.created_at)
         views = await asyncio.gather(*(self._view(r, p) for r in records[skip : skip + limit]))
         return Page[DocumentView](items=list(views), total=len(records), skip=skip, limit=limit)
@@ -354,6 +361,7 @@ class Documents:
                 metadata=patch.metadata,
                 revision=revision,
                 scope_kb_ids=p.scope,
+                writer=p.writer,
             )
             async with self.waiting.watch([document_id]) as events:
                 await self.bus.publish(Subject.TAGS_CHANGED, event)
@@ -397,7 +405,9 @@ class Documents:
             return DeleteResult(status="not_found", deleted_count=0, document_id=document_id)
         check_document_write(p, record)
         await self._delete(
-            [record], DocDeleted(org_id=p.org_id, document_ids=[document_id]), wait=wait
+            [record],
+            DocDeleted(org_id=p.org_id, document_ids=[document_id], writer=p.writer),
+            wait=wait,
         )
         return DeleteResult(
             status="deleted",
@@ -423,7 +433,11 @@ class Documents:
         if records:
             await self._delete(
                 records,
-                DocDeleted(org_id=p.org_id, document_ids=[r.document_id for r in records]),
+                DocDeleted(
+                    org_id=p.org_id,
+                    document_ids=[r.document_id for r in records],
+                    writer=p.writer,
+                ),
                 wait=wait,
             )
         return DeleteResult(
@@ -480,6 +494,8 @@ class Documents:
             kb_ids=visible_kb_ids(p, record.kb_ids),
             size_bytes=record.size_bytes,
             content_checksum=record.content_checksum,
+            writer=record.writer,
+            revisions=record.writers,
             created_at=record.created_at,
             updated_at=record.updated_at,
         )

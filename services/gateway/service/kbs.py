@@ -10,12 +10,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from services.common.audit import AuditAction, AuditEntry
+from services.common.audit import sink as audit_sink
 from services.common.bus import Bus
 from services.common.egress import egress_policy
 from services.common.embedders import model_limits
 from services.common.errors import Conflict, InvalidInput, NotFound
 from services.common.events import KbChanged, Subject
 from services.common.ids import new_kb_id
+from services.common.llm import check_destination
 from services.common.models import (
     CHUNK_SIZE_RANGE,
     MAX_NEIGHBORS,
@@ -60,6 +63,7 @@ class KnowledgeBases:
         self.reg = registries
         self.settings = settings
         self._locks: dict[str, asyncio.Lock] = {}
+        self._audit_sink = audit_sink(lambda: bus.js)
 
     def default_id(self, org_id: str) -> str:
         """The id of an org's default KB. KB ids must be unique across orgs: collections,
@@ -104,6 +108,22 @@ class KnowledgeBases:
         p.check_kb(kb.kb_id, write=write)
         return kb
 
+    async def _check_reranker(self, kb: KnowledgeBase) -> None:
+        """The reranker's address (its api_base, or its provider's default) must be one the
+        egress policy allows, checked at save like the embedding model's."""
+        if kb.rerank_model:
+            await check_destination(
+                egress_policy(self.settings),
+                kb.rerank_model,
+                kb.rerank_api_base,
+                model_field="rerank_model",
+                what="call the rerank model at",
+            )
+        elif kb.rerank_api_base:
+            await egress_policy(self.settings).check_url(
+                kb.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
+            )
+
     async def create(self, p: Principal, body: KbCreate) -> KbView:
         p.check_org_wide_write()
         fields = body.model_dump(exclude_none=True)
@@ -116,10 +136,7 @@ class KnowledgeBases:
             )
         )
         await check_model(kb.embedding_model, kb.api_base, egress_policy(self.settings))
-        if kb.rerank_api_base:
-            await egress_policy(self.settings).check_url(
-                kb.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
-            )
+        await self._check_reranker(kb)
         # Check and create under the org's lock (one gateway), then check the rank among
         # what exists (gateways racing each other agree on who is over the limit).
         async with self._locks.setdefault(p.org_id, asyncio.Lock()):
@@ -131,6 +148,7 @@ class KnowledgeBases:
         await self.bus.publish(
             Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="created")
         )
+        await self._audit(p, kb, "created")
         return await self.view(kb)
 
     async def defaults(self) -> DefaultsView:
@@ -138,6 +156,18 @@ class KnowledgeBases:
         limits a client must respect: one source for the console, the CLI and the docs."""
         # Off the loop: a remote default model's lookup imports litellm.
         return await asyncio.to_thread(defaults_view, self.settings)
+
+    async def _audit(self, p: Principal, kb: KnowledgeBase, action: AuditAction) -> None:
+        await self._audit_sink(
+            AuditEntry(
+                org_id=p.org_id,
+                kind="kb",
+                action=action,
+                writer=p.writer,
+                kb_id=kb.kb_id,
+                name=kb.name,
+            )
+        )
 
     def _check_count(self, existing: list[KnowledgeBase], name: str) -> None:
         if len(existing) >= self.settings.kb_limit:
@@ -208,10 +238,8 @@ class KnowledgeBases:
             await check_model(
                 checked.embedding_model, checked.api_base, egress_policy(self.settings)
             )
-        if checked.rerank_api_base and checked.rerank_api_base != kb.rerank_api_base:
-            await egress_policy(self.settings).check_url(
-                checked.rerank_api_base, field="rerank_api_base", what="call the rerank model at"
-            )
+        if (checked.rerank_model, checked.rerank_api_base) != (kb.rerank_model, kb.rerank_api_base):
+            await self._check_reranker(checked)
         old, updated = await self._change(p.org_id, kb.kb_id, apply)
         if set(updated.tag_ids) != set(old.tag_ids):
             await self.bus.publish(
@@ -222,6 +250,7 @@ class KnowledgeBases:
             await self.bus.publish(
                 Subject.KB_CHANGED, KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="settings")
             )
+        await self._audit(p, updated, "changed")
         return await self.view(updated)
 
     async def _change(
@@ -243,6 +272,7 @@ class KnowledgeBases:
             Subject.KB_CHANGED,
             KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="deleted", collections=collections),
         )
+        await self._audit(p, kb, "deleted")
         return Ack(status="deleted", kb_id=kb.kb_id)
 
     async def reindex(self, p: Principal, ref: str, *, failed_only: bool = False) -> Ack:

@@ -357,6 +357,12 @@ class ListDocumentsInput(BaseModel):
     collection: str | None = Field(None, description="only documents in this collection")
     source_id: str | None = Field(None, description="only documents of this source")
     name_search: str | None = Field(None, description="only documents whose name contains this")
+    writer: str | None = Field(
+        None,
+        max_length=200,
+        description="only documents a revision of which this writer wrote: an API key's id or "
+        "name, a publisher's user, or local / bus / operator",
+    )
     skip: int = Field(0, ge=0, description="paging offset")
     limit: int = Field(50, ge=1, le=500, description="page size")
 
@@ -365,8 +371,9 @@ class ListDocumentsInput(BaseModel):
 async def kb_list_documents(
     service: GatewayService, p: Principal, inp: ListDocumentsInput
 ) -> Page[DocumentView]:
-    """List documents with their id, name, status, tags, collection, metadata, source and the
-    knowledge bases they are in; filter by knowledge base, tag, collection, source or name."""
+    """List documents with their id, name, status, tags, collection, metadata, source, the
+    knowledge bases they are in and who wrote each revision; filter by knowledge base, tag,
+    collection, source, name or writer."""
     return await service.documents.page(
         p,
         kb=inp.kb,
@@ -374,6 +381,7 @@ async def kb_list_documents(
         collection=inp.collection,
         source_id=inp.source_id,
         name_search=inp.name_search,
+        writer=inp.writer,
         skip=inp.skip,
         limit=inp.limit,
     )
