@@ -337,11 +337,18 @@ class AuditList(BaseModel):
     total: int = Field(description="entries in this answer")
 
 
+KbDocumentStatus = Literal["complete", "processing", "pending_reindex", "failed", "awaiting_ocr"]
+
+
 class KbDocumentView(BaseModel):
     document_id: str
     name: str
     source_id: str
+    uri: str | None = Field(None, description="where it came from (a path, a URL), if given")
     status: str
+    error: str | None = Field(None, description="why it failed, when it did")
+    tags: list[str] = Field(default_factory=list)
+    collection: str | None = None
     chunk_count: int
     indexed_at: datetime | None
     revision: int
@@ -430,6 +437,17 @@ class DeadLetterView(BaseModel):
     name: str | None = Field(None, description="the document's name, for uploads")
 
 
+class DeadLetterBody(DeadLetterView):
+    body: str = Field(description="the message as it was published (UTF-8 text or base64)")
+    body_encoding: Literal["text", "base64"]
+    body_truncated: bool = Field(description="the body is longer than what is shown")
+
+
 class DeadLetterList(BaseModel):
     items: list[DeadLetterView]
     total: int
+    without_org: int = Field(
+        0,
+        description="dead letters that name no org (not kbmesh events: malformed input), "
+        "which no org sees here; operators list them with `kbmesh dlq list`",
+    )

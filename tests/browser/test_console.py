@@ -4,6 +4,7 @@ that the page told the truth."""
 
 from __future__ import annotations
 
+import base64
 import re
 import uuid
 
@@ -294,6 +295,46 @@ async def test_search_tester_errors_at_the_field_filters_by_collection_and_sourc
     await expect(page.locator(".hit-doc")).to_have_text(["etna.md"])
 
 
+async def test_documents_show_their_path_and_filter_by_status(page, stack):
+    """Two files of one name from different folders are told apart by their path; the
+    status filter lists only the documents in that state, with the reason for a failure."""
+    name = f"paths-{uuid.uuid4().hex[:6]}"
+    kb = (await stack.client.post("/v1/kbs", json={"name": name})).json()
+    for folder in ("git", "pip"):
+        r = await stack.client.post(
+            f"/v1/kbs/{kb['kb_id']}/documents?wait=true",
+            json={
+                "name": "README.Debian",
+                "uri": f"/usr/share/doc/{folder}/README.Debian",
+                "content": f"Notes on the Debian packaging of {folder}.",
+            },
+        )
+        assert r.status_code in (200, 202), r.text
+    # A PDF that is not one: extraction fails, and the document says why.
+    r = await stack.client.post(
+        f"/v1/kbs/{kb['kb_id']}/documents?wait=true",
+        json={
+            "name": "broken.pdf",
+            "content": base64.b64encode(b"%PDF-1.4 not really a pdf").decode(),
+            "content_encoding": "base64",
+        },
+    )
+    assert r.json()["status"] == "failed", r.text
+    await page.goto(f"/#/kbs/{kb['kb_id']}/documents")
+    rows = page.locator("table.data tbody tr")
+    await expect(rows.filter(has_text="README.Debian")).to_have_count(2)
+    await expect(page.get_by_text("/usr/share/doc/git/README.Debian")).to_be_visible()
+    await expect(page.get_by_text("/usr/share/doc/pip/README.Debian")).to_be_visible()
+
+    await page.get_by_label("Status").select_option("failed")
+    await expect(rows).to_have_count(1)
+    await expect(rows.first).to_contain_text("broken.pdf")
+    await expect(rows.first.locator(".reason")).not_to_be_empty()
+    await page.get_by_label("Status").select_option("complete")
+    await expect(rows).to_have_count(2)
+    await expect(rows.filter(has_text="broken.pdf")).to_have_count(0)
+
+
 async def test_list_filters_sorts_and_shows_names_as_text(page, stack, screenshots):
     """The list searches by name, filters by status, sorts by documents; a knowledge base
     named like markup shows as those characters in the list and on its page."""
@@ -361,6 +402,39 @@ async def test_dead_letters_listed_and_replayed(page, stack, screenshots):
     await expect(page.locator("tr", has_text="late-notes.txt")).to_contain_text(
         "Indexed", timeout=60_000
     )
+
+
+async def test_dead_letters_failing_again_viewed_discarded_and_orgless_counted(page, stack):
+    """A replay whose cause is not fixed is reported as failing again, not as done; a dead
+    letter's body can be read and the letter discarded; messages that name no org are
+    counted on the page instead of the page saying all was processed."""
+    await stack.rt.bus.js.publish("doc.uploaded", b'["not", "an", "event"]')
+    kb_name = f"never-{uuid.uuid4().hex[:6]}"
+    event = DocUploaded(org_id="local", name="orphan.txt", content="no home yet", kb_id=kb_name)
+    await stack.rt.bus.publish("doc.uploaded", event)
+
+    await page.goto("/#/dead-letters")
+    row = page.locator("tr", has_text="orphan.txt")
+    for _ in range(60):
+        if await row.count() and await page.get_by_text("name no organisation").count():
+            break
+        await page.get_by_role("button", name="Refresh").click()
+        await page.wait_for_timeout(500)
+    await expect(page.get_by_text("name no organisation")).to_be_visible()
+
+    await row.get_by_role("button", name=re.compile("^Replay")).click()
+    await expect(page.get_by_text(re.compile("but it failed again"))).to_be_visible(timeout=15_000)
+    row = page.locator("tr", has_text="orphan.txt")
+    await expect(row).to_have_count(1)
+
+    await row.get_by_role("button", name=re.compile("^View")).click()
+    dialog = page.get_by_role("dialog")
+    await expect(dialog.locator("pre")).to_contain_text("no home yet")
+    await dialog.get_by_role("button", name="Close").click()
+
+    await row.get_by_role("button", name=re.compile("^Discard")).click()
+    await page.get_by_role("dialog").get_by_role("button", name="Discard").click()
+    await expect(page.locator("tr", has_text="orphan.txt")).to_have_count(0)
 
 
 async def test_api_key_asked_for_and_kept_for_the_tab(browser, tmp_path, embedders, screenshots):

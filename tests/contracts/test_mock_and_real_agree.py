@@ -185,6 +185,14 @@ async def _replay_dead_letter(w: World) -> httpx.Response:
     return await w.http.post(f"/v1/dead-letters/{await _dead_letter(w)}/replay")
 
 
+async def _get_dead_letter(w: World) -> httpx.Response:
+    return await w.http.get(f"/v1/dead-letters/{await _dead_letter(w)}")
+
+
+async def _discard_dead_letter(w: World) -> httpx.Response:
+    return await w.http.delete(f"/v1/dead-letters/{await _dead_letter(w)}")
+
+
 REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
     ("GET", "/healthz"): lambda w: w.http.get("/healthz"),
     ("GET", "/readyz"): lambda w: w.http.get("/readyz"),
@@ -241,6 +249,8 @@ REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
     ),
     ("GET", "/v1/dead-letters"): _list_dead_letters,
     ("POST", "/v1/dead-letters/{sequence}/replay"): _replay_dead_letter,
+    ("GET", "/v1/dead-letters/{sequence}"): _get_dead_letter,
+    ("DELETE", "/v1/dead-letters/{sequence}"): _discard_dead_letter,
     # The world's uploads are on the trail (keyless loopback: the org's admin).
     ("GET", "/v1/audit"): lambda w: w.http.get("/v1/audit", params={"kind": "document"}),
     LIST_TOOLS: lambda w: w.http.get(TOOLS_PATH),

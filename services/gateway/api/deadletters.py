@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 
 from services.gateway.api.deps import Caller, Letters
-from services.gateway.schemas import DeadLetterList, DeadLetterView
+from services.gateway.schemas import DeadLetterBody, DeadLetterList, DeadLetterView
 
 router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"])
 
@@ -25,6 +25,20 @@ async def list_dead_letters(
 
 # JetStream numbers messages from 1 with unsigned 64-bit integers.
 Sequence = Annotated[int, Path(ge=1, le=2**63 - 1, description="the dead letter's sequence")]
+
+
+@router.get("/{sequence}")
+async def get_dead_letter(sequence: Sequence, letters: Letters, caller: Caller) -> DeadLetterBody:
+    """One dead letter with the message's body, to see what was wrong with it."""
+    return await letters.get(caller, sequence)
+
+
+@router.delete("/{sequence}")
+async def discard_dead_letter(
+    sequence: Sequence, letters: Letters, caller: Caller
+) -> DeadLetterView:
+    """Remove the dead letter without replaying it (its cause will not be fixed)."""
+    return await letters.discard(caller, sequence)
 
 
 @router.post("/{sequence}/replay", status_code=202)

@@ -11,6 +11,7 @@ from services.gateway.schemas import (
     Ack,
     DefaultsView,
     KbCreate,
+    KbDocumentStatus,
     KbDocumentView,
     KbList,
     KbStats,
@@ -87,8 +88,11 @@ async def kb_documents(
     skip: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     name_search: str | None = None,
+    status: Annotated[
+        KbDocumentStatus | None, Query(description="only documents in this state")
+    ] = None,
 ) -> Page[KbDocumentView]:
-    return await kbs.documents(caller, kb, skip, limit, name_search)
+    return await kbs.documents(caller, kb, skip, limit, name_search, status)
 
 
 @router.post("/{kb}/documents", status_code=202, responses=WAITED)

@@ -21,12 +21,14 @@ from services.common.ids import new_kb_id
 from services.common.llm import check_destination
 from services.common.models import (
     CHUNK_SIZE_RANGE,
+    KB_TAG_PREFIX,
     MAX_NEIGHBORS,
     DocStatus,
     DocumentRecord,
     IndexEntry,
     KBStatus,
     KnowledgeBase,
+    split_tags,
     utcnow,
 )
 from services.common.queries import TOP_K_MAX
@@ -353,6 +355,7 @@ class KnowledgeBases:
         skip: int = 0,
         limit: int = 50,
         name_search: str | None = None,
+        status: str | None = None,
     ) -> Page[KbDocumentView]:
         kb = await self.resolve(p, ref)
         entries, members = await self._state(kb)
@@ -360,19 +363,12 @@ class KnowledgeBases:
         if name_search:
             members = [d for d in members if name_search.lower() in d.name.lower()]
         members.sort(key=lambda d: d.created_at)
-        items = [
-            KbDocumentView(
-                document_id=d.document_id,
-                name=d.name,
-                source_id=d.source_id,
-                status=_kb_doc_status(d, by_doc.get(d.document_id), kb),
-                chunk_count=by_doc[d.document_id].chunk_count if d.document_id in by_doc else 0,
-                indexed_at=by_doc[d.document_id].indexed_at if d.document_id in by_doc else None,
-                revision=d.revision,
-            )
-            for d in members[skip : skip + limit]
-        ]
-        return Page[KbDocumentView](items=items, total=len(members), skip=skip, limit=limit)
+        views = [_kb_document_view(d, by_doc.get(d.document_id), kb) for d in members]
+        if status is not None:
+            views = [v for v in views if v.status == status]
+        return Page[KbDocumentView](
+            items=views[skip : skip + limit], total=len(views), skip=skip, limit=limit
+        )
 
     async def view(self, kb: KnowledgeBase) -> KbView:
         entries, members = await self._state(kb)
@@ -463,6 +459,26 @@ def checked_kb(fields: dict[str, Any]) -> KnowledgeBase:
             field="chunk_size",
         )
     return kb
+
+
+def _kb_document_view(
+    d: DocumentRecord, entry: IndexEntry | None, kb: KnowledgeBase
+) -> KbDocumentView:
+    tags, collection = split_tags(d.tags)
+    status = _kb_doc_status(d, entry, kb)
+    return KbDocumentView(
+        document_id=d.document_id,
+        name=d.name,
+        source_id=d.source_id,
+        uri=d.uri,
+        status=status,
+        error=(d.kb_errors.get(kb.kb_id) or d.error) if status == "failed" else None,
+        tags=[t for t in tags if not t.startswith(KB_TAG_PREFIX)],
+        collection=collection,
+        chunk_count=entry.chunk_count if entry else 0,
+        indexed_at=entry.indexed_at if entry else None,
+        revision=d.revision,
+    )
 
 
 def _kb_doc_status(record: DocumentRecord, entry: IndexEntry | None, kb: KnowledgeBase) -> str:

@@ -27,7 +27,7 @@ async function base64(file) {
 
 export function renderDocuments(panel, getKb, onChange) {
   const kbPath = () => encodeURIComponent(getKb().kb_id);
-  const state = { skip: 0, search: "", page: null };
+  const state = { skip: 0, search: "", status: "", page: null };
   const list = h("div.doc-list");
   const uploads = h("ul.uploads", { "aria-label": "Uploads" });
   const fileInput = h("input#upload-files.visually-hidden", {
@@ -43,6 +43,16 @@ export function renderDocuments(panel, getKb, onChange) {
     debounce = setTimeout(load, 250);
   });
   let debounce = null;
+  const statusFilter = h(
+    "select#doc-status",
+    {
+      "aria-label": "Status",
+      onchange: () => { state.status = statusFilter.value; state.skip = 0; load(); },
+    },
+    [["", "Any status"], ["complete", "Indexed"], ["processing", "Processing"],
+      ["pending_reindex", "Pending reindex"], ["failed", "Failed"], ["awaiting_ocr", "Awaiting OCR"]]
+      .map(([value, label]) => h("option", { value }, label)),
+  );
 
   const drop = h(
     "div.dropzone",
@@ -69,7 +79,7 @@ export function renderDocuments(panel, getKb, onChange) {
   clear(panel).append(
     drop,
     uploads,
-    h("div.toolbar", search),
+    h("div.toolbar", search, statusFilter),
     list,
   );
 
@@ -114,23 +124,17 @@ export function renderDocuments(panel, getKb, onChange) {
 
   async function load() {
     if (stopped) return;
-    const params = { skip: state.skip, limit: PAGE, name_search: state.search.trim() };
+    const params = { skip: state.skip, limit: PAGE, name_search: state.search.trim(), status: state.status };
     let kbDocs;
-    let details;
     try {
-      // The KB's list has its own status and chunk counts; the documents list has tags,
-      // collection and reasons. Both are ordered by creation, so one page matches the other.
-      [kbDocs, details] = await Promise.all([
-        api("GET", `/v1/kbs/${kbPath()}/documents${query(params)}`),
-        api("GET", `/v1/documents${query({ ...params, kb: getKb().kb_id })}`),
-      ]);
+      // The KB's list carries each document's status in this KB, its path, tags and reason.
+      kbDocs = await api("GET", `/v1/kbs/${kbPath()}/documents${query(params)}`);
     } catch (err) {
       clear(list).append(errorBox(err));
       return;
     }
     if (stopped) return;
-    const byId = new Map(details.items.map((d) => [d.document_id, d]));
-    state.page = kbDocs.items.map((d) => ({ ...d, detail: byId.get(d.document_id) || null }));
+    state.page = kbDocs.items;
     draw(kbDocs.total);
     clearTimeout(timer);
     if (state.page.some((d) => d.status === "processing" || d.status === "pending_reindex")) {
@@ -144,8 +148,8 @@ export function renderDocuments(panel, getKb, onChange) {
     clear(list);
     if (!total) {
       list.append(
-        state.search
-          ? emptyState("No matching documents", "No document name contains that text.")
+        state.search || state.status
+          ? emptyState("No matching documents", "No document matches the name or status asked for.")
           : emptyState("No documents yet", "Upload files above; they are chunked, embedded and searchable in seconds."),
       );
       return;
@@ -153,18 +157,24 @@ export function renderDocuments(panel, getKb, onChange) {
     list.append(
       table(
         [
-          { label: "Name", cell: (d) => h("span.doc-name", d.name), className: "col-name" },
+          {
+            label: "Name",
+            // Two files of one name from different folders differ by their path.
+            cell: (d) => h("span.doc-name-cell", h("span.doc-name", d.name),
+              d.uri && d.uri !== d.name ? h("span.doc-uri.muted", d.uri) : null),
+            className: "col-name",
+          },
           {
             label: "Status",
             cell: (d) => {
-              const reason = d.status === "failed" && d.detail && d.detail.error;
+              const reason = d.status === "failed" && d.error;
               return h("span.status-cell", docBadge(d.status), reason ? h("span.reason", reason) : null);
             },
           },
           { label: "Chunks", cell: (d) => num(d.chunk_count), className: "num" },
           { label: "Indexed", cell: (d) => when(d.indexed_at), className: "nowrap" },
-          { label: "Tags", cell: (d) => tagList(d.detail ? d.detail.tags.filter((t) => !t.startsWith("kb:")) : []) },
-          { label: "Collection", cell: (d) => (d.detail && d.detail.collection) || h("span.muted", "—") },
+          { label: "Tags", cell: (d) => tagList(d.tags) },
+          { label: "Collection", cell: (d) => d.collection || h("span.muted", "—") },
           {
             label: "Actions",
             className: "col-actions",
