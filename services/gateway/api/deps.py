@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Header, Request
 
 from services.gateway.auth import KeyResolver, Principal
+from services.gateway.guard import resolved_principal
 from services.gateway.schemas import UploadResult
 from services.gateway.service import (
     Answers,
@@ -50,9 +51,17 @@ async def get_dead_letters(request: Request) -> DeadLetters:
     return _service(request).dead_letters
 
 
+async def get_keys(request: Request) -> KeyResolver:
+    keys: KeyResolver = request.app.state.keys
+    return keys
+
+
 async def get_principal(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
+    resolved = resolved_principal(request.scope)  # writes: resolved before the body was read
+    if resolved is not None:
+        return resolved
     resolver: KeyResolver = request.app.state.keys
     host = request.client.host if request.client else None
     return await resolver.resolve(authorization, host)
@@ -65,6 +74,7 @@ Searcher = Annotated[Search, Depends(get_search)]
 Answerer = Annotated[Answers, Depends(get_answers)]
 Letters = Annotated[DeadLetters, Depends(get_dead_letters)]
 Caller = Annotated[Principal, Depends(get_principal)]
+Keys = Annotated[KeyResolver, Depends(get_keys)]
 
 # With wait=true an upload that finished answers 200 instead of 202.
 WAITED: dict[int | str, dict[str, Any]] = {

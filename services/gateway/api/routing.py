@@ -1,0 +1,65 @@
+"""The REST routes' class: a JSON body is held to its model's published JSON Schema before
+FastAPI validates it, without type coercion, exactly as the tools hold their arguments
+(`tools.registry.run_tool`). Pydantic alone would take `"5"` or `true` for an integer; the
+schema a client reads says neither is one, and REST and the tools must refuse the same
+bodies."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Coroutine
+from functools import cache
+from typing import Any, get_args
+
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from jsonschema import Draft202012Validator
+from pydantic import BaseModel
+
+from services.gateway.tools.registry import schema_errors
+
+
+@cache
+def _schema_check(model: type[BaseModel]) -> Draft202012Validator:
+    return Draft202012Validator(model.model_json_schema())
+
+
+def _body_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a body annotated `Model` or `Model | None`."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+class StrictBodyRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        model = _body_model(self.body_field.field_info.annotation if self.body_field else None)
+        if model is None:
+            return handler
+        check = _schema_check(model)
+
+        async def strict_handler(request: Request) -> Response:
+            raw = await request.body()  # kept by the request: the handler reads it again
+            try:
+                body = json.loads(raw) if raw.strip() else None
+            except ValueError:
+                body = None  # not JSON: FastAPI's own parsing says so
+            if body is not None:
+                errors = schema_errors(check, body)
+                if errors:
+                    raise RequestValidationError(
+                        [
+                            {
+                                "loc": ("body", *(e.field.split(".") if e.field else ())),
+                                "msg": e.message,
+                                "type": "json_schema",
+                            }
+                            for e in errors
+                        ]
+                    )
+            return await handler(request)
+
+        return strict_handler
