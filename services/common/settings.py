@@ -129,10 +129,16 @@ class HttpSettings(BaseModel):
         10.0, gt=0, description="a request's line and headers must arrive within this"
     )
     body_timeout_seconds: float = Field(
-        30.0,
+        20.0,
         gt=0,
-        description="a request's body must arrive within this once its headers have "
-        "(20 MB, the largest upload in base64, needs about 6 Mbit/s at the default)",
+        description="a request's body must arrive within this once its headers have, plus "
+        "the time its declared length takes at body_min_bytes_per_second",
+    )
+    body_min_bytes_per_second: int = Field(
+        100_000,
+        ge=1,
+        description="the slowest upload rate a body's deadline allows for (a 20 MB body, the "
+        "largest upload in base64, gets 20 s + 200 s at the defaults)",
     )
     connections_per_client: int = Field(
         256,

@@ -6,9 +6,10 @@ never finishes its request line, headers or body holds a socket and a parser for
 it likes, and a few thousand of them exhaust the server. The protocol here closes a
 connection whose request line and headers have not arrived within `header_timeout_seconds`
 of the connection (or of the request's first byte) with 408, one whose body has not arrived
-within `body_timeout_seconds` of its headers, and answers a client address past
-`connections_per_client` open connections with 503 at once. Everything else is uvicorn's
-httptools protocol unchanged.
+within `body_timeout_seconds` of its headers (plus its declared length at
+`body_min_bytes_per_second`: a large upload on a slow link is not cut off), and answers a
+client address past `connections_per_client` open connections with 503 at once. Everything
+else is uvicorn's httptools protocol unchanged.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def guarded_protocol(limits: HttpSettings) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
-            self._arm(limits.body_timeout_seconds, headers=False)
+            self._arm(body_deadline(self.headers, limits), headers=False)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
@@ -96,6 +97,15 @@ def guarded_protocol(limits: HttpSettings) -> type[HttpToolsProtocol]:
             self.transport.close()
 
     return GuardedHttpProtocol
+
+
+def body_deadline(headers: list[tuple[bytes, bytes]], limits: HttpSettings) -> float:
+    """Seconds a request's body may take: a grace, plus its declared length at the slowest
+    rate allowed (a chunked body, of no declared length, gets the grace alone)."""
+    for name, value in headers:
+        if name == b"content-length" and value.strip().isdigit():
+            return limits.body_timeout_seconds + int(value) / limits.body_min_bytes_per_second
+    return limits.body_timeout_seconds
 
 
 def server_config(app: Any, host: str, port: int, limits: HttpSettings) -> uvicorn.Config:

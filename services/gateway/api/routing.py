@@ -15,7 +15,7 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from jsonschema import Draft202012Validator
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from services.gateway.tools.registry import schema_errors
 
@@ -33,6 +33,14 @@ def _body_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _model_accepts(model: type[BaseModel], body: Any) -> bool:
+    try:
+        model.model_validate(body)
+    except ValidationError:
+        return False
+    return True
+
+
 class StrictBodyRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -47,19 +55,21 @@ class StrictBodyRoute(APIRoute):
                 body = json.loads(raw) if raw.strip() else None
             except ValueError:
                 body = None  # not JSON: FastAPI's own parsing says so
-            if body is not None:
-                errors = schema_errors(check, body)
-                if errors:
-                    raise RequestValidationError(
-                        [
-                            {
-                                "loc": ("body", *(e.field.split(".") if e.field else ())),
-                                "msg": e.message,
-                                "type": "json_schema",
-                            }
-                            for e in errors
-                        ]
-                    )
+            errors = schema_errors(check, body) if body is not None else []
+            # What the model refuses too is refused by the handler, in the model's words (its
+            # field paths reach inside unions, the schema's stop at them); what only the
+            # schema refuses is what the model would have coerced.
+            if errors and _model_accepts(model, body):
+                raise RequestValidationError(
+                    [
+                        {
+                            "loc": ("body", *(e.field.split(".") if e.field else ())),
+                            "msg": e.message,
+                            "type": "json_schema",
+                        }
+                        for e in errors
+                    ]
+                )
             return await handler(request)
 
         return strict_handler
