@@ -24,6 +24,7 @@ import httpx
 from benchmarks.common import ROOT, bench_env
 from services.common.natsproc import free_port
 
+KBMESH = [sys.executable, "-m", "services.cli"]
 HALF_HEADERS = b"POST /v1/kbs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le"
 
 
@@ -42,8 +43,7 @@ class Up:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--data-dir", self.data.name]
-            + ["--port", str(self.port)],
+            [*KBMESH, "up", "--data-dir", self.data.name, "--port", str(self.port)],
             cwd=ROOT,
             env=bench_env(**env),
             stdout=subprocess.DEVNULL,
@@ -61,8 +61,7 @@ class Up:
 
     def key(self) -> str:
         out = subprocess.run(
-            [sys.executable, "-m", "services.cli", "keys", "create", "--org", "local"]
-            + ["--data-dir", self.data.name],
+            [*KBMESH, "keys", "create", "--org", "local", "--data-dir", self.data.name],
             cwd=ROOT,
             env=bench_env(),
             capture_output=True,
