@@ -204,7 +204,8 @@ class ApiKeyGuard:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        # A POST's key was resolved by the gateway's `KeyGate` already; GET and DELETE's here.
+        if scope["type"] == "http" and resolved_principal(scope) is None:
             client = scope.get("client")
             try:
                 await self.keys.resolve(
