@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine
 from functools import cache
 from typing import Any, get_args
 
+import jsonschema_rs
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
@@ -21,8 +22,14 @@ from services.gateway.tools.registry import schema_errors
 
 
 @cache
-def _schema_check(model: type[BaseModel]) -> Draft202012Validator:
-    return Draft202012Validator(model.model_json_schema())
+def _schema_checks(model: type[BaseModel]) -> tuple[Any, Draft202012Validator]:
+    """A fast yes/no check (jsonschema-rs: microseconds, where the Python validator takes
+    about a millisecond for a search) and the validator that words the errors."""
+    schema = model.model_json_schema()
+    return (
+        jsonschema_rs.validator_for(schema, validate_formats=False),
+        Draft202012Validator(schema),
+    )
 
 
 def _body_model(annotation: Any) -> type[BaseModel] | None:
@@ -47,7 +54,7 @@ class StrictBodyRoute(APIRoute):
         model = _body_model(self.body_field.field_info.annotation if self.body_field else None)
         if model is None:
             return handler
-        check = _schema_check(model)
+        fast, check = _schema_checks(model)
 
         async def strict_handler(request: Request) -> Response:
             raw = await request.body()  # kept by the request: the handler reads it again
@@ -55,7 +62,8 @@ class StrictBodyRoute(APIRoute):
                 body = json.loads(raw) if raw.strip() else None
             except ValueError:
                 body = None  # not JSON: FastAPI's own parsing says so
-            errors = schema_errors(check, body) if body is not None else []
+            valid = body is None or fast.is_valid(body)
+            errors = [] if valid else schema_errors(check, body)
             # What the model refuses too is refused by the handler, in the model's words (its
             # field paths reach inside unions, the schema's stop at them); what only the
             # schema refuses is what the model would have coerced.
