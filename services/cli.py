@@ -252,15 +252,10 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
     try:
         tasks = [asyncio.create_task(start_consuming(rt))]
         if "gateway" in rt.services:
+            from services.gateway.server import server_config
             from services.runtime import gateway_app
 
-            config = uvicorn.Config(
-                gateway_app(rt),
-                host=settings.host,
-                port=settings.port,
-                log_level="warning",
-                lifespan="on",
-            )
+            config = server_config(gateway_app(rt), settings.host, settings.port, settings.http)
             server = uvicorn.Server(config)
             tasks.append(asyncio.create_task(server.serve()))
             base = f"http://{settings.host}:{settings.port}"

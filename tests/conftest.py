@@ -96,7 +96,7 @@ async def running_stack(
         await start_consuming(rt)
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 50000))
         async with httpx.AsyncClient(
-            transport=transport, base_url="http://kbmesh", timeout=120
+            transport=transport, base_url="http://127.0.0.1", timeout=120
         ) as client:
             yield rt, client
     finally:

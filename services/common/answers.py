@@ -12,6 +12,7 @@ from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.common.limits import PlainText
 from services.common.models import utcnow
 from services.common.queries import SearchFilters, SearchHit, Since, Until
 
@@ -53,7 +54,7 @@ class AskOptions(BaseModel):
         max_length=20,
         description="KB ids or names the model may search; omitted: every KB the caller can access",
     )
-    model: str | None = Field(
+    model: PlainText | None = Field(
         None,
         min_length=1,
         max_length=200,
@@ -66,7 +67,7 @@ class AskOptions(BaseModel):
         max_length=2000,
         description="base URL of the model's API, for self-hosted or OpenAI-compatible servers",
     )
-    instructions: str | None = Field(
+    instructions: PlainText | None = Field(
         None,
         max_length=20_000,
         description="system instructions: the task, what to extract, tone, language",

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from services.common.errors import InvalidInput, TooLarge
 
@@ -127,6 +127,20 @@ def check_text(value: str, field: str) -> None:
             f"{field} is not valid Unicode: a lone surrogate at position {err.start}",
             field=field,
         ) from err
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("contains a NUL character")
+    return value
+
+
+# A name, label or instruction in a request model: NUL is refused where the model is
+# validated, so REST, the tools and MCP refuse it alike.
+PlainText = Annotated[str, AfterValidator(_no_nul)]
+# A KB's tag_ids: as many as a document may carry tags, each as long as a tag may be.
+MAX_KB_TAGS = 100
+KbTag = Annotated[PlainText, Field(min_length=1, max_length=200)]
 
 
 def check_extracted_text(text: str, limits: LimitSettings) -> None:

@@ -132,6 +132,33 @@ class AskSettings(BaseModel):
     concurrency: int = Field(8, ge=1, description="answers worked at once per search replica")
 
 
+class HttpSettings(BaseModel):
+    """How long the gateway waits for a client, and how many connections one client may hold
+    (a client that never finishes sending must not hold the server's sockets or memory)."""
+
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="a request's line and headers must arrive within this"
+    )
+    body_timeout_seconds: float = Field(
+        20.0,
+        gt=0,
+        description="a request's body must arrive within this once its headers have, plus "
+        "the time its declared length takes at body_min_bytes_per_second",
+    )
+    body_min_bytes_per_second: int = Field(
+        100_000,
+        ge=1,
+        description="the slowest upload rate a body's deadline allows for (a 20 MB body, the "
+        "largest upload in base64, gets 20 s + 200 s at the defaults)",
+    )
+    connections_per_client: int = Field(
+        256,
+        ge=0,
+        description="open connections one client address may hold; more are answered 503 "
+        "and closed (0: no limit; behind a proxy every client has the proxy's address)",
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KBMESH_", env_nested_delimiter="__", extra="ignore"
@@ -196,12 +223,19 @@ class Settings(BaseSettings):
 
     mcp_toolsets: str = Field("core", description="comma list of core, compat")
     upload_root: Path | None = Field(None, description="root for kb_upload by path")
-    mcp_allowed_hosts: list[str] = Field(
+    allowed_hosts: list[str] = Field(
         default_factory=list,
-        description="Host headers accepted at /mcp besides loopback (DNS-rebinding protection); "
-        "'name:*' allows any port, '*' turns the check off",
+        description="Host headers the gateway answers besides loopback names (DNS-rebinding "
+        "protection for REST, tools, MCP and the console); 'name' or 'name:*' for any port, "
+        "'*' turns the check off (behind a proxy that checks Host itself)",
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="browser origins (scheme://host[:port]) allowed to call the API from "
+        "their pages (CORS); empty: only the gateway's own console",
     )
 
+    http: HttpSettings = Field(default_factory=HttpSettings)
     bus: BusSettings = Field(default_factory=BusSettings)
     search: SearchSettings = Field(default_factory=SearchSettings)
     egress: EgressSettings = Field(default_factory=EgressSettings)

@@ -214,7 +214,7 @@ def _answer_of(app: FastAPI, path: str) -> Any:
 
     async def get() -> Any:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kbmesh") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             response = await client.get(path)
             response.raise_for_status()
             return response.json()

@@ -30,14 +30,12 @@ from services.common.errors import KbmeshError, NotFound
 from services.common.settings import Settings
 from services.gateway.api.problems import RETRY_AFTER
 from services.gateway.auth import KeyResolver, Principal, Unauthorized
+from services.gateway.guard import resolved_principal
 from services.gateway.service import GatewayService
 from services.gateway.tools import ToolOutcome, ToolSpec, error_outcome, run_tool, tools_for
 
 log = logging.getLogger("kbmesh.mcp")
 VERSION = "0.1.0"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
-# The Host that Starlette's and httpx's in-process test clients send.
-TEST_HOSTS = ("testserver",)
 # Where a tool error's error_type, message and field travel in a CallToolResult's `_meta`.
 ERROR_META = "kbmesh/error"
 INSTRUCTIONS = {
@@ -132,6 +130,10 @@ class KbmeshMCP(MCPServer):
             with contextlib.suppress(ValueError):
                 request = context.request_context.request
         headers = getattr(request, "headers", None)
+        scope = getattr(request, "scope", None)
+        resolved = resolved_principal(scope) if scope is not None else None
+        if resolved is not None:
+            return resolved
         if headers is not None and self.keys is not None:
             client = getattr(request, "client", None)
             return await self.keys.resolve(
@@ -142,9 +144,9 @@ class KbmeshMCP(MCPServer):
         return Principal(org_id=self.gateway_settings.default_org)
 
     def streamable_http_app(self, **kwargs: Any) -> Starlette:
-        """The SDK's app, with kbmesh's allowed hosts, a body limit that lets a maximum-size
-        upload reach the tool (which then answers with a clear error past it), and API keys
-        checked before the MCP session sees the request."""
+        """The SDK's app, with the gateway's Host rule in place of the SDK's, a body limit
+        that lets a maximum-size upload reach the tool (which then answers with a clear
+        error past it), and API keys checked before the MCP session sees the request."""
         kwargs.setdefault("transport_security", transport_security(self.gateway_settings))
         kwargs.setdefault("max_request_body_size", request_body_limit(self.gateway_settings))
         app = super().streamable_http_app(**kwargs)
@@ -183,25 +185,9 @@ def create_mcp(
 
 
 def transport_security(settings: Settings) -> TransportSecuritySettings:
-    """DNS-rebinding protection: loopback (any port) and the test client's host always, plus
-    `KBMESH_MCP_ALLOWED_HOSTS`; `*` there turns the check off (e.g. behind a proxy that
-    checks Host itself)."""
-    extra = [h.strip() for h in settings.mcp_allowed_hosts if h.strip()]
-    if "*" in extra:
-        return TransportSecuritySettings(enable_dns_rebinding_protection=False)
-    bases = [*LOOPBACK_HOSTS, *TEST_HOSTS, *extra]
-    if settings.host not in ("0.0.0.0", "::", "", *LOOPBACK_HOSTS):
-        bases.append(f"[{settings.host}]" if ":" in settings.host else settings.host)
-    hosts: list[str] = []
-    for base in bases:
-        has_port = base.endswith(":*") or ":" in base.rsplit("]", 1)[-1]
-        for h in (base,) if has_port else (base, f"{base}:*"):
-            if h not in hosts:
-                hosts.append(h)
-    origins = [f"{scheme}://{h}" for h in hosts for scheme in ("http", "https")]
-    return TransportSecuritySettings(
-        enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins
-    )
+    """The SDK's own Host and Origin checks stay off: the gateway's `HostGuard` and
+    `BrowserGuard` hold every route, /mcp included, to one rule (`KBMESH_ALLOWED_HOSTS`)."""
+    return TransportSecuritySettings(enable_dns_rebinding_protection=False)
 
 
 def request_body_limit(settings: Settings) -> int:
@@ -218,7 +204,8 @@ class ApiKeyGuard:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        # A POST's key was resolved by the gateway's `KeyGate` already; GET and DELETE's here.
+        if scope["type"] == "http" and resolved_principal(scope) is None:
             client = scope.get("client")
             try:
                 await self.keys.resolve(

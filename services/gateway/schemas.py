@@ -11,6 +11,7 @@ from services.common.answers import AskOptions
 from services.common.audit import AuditEntry
 from services.common.content import SUPPORTED
 from services.common.ids import ID_PATTERN
+from services.common.limits import MAX_KB_TAGS, KbTag, PlainText
 from services.common.models import (
     CHUNK_SIZE_RANGE,
     DEFAULT_SOURCE,
@@ -135,13 +136,14 @@ class UploadResult(BaseModel):
 class KbSettingsFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    description: str | None = Field(
+    description: PlainText | None = Field(
         None, max_length=2000, description="what the knowledge base holds, for people and agents"
     )
-    tag_ids: list[str] | None = Field(
+    tag_ids: list[KbTag] | None = Field(
         None,
+        max_length=MAX_KB_TAGS,
         description="documents carrying any of these tags are members automatically "
-        "(besides those uploaded into it)",
+        f"(besides those uploaded into it); at most {MAX_KB_TAGS}",
     )
     chunker: Chunker | None = Field(
         None,
@@ -157,7 +159,7 @@ class KbSettingsFields(BaseModel):
     chunk_overlap: int | None = Field(
         None, ge=0, description="tokens shared by neighbouring chunks (default 0)"
     )
-    embedding_model: str | None = Field(
+    embedding_model: PlainText | None = Field(
         None,
         min_length=1,
         description=f"{DEFAULT_MODEL} (default, bundled) or any LiteLLM model id, e.g. "
@@ -175,7 +177,7 @@ class KbSettingsFields(BaseModel):
         description="neighbour chunks added on each side of a search match by default (0-5)",
     )
 
-    rerank_model: str | None = Field(
+    rerank_model: PlainText | None = Field(
         None,
         min_length=1,
         description="a LiteLLM rerank model (cohere/rerank-v3.5, jina_ai/..., voyage/..., or "
@@ -191,7 +193,7 @@ KB_NAME = r"^[^\s/][^/]*$"
 
 
 class KbCreate(KbSettingsFields):
-    name: str = Field(
+    name: PlainText = Field(
         min_length=1,
         max_length=100,
         pattern=KB_NAME,
@@ -200,7 +202,7 @@ class KbCreate(KbSettingsFields):
 
 
 class KbUpdate(KbSettingsFields):
-    name: str | None = Field(
+    name: PlainText | None = Field(
         None,
         min_length=1,
         max_length=100,
@@ -397,7 +399,7 @@ PROMPT_NAME = r"^[^\s/][^/]*$"
 
 
 class PromptCreate(AskOptions):
-    name: str = Field(
+    name: PlainText = Field(
         min_length=1, max_length=100, pattern=PROMPT_NAME, description="unique in the org"
     )
 
@@ -405,7 +407,7 @@ class PromptCreate(AskOptions):
 class PromptUpdate(AskOptions):
     """Only the fields given change; null clears an optional field."""
 
-    name: str | None = Field(None, min_length=1, max_length=100, pattern=PROMPT_NAME)
+    name: PlainText | None = Field(None, min_length=1, max_length=100, pattern=PROMPT_NAME)
 
 
 class PromptView(AskOptions):

@@ -117,11 +117,12 @@ async def test_a_scoped_key_cannot_replace_a_document_it_cannot_read(stack):
 
 
 async def test_a_scoped_key_cannot_give_its_kb_tags_that_pull_in_other_kbs_documents(stack):
-    """tag_ids `kb:<theirs>` or a tag carried by a document of another KB are refused (403,
-    field tag_ids) over REST and MCP's kb_update, and the KB still holds only its own
-    documents; a tag only its own documents carry is fine."""
+    """tag_ids `kb:<theirs>`, a tag carried by a document of another KB, and even a tag only
+    its own documents carry today (others may carry it tomorrow) are refused (403, field
+    tag_ids) over REST and MCP's kb_update, and the KB still holds only its own documents;
+    its own KB's tag, and removing tags, are fine."""
     client, mine = stack.client, stack.mine
-    for tags in ([f"kb:{stack.theirs['kb_id']}"], ["shared-theirs"], ["common"]):
+    for tags in ([f"kb:{stack.theirs['kb_id']}"], ["shared-theirs"], ["common"], ["shared-mine"]):
         r = await client.patch(
             f"/v1/kbs/{mine['kb_id']}", headers=stack.writer, json={"tag_ids": tags}
         )
@@ -135,8 +136,10 @@ async def test_a_scoped_key_cannot_give_its_kb_tags_that_pull_in_other_kbs_docum
             "Forbidden",
         )
     r = await client.patch(
-        f"/v1/kbs/{mine['kb_id']}", headers=stack.writer, json={"tag_ids": ["shared-mine"]}
+        f"/v1/kbs/{mine['kb_id']}", headers=stack.writer, json={"tag_ids": [f"kb:{mine['kb_id']}"]}
     )
+    assert r.status_code == 200, r.text
+    r = await client.patch(f"/v1/kbs/{mine['kb_id']}", headers=stack.writer, json={"tag_ids": []})
     assert r.status_code == 200, r.text
     await settled(stack.rt)
     listed = (await client.get("/v1/documents", headers=stack.writer)).json()["items"]

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 import pytest
 
 from services.common import bm25
@@ -765,61 +764,6 @@ async def test_malformed_search_gets_422_naming_the_problem(stack, corpus, body,
     assert r.headers["content-type"].startswith("application/problem+json")
     for name in names:
         assert name in problem["detail"], problem["detail"]
-
-
-async def test_rest_search_is_answered_ahead_of_the_route_as_the_route_answers(stack, corpus):
-    """`POST /v1/search` is answered ahead of FastAPI's routing (`app.FastSearch`) with the
-    body, status and media type the route gives; what the route would refuse goes on to
-    the route as it came, and is refused there."""
-    _, client = stack
-    app = client._transport.app
-    fast = app.fast_search
-    inner = fast.app
-    routed: list[str] = []
-
-    async def counting(scope, receive, send):
-        routed.append(scope["path"])
-        await inner(scope, receive, send)
-
-    fast.app = counting
-    route = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app.routed, client=("127.0.0.1", 50000)),
-        base_url="http://kbmesh",
-    )
-    try:
-        for mode in ("hybrid", "dense", "keyword"):
-            body = {"query": FILTER_QUERY, "kb_ids": ["default"], "top_k": 10, "mode": mode}
-            ahead = await client.post("/v1/search", json=body, headers=corpus.auth())
-            assert routed == []
-            through = await route.post("/v1/search", json=body, headers=corpus.auth())
-            assert ahead.status_code == through.status_code == 200, ahead.text
-            assert ahead.headers["content-type"] == through.headers["content-type"]
-            assert ahead.json() == through.json()
-            assert len(ahead.json()["hits"]) == len(FILTER_DOCS)
-        # An unknown KB is the search service's refusal: answered ahead, as a problem.
-        missing = {"query": "x", "kb_ids": ["nope"]}
-        r = await client.post("/v1/search", json=missing, headers=corpus.auth())
-        assert r.status_code == 404 and r.headers["content-type"] == "application/problem+json"
-        assert (
-            r.json() == (await route.post("/v1/search", json=missing, headers=corpus.auth())).json()
-        )
-        assert routed == []
-        refused = [
-            {"content": b'{"query": ', "headers": {"content-type": "application/json"}},
-            {"json": {"query": ""}},
-            {"json": {"query": "x", "top_k": 0}},
-            {"content": b"[" * 100, "headers": {"content-type": "application/json"}},
-            {"json": {"query": "x"}, "headers": {"authorization": "Bearer no-such-key"}},
-        ]
-        for request in refused:
-            request.setdefault("headers", corpus.auth())
-            r = await client.post("/v1/search", **request)
-            assert r.status_code in (400, 401, 422), r.text
-            assert r.headers["content-type"] == "application/problem+json"
-        assert routed == ["/v1/search"] * len(refused)
-    finally:
-        fast.app = inner
-        await route.aclose()
 
 
 async def test_top_k_bounds_are_inclusive(stack, corpus):

@@ -11,15 +11,20 @@ from typing import Any
 import uvicorn
 
 from services.common.natsproc import free_port
+from services.common.settings import HttpSettings
+from services.gateway.server import server_config
 
 
 @contextlib.asynccontextmanager
-async def serve_app(app: Any, *, lifespan: str = "on") -> AsyncIterator[str]:
-    """`app` behind uvicorn on 127.0.0.1:<free port>; yields the base URL."""
+async def serve_app(
+    app: Any, *, lifespan: str = "on", limits: HttpSettings | None = None
+) -> AsyncIterator[str]:
+    """`app` behind uvicorn on 127.0.0.1:<free port>, with the gateway's client deadlines and
+    connection cap (`limits`, default the settings' defaults); yields the base URL."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan)
-    )
+    config = server_config(app, "127.0.0.1", port, limits or HttpSettings())
+    config.lifespan = lifespan
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
         async with asyncio.timeout(30):

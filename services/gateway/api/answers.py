@@ -8,6 +8,7 @@ from fastapi import APIRouter
 
 from services.common.answers import AskQuery, AskResponse, AskTask
 from services.gateway.api.deps import Answerer, Caller
+from services.gateway.api.routing import StrictBodyRoute
 from services.gateway.schemas import (
     PromptCreate,
     PromptDeleted,
@@ -16,7 +17,7 @@ from services.gateway.schemas import (
     PromptView,
 )
 
-router = APIRouter(prefix="/v1", tags=["answers"])
+router = APIRouter(prefix="/v1", tags=["answers"], route_class=StrictBodyRoute)
 
 # A model that answered, but not in the requested schema even after a repair round.
 BAD_MODEL_OUTPUT: dict[int | str, dict[str, Any]] = {

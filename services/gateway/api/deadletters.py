@@ -7,9 +7,10 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 
 from services.gateway.api.deps import Caller, Letters
+from services.gateway.api.routing import StrictBodyRoute
 from services.gateway.schemas import DeadLetterBody, DeadLetterList, DeadLetterView
 
-router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"])
+router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"], route_class=StrictBodyRoute)
 
 
 @router.get("")

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Header, Request
 
 from services.gateway.auth import KeyResolver, Principal
+from services.gateway.guard import resolved_principal
 from services.gateway.schemas import UploadResult
 from services.gateway.service import (
     Answers,
@@ -55,9 +56,17 @@ async def get_audit(request: Request) -> AuditLog:
     return _service(request).audit
 
 
+async def get_keys(request: Request) -> KeyResolver:
+    keys: KeyResolver = request.app.state.keys
+    return keys
+
+
 async def get_principal(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
+    resolved = resolved_principal(request.scope)  # writes: resolved before the body was read
+    if resolved is not None:
+        return resolved
     resolver: KeyResolver = request.app.state.keys
     host = request.client.host if request.client else None
     return await resolver.resolve(authorization, host)
@@ -71,6 +80,7 @@ Answerer = Annotated[Answers, Depends(get_answers)]
 Letters = Annotated[DeadLetters, Depends(get_dead_letters)]
 AuditTrail = Annotated[AuditLog, Depends(get_audit)]
 Caller = Annotated[Principal, Depends(get_principal)]
+Keys = Annotated[KeyResolver, Depends(get_keys)]
 
 # With wait=true an upload that finished answers 200 instead of 202.
 WAITED: dict[int | str, dict[str, Any]] = {

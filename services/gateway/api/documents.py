@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from services.gateway.api.deps import WAITED, Caller, Docs
+from services.gateway.api.routing import StrictBodyRoute
 from services.gateway.schemas import (
     DeleteResult,
     DocumentPatch,
@@ -16,7 +17,7 @@ from services.gateway.schemas import (
     UploadResult,
 )
 
-router = APIRouter(prefix="/v1/documents", tags=["documents"])
+router = APIRouter(prefix="/v1/documents", tags=["documents"], route_class=StrictBodyRoute)
 Wait = Annotated[bool, Query(description="wait until the index reflects the change")]
 
 

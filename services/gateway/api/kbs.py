@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from services.gateway.api.deps import WAITED, Caller, Docs, Kbs
+from services.gateway.api.routing import StrictBodyRoute
 from services.gateway.schemas import (
     Ack,
     DefaultsView,
@@ -22,7 +23,7 @@ from services.gateway.schemas import (
     UploadResult,
 )
 
-router = APIRouter(prefix="/v1/kbs", tags=["knowledge bases"])
+router = APIRouter(prefix="/v1/kbs", tags=["knowledge bases"], route_class=StrictBodyRoute)
 defaults_router = APIRouter()
 Wait = Annotated[bool, Query(description="wait until the index reflects the change")]
 

@@ -59,6 +59,8 @@ _ERROR_TYPES = {
     405: "MethodNotAllowed",
     409: "Conflict",
     413: "ContentTooLarge",
+    415: "UnsupportedMediaType",
+    421: "MisdirectedRequest",
     422: "ValidationError",
     503: "Unavailable",
 }
@@ -98,10 +100,12 @@ def bus_problem(err: Exception) -> JSONResponse:
 _DESCRIPTIONS = {
     400: "The body is not valid JSON",
     401: "No API key, or an unknown one",
-    403: "The API key may not do this (read-only, or limited to other knowledge bases)",
+    403: "The API key may not do this (read-only, or limited to other knowledge bases), or "
+    "a web page of another origin sent the write",
     404: "No such resource in the caller's org and scope",
     409: "Conflicts with the current state (a limit, a duplicate name, a concurrent change)",
     413: "The content is larger than the configured limit",
+    415: "The body is not `application/json`",
     422: "The request is invalid; `errors` lists every field at fault",
     503: "NATS or a service is unavailable; retry after `Retry-After` seconds",
 }
@@ -120,7 +124,7 @@ def error_statuses(method: str) -> list[int]:
     if method in _WRITES:
         statuses.append(409)
     if method in _BODIES:
-        statuses += [400, 413]
+        statuses += [400, 413, 415]
     return sorted(statuses)
 
 

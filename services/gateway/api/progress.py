@@ -7,7 +7,8 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
 from services.common import metrics
-from services.gateway.api.deps import Caller, Gateway, Kbs
+from services.common.errors import Forbidden
+from services.gateway.api.deps import Caller, Gateway, Kbs, Keys
 from services.gateway.progress import event_stream
 from services.gateway.schemas import Ack, KbProgress
 
@@ -43,8 +44,16 @@ async def cancel_reindex(kb: str, kbs: Kbs, caller: Caller) -> Ack:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def prometheus_metrics(service: Gateway) -> Response:
-    """Prometheus metrics of this process (all services with `kbmesh up`)."""
+async def prometheus_metrics(service: Gateway, caller: Caller, keys: Keys) -> Response:
+    """Prometheus metrics of this process (all services with `kbmesh up`): every org's
+    counts together, so only for the operator. Keyless, that is whoever may call at all (a
+    loopback client). Once API keys exist no key is the operator's: they map to orgs, and
+    the metrics are served on the operator port (`KBMESH_METRICS_PORT`) instead."""
+    if await keys.any_keys():
+        raise Forbidden(
+            "with API keys, the metrics are served on the operator port (KBMESH_METRICS_PORT), "
+            "not to API keys"
+        )
     await metrics.refresh_bus_gauges(service.bus.js)
     body, content_type = metrics.exposition()
     return Response(body, media_type=content_type)

@@ -8,16 +8,16 @@ from fastapi import APIRouter, Query, Response
 
 from services.common.queries import ChunkResponse, SearchQuery, SearchResponse
 from services.gateway.api.deps import Caller, Searcher
+from services.gateway.api.routing import StrictBodyRoute
 
-router = APIRouter(prefix="/v1", tags=["search"])
+router = APIRouter(prefix="/v1", tags=["search"], route_class=StrictBodyRoute)
 
 
 @router.post("/search", response_model=SearchResponse)
 async def search(body: SearchQuery, search: Searcher, caller: Caller) -> Response:
     """Hybrid (default), dense or keyword search over one, several or all KBs."""
-    # Most searches are answered ahead of this route, by `app.FastSearch`, with the same
-    # call. The JSON goes out as built: FastAPI validating and serialising the response
-    # again cost about as much as the engine query.
+    # The JSON goes out as built: FastAPI validating and serialising the response again
+    # cost about as much as the engine query.
     return Response(await search.query_json(caller, body), media_type="application/json")
 
 

@@ -2,8 +2,9 @@
 
 A KB-scoped key sees only documents in (or tagged into) its KBs, may change only documents
 wholly inside its scope, cannot tag a document into a KB outside it, cannot give its KBs tags
-that pull in documents it cannot read, and sees no ids of KBs outside it. Anything outside
-the scope is reported as not found, so a scoped key never learns that it exists."""
+that could ever pull in documents it cannot read, and sees no ids of KBs outside it.
+Anything outside the scope is reported as not found, so a scoped key never learns that it
+exists."""
 
 from __future__ import annotations
 
@@ -37,26 +38,19 @@ def check_tag_scope(p: Principal, kbs: list[KnowledgeBase], tags: list[str]) -> 
             )
 
 
-def check_kb_tags_in_scope(
-    p: Principal, kb_id: str, tag_ids: list[str], documents: list[DocumentRecord]
-) -> None:
-    """A scoped key may give its KB only tags that pull in documents it can already read: a
-    KB's tags are membership, so `kb:<another KB>` or a tag that documents of other KBs carry
-    would make those documents searchable and readable through this KB."""
+def check_kb_tags_in_scope(p: Principal, kb_id: str, added: list[str]) -> None:
+    """A scoped key may add to its KB's tag_ids only the implicit tags of KBs in its scope
+    (`kb:<id>`): a KB's tags are membership, and any other tag pulls in every document that
+    carries it — today's and whichever anyone in the org tags with it later, which the key
+    may not read. Removing tags only narrows the KB and is always allowed."""
     if p.kb_ids is None:
         return
-    for tag in tag_ids:
-        if tag.startswith(KB_TAG_PREFIX) and tag.removeprefix(KB_TAG_PREFIX) not in p.kb_ids:
+    for tag in added:
+        if not (tag.startswith(KB_TAG_PREFIX) and tag.removeprefix(KB_TAG_PREFIX) in p.kb_ids):
             raise Forbidden(
-                f"tag_ids: {tag!r} names a knowledge base outside this API key's scope",
-                field="tag_ids",
-            )
-    wanted = set(tag_ids)
-    for record in documents:
-        if wanted & set(record.tags) and not record.in_scope(p.kb_ids):
-            raise Forbidden(
-                "tag_ids: these tags would add documents this API key cannot read to "
-                f"knowledge base {kb_id!r}",
+                f"tag_ids: an API key limited to some knowledge bases cannot add {tag!r} to "
+                f"knowledge base {kb_id!r}: documents tagged with it later would become "
+                "readable through this key (use an org-wide key to change membership rules)",
                 field="tag_ids",
             )
 

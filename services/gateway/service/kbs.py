@@ -208,10 +208,7 @@ class KnowledgeBases:
         nullable = ("api_base", "rerank_model", "rerank_api_base")
         update = {k: v for k, v in changes.items() if v is not None or k in nullable}
         added = sorted(set(update.get("tag_ids", kb.tag_ids)) - set(kb.tag_ids))
-        if added:
-            check_kb_tags_in_scope(
-                p, kb.kb_id, added, await self.reg.documents.list(f"{p.org_id}.")
-            )
+        check_kb_tags_in_scope(p, kb.kb_id, added)
         indexed = bool(await self.reg.index.of_kb(kb.kb_id))
 
         def apply(current: KnowledgeBase) -> KnowledgeBase:

@@ -21,6 +21,7 @@ from functools import cached_property
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+import jsonschema_rs
 from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -65,6 +66,12 @@ class ToolSpec:
     @cached_property
     def input_check(self) -> Draft202012Validator:
         return Draft202012Validator(self.input_schema)
+
+    @cached_property
+    def input_fast_check(self) -> Any:
+        """A yes/no answer in microseconds (jsonschema-rs); `input_check` words the errors,
+        about a millisecond a call."""
+        return jsonschema_rs.validator_for(self.input_schema, validate_formats=False)
 
     def caller_field(self, field: str | None) -> str | None:
         """The parameter (path) the caller sent that a service error's `field` concerns, or
@@ -178,7 +185,8 @@ async def run_tool(
     client that satisfies the schema satisfies the server, and `"5"` is not an integer),
     then to the input model's own checks."""
     arguments = _json_strings(spec.input_model, arguments)
-    refused = schema_errors(spec.input_check, arguments)
+    valid = spec.input_fast_check.is_valid(arguments)
+    refused = [] if valid else schema_errors(spec.input_check, arguments)
     if refused:
         return error_outcome(invalid_arguments(refused))
     try:

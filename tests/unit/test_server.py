@@ -1,0 +1,20 @@
+"""The gateway server's deadline for a request body: a grace, plus the declared length at
+the slowest rate allowed."""
+
+from __future__ import annotations
+
+from services.common.settings import HttpSettings
+from services.gateway.server import body_deadline
+
+
+def test_a_bodys_deadline_grows_with_its_declared_length():
+    limits = HttpSettings(body_timeout_seconds=20, body_min_bytes_per_second=100_000)
+    assert body_deadline([(b"content-length", b"0")], limits) == 20
+    assert body_deadline([(b"content-length", b"1000")], limits) == 20.01
+    assert body_deadline([(b"content-length", b"20000000")], limits) == 220
+
+
+def test_a_body_of_no_declared_length_gets_the_grace_alone():
+    limits = HttpSettings(body_timeout_seconds=20)
+    assert body_deadline([(b"transfer-encoding", b"chunked")], limits) == 20
+    assert body_deadline([(b"content-length", b"-5")], limits) == 20
