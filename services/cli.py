@@ -52,11 +52,18 @@ def main(argv: list[str] | None = None) -> None:
     keys = sub.add_parser("keys", help="API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it once")
-    create.add_argument("--org", required=True)
-    create.add_argument("--name", default="")
+    create.add_argument("--org", required=True, help="the org the key acts for")
+    create.add_argument("--name", default="", help="who or what holds it (shown in the audit)")
     create.add_argument("--kb", action="append", dest="kbs", help="limit to this KB id (repeat)")
-    create.add_argument("--read-only", action="store_true")
-    create.add_argument("--data-dir", type=Path)
+    create.add_argument("--read-only", action="store_true", help="search and read only")
+    keys_list = keys_sub.add_parser(
+        "list", help="one JSON line per key: id, org, name, scope (never the key itself)"
+    )
+    keys_list.add_argument("--org", help="only this org's keys")
+    revoke = keys_sub.add_parser("revoke", help="delete a key: requests with it are refused")
+    revoke.add_argument("key", help="the key's id (as `keys list` shows) or its unique name")
+    for p in (create, keys_list, revoke):
+        p.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
 
     mcp = sub.add_parser(
         "mcp", help="MCP over stdio for desktop agents; logs go to stderr, stdout is the protocol"
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "serve":
         _run_server(_serve(_settings(args), args.services, embedded=False))
     elif args.command == "keys":
-        asyncio.run(_create_key(args))
+        sys.exit(asyncio.run(_keys(args)))
     elif args.command == "mcp":
         asyncio.run(_mcp(args))
     elif args.command == "mock":
@@ -459,22 +466,39 @@ async def _backup_or_restore(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _create_key(args: argparse.Namespace) -> None:
+async def _keys(args: argparse.Namespace) -> int:
+    import json
+
     from services.common.audit import sink as audit_sink
+    from services.common.errors import KbmeshError
     from services.common.ids import check_id
     from services.common.registry import Registries
-    from services.gateway.auth import KeyResolver
+    from services.gateway.auth import KeyResolver, key_id
 
     settings = _settings(args)
-    check_id(args.org, "--org")
+    if args.keys_command == "create":
+        check_id(args.org, "--org")
     async with _cli_bus(settings) as bus:
         registries = await Registries.open(bus.js)
         resolver = KeyResolver(
             registries.keys, settings.default_org, audit=audit_sink(lambda: bus.js)
         )
-        token = await resolver.create(args.org, args.name, args.kbs, args.read_only)
-        await registries.close()
-        print(token)
+        try:
+            if args.keys_command == "create":
+                print(await resolver.create(args.org, args.name, args.kbs, args.read_only))
+            elif args.keys_command == "list":
+                for k in await resolver.list(args.org):
+                    view = {"key_id": key_id(k.key_hash), **k.model_dump(exclude={"key_hash"})}
+                    print(json.dumps(view))
+            else:
+                record = await resolver.revoke(args.key)
+                print(json.dumps({"revoked": key_id(record.key_hash), "name": record.name}))
+        except KbmeshError as err:
+            print(f"kbmesh keys {args.keys_command}: {err}", file=sys.stderr)
+            return 1
+        finally:
+            await registries.close()
+    return 0
 
 
 def _timestamp(raw: str) -> datetime:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from services.common.audit import AuditEntry, AuditSink
-from services.common.errors import Forbidden, KbmeshError, NotFound
+from services.common.errors import Conflict, Forbidden, KbmeshError, NotFound
 from services.common.ids import check_id, new_id
 from services.common.models import LOCAL_WRITER, Writer
 from services.common.registry import ApiKey, Registry
@@ -166,3 +166,38 @@ class KeyResolver:
                 )
             )
         return token
+
+    async def list(self, org_id: str | None = None) -> list[ApiKey]:
+        """The stored keys (their hashes, never the keys), of one org or of all."""
+        found = await self.keys.list(fresh=True)
+        return [k for k in found if org_id is None or k.org_id == org_id]
+
+    async def revoke(self, ref: str, writer: Writer | None = None) -> ApiKey:
+        """Delete the key whose id (or name, when only one key has it) is `ref`: requests
+        with it are refused from then on. NotFound / Conflict when `ref` names none or
+        several; the revocation goes on the audit trail."""
+        keys = await self.keys.list(fresh=True)
+        matches = [k for k in keys if key_id(k.key_hash) == ref] or [
+            k for k in keys if k.name and k.name == ref
+        ]
+        if not matches:
+            raise NotFound(f"no API key with id or name {ref!r}", field="key")
+        if len(matches) > 1:
+            ids = ", ".join(key_id(k.key_hash) for k in matches)
+            raise Conflict(f"{len(matches)} keys are named {ref!r} ({ids}): give the id")
+        (record,) = matches
+        await self.keys.delete(record.key_hash)
+        self._any_keys = (0.0, False)
+        if self.audit is not None:
+            await self.audit(
+                AuditEntry(
+                    event_id=new_id(),
+                    org_id=record.org_id,
+                    kind="key",
+                    action="deleted",
+                    writer=writer or Writer(kind="operator", name="kbmesh keys"),
+                    key_id=key_id(record.key_hash),
+                    name=record.name or None,
+                )
+            )
+        return record

@@ -402,7 +402,11 @@ def with_model_defaults(fields: dict[str, Any]) -> dict[str, Any]:
     KB created with defaults alone works with any model."""
     if "chunk_size" in fields:
         return fields
-    return {**fields, "chunk_size": default_chunk_size(fields["embedding_model"])}
+    try:
+        size = default_chunk_size(fields["embedding_model"])
+    except InvalidInput:
+        return fields  # an unknown model: `checked_kb` refuses it, naming the field
+    return {**fields, "chunk_size": size}
 
 
 def defaults_view(settings: Settings) -> DefaultsView:
