@@ -121,6 +121,17 @@ class AskSettings(BaseModel):
     concurrency: int = Field(8, ge=1, description="answers worked at once per search replica")
 
 
+class NatsAuthSettings(BaseModel):
+    """How a process proves itself to NATS (`kbmesh serve`; `kbmesh up` and the CLI use the
+    credentials in the data directory), and TLS to NATS."""
+
+    user: str | None = Field(None, description="NATS user (one per service: docs/operations.md)")
+    password: str | None = Field(None, description="that user's password")
+    tls_ca_file: Path | None = Field(None, description="CA that signed the NATS server's cert")
+    tls_cert_file: Path | None = Field(None, description="client certificate (mutual TLS)")
+    tls_key_file: Path | None = Field(None, description="client certificate's key")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KBMESH_", env_nested_delimiter="__", extra="ignore"
@@ -196,6 +207,7 @@ class Settings(BaseSettings):
     egress: EgressSettings = Field(default_factory=EgressSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     ask: AskSettings = Field(default_factory=AskSettings)
+    nats: NatsAuthSettings = Field(default_factory=NatsAuthSettings)
 
     @field_validator("default_org")
     @classmethod
