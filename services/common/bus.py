@@ -38,6 +38,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.common import replies
 from services.common.busauth import (
+    KEYS_BUCKET,
     UPSTREAM_STATUS,
     Credentials,
     Publisher,
@@ -269,7 +270,15 @@ async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
         except BadRequestError:
             await js.update_stream(config)
     for bucket in KV_BUCKETS:
-        await _set_replicas(js, f"KV_{bucket}", bus.replicas)
+        try:
+            await _set_replicas(js, f"KV_{bucket}", bus.replicas)
+        except TimeoutError:
+            if bucket != KEYS_BUCKET:
+                raise
+            # Only the operator's user may change the key bucket (services/common/busauth.py):
+            # a service leaves it as it is, and the next `kbmesh keys` applies the change.
+            log.warning("stream_replicas_unchanged stream=KV_%s reason=operator_only", bucket)
+            continue
         await js.create_key_value(bucket=bucket, history=1, replicas=bus.replicas)
     await _set_replicas(js, f"OBJ_{OBJECT_STORE}", bus.replicas)
     await js.create_object_store(OBJECT_STORE, replicas=bus.replicas)
