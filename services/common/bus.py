@@ -87,7 +87,7 @@ def unavailable(err: BaseException) -> Transient:
     )
 
 
-KV_BUCKETS = ("kbs", "documents", "index", "keys", "prompts")
+KV_BUCKETS = ("kbs", "documents", "index", KEYS_BUCKET, "prompts")
 OBJECT_STORE = "texts"
 # Declared by `Bus.start()`; subscribers only reference it.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)

@@ -51,8 +51,8 @@ UPSTREAM_PUBLISH = (
 UPSTREAM_STATUS = (Subject.DOC_INDEXED, Subject.DOC_FAILED)
 UPSTREAM_TOKEN = "upstream"
 
-# Buckets and stores (their names are declared in services/common/bus.py; repeated here
-# would drift, so they are passed in where the topology is known: see `_streams`).
+# The API-key bucket, written by the operator only (the other buckets and the object store
+# are named in services/common/bus.py, which names this one from here).
 KEYS_BUCKET = "keys"
 
 
