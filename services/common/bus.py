@@ -270,6 +270,9 @@ async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
         except BadRequestError:
             await js.update_stream(config)
     for bucket in KV_BUCKETS:
+        if bucket == KEYS_BUCKET:
+            with contextlib.suppress(NotFoundError):
+                _check_key_bucket((await js.stream_info(f"KV_{bucket}")).config)
         try:
             await _set_replicas(js, f"KV_{bucket}", bus.replicas)
         except TimeoutError:
@@ -282,6 +285,19 @@ async def declare_topology(js: JetStreamContext, bus: BusSettings) -> None:
         await js.create_key_value(bucket=bucket, history=1, replicas=bus.replicas)
     await _set_replicas(js, f"OBJ_{OBJECT_STORE}", bus.replicas)
     await js.create_object_store(OBJECT_STORE, replicas=bus.replicas)
+
+
+def _check_key_bucket(config: StreamConfig) -> None:
+    """Every service may create the API-key bucket (empty), none may write it. A bucket that
+    someone created fed from elsewhere (a mirror, sources, a subject transform) would let
+    them plant keys: refuse to start on it."""
+    fed = config.mirror or config.sources or config.subject_transform
+    if fed or config.subjects != [f"$KV.{KEYS_BUCKET}.>"]:
+        raise RuntimeError(
+            f"the API-key bucket (stream KV_{KEYS_BUCKET}) is not a plain key-value bucket "
+            "(mirror, sources, subject transform or foreign subjects): refusing to trust it; "
+            "an operator must inspect and recreate it"
+        )
 
 
 async def _set_replicas(js: JetStreamContext, stream: str, replicas: int) -> None:
