@@ -36,6 +36,7 @@ import httpx
 import nats
 
 from benchmarks.common import kbmesh_up_at, pct, stdlib_documents
+from services.common.busauth import inbox_prefix, recorded_credentials
 from services.common.embedders import LocalEmbedder
 from services.common.events import Subject
 from services.common.queries import SearchRequest
@@ -60,7 +61,16 @@ async def run(
     onnx.load()
     torch = LocalEmbedder(MODEL, backend="torch")
     torch.load()
-    nc = await nats.connect((data / "nats.url").read_text().strip())
+    # Search requests as the gateway sends them: as its NATS user, replies in its inbox.
+    gateway = recorded_credentials(data, "gateway")
+    if gateway is None:
+        raise RuntimeError(f"no NATS credentials in {data}: start `kbmesh up` on it first")
+    nc = await nats.connect(
+        (data / "nats.url").read_text().strip(),
+        user=gateway.user,
+        password=gateway.password,
+        inbox_prefix=inbox_prefix(gateway.user),
+    )
     names = ("rest_hybrid", "rest_keyword", "nats_hybrid", "nats_keyword", "onnx", "torch")
     times: dict[str, list[float]] = {k: [] for k in (*names, "torch_1_thread", "rest_hybrid_httpx")}
     host, port = base.removeprefix("http://").split(":")

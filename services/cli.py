@@ -162,8 +162,43 @@ def main(argv: list[str] | None = None) -> None:
     audit.add_argument("--until", type=_timestamp, help="ISO 8601")
     audit.add_argument("--limit", type=int, default=100)
     audit.add_argument("--data-dir", type=Path)
+    publishers = sub.add_parser(
+        "publishers", help="NATS credentials for upstream systems, each bound to one org"
+    )
+    publishers_sub = publishers.add_subparsers(dest="publishers_command", required=True)
+    pub_add = publishers_sub.add_parser(
+        "add", help="create a publisher and print its connection settings once (JSON)"
+    )
+    pub_add.add_argument("name", metavar="NAME", help="the publisher's NATS user name")
+    pub_add.add_argument("--org", required=True, help="the only org it may write")
+    publishers_sub.add_parser("list", help="one JSON line per publisher (no passwords)")
+    pub_revoke = publishers_sub.add_parser(
+        "revoke", help="remove a publisher; its open connections are closed"
+    )
+    pub_revoke.add_argument("name", metavar="NAME")
+    for p in publishers_sub.choices.values():
+        p.add_argument("--data-dir", type=Path)
+
+    bus = sub.add_parser("bus", help="NATS users and permissions for deployments")
+    bus_sub = bus.add_subparsers(dest="bus_command", required=True)
+    bus_config = bus_sub.add_parser(
+        "config",
+        help="print nats-server's accounts for deploy/ (deploy/nats/auth.conf), passwords "
+        "read from the server's environment",
+    )
+    bus_config.add_argument(
+        "--publisher",
+        action="append",
+        default=[],
+        metavar="NAME:ORG",
+        help="an upstream publisher bound to ORG (repeat); its password: NATS_PASSWORD_<NAME>",
+    )
 
     args = parser.parse_args(argv)
+    if args.command not in ("contracts", "mock", "bus"):
+        # Everything kbmesh writes in its data directory (NATS store, shards, credentials,
+        # model exports) is its owner's only.
+        os.umask(0o077)
     logging.basicConfig(
         level=os.environ.get("KBMESH_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -202,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
         if not 1 <= args.limit <= 1000:
             parser.error("--limit must be 1-1000")
         asyncio.run(_audit(args))
+    elif args.command == "publishers":
+        sys.exit(_publishers(args))
+    elif args.command == "bus":
+        sys.exit(_bus_config(args.publisher))
     elif args.command == "ingest":
         from services.cli_ingest import run as run_ingest
 
@@ -333,9 +372,11 @@ async def _mcp(args: argparse.Namespace) -> None:
         tools_for(settings.toolsets)
     except ValueError as err:
         sys.exit(f"kbmesh mcp: {err}")
-    # A running `kbmesh up` records its URL in its data directory.
+    # A running `kbmesh up` records its URL (and its users) in its data directory.
     recorded = settings.data_dir / "nats.url"
     url = recorded.read_text().strip() if recorded.exists() else None
+    if not args.embedded and not settings.nats.user:
+        _use_recorded_user(settings, "gateway")
     if args.embedded and url and _reachable(url):
         # Its NATS store and Edge shards open in one process only.
         sys.exit(
@@ -415,8 +456,8 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
     """A bus for one-off commands: KBMESH_NATS_URL, else the URL a running `kbmesh up`
     recorded in its data directory, else the data directory's store opened directly."""
     from services.common.bus import Bus
-    from services.common.natsproc import NatsServer
     from services.common.telemetry import configure_telemetry
+    from services.runtime import start_private_nats
 
     nats_server = None
     url = settings.nats_url
@@ -429,8 +470,10 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
             from services.runtime import check_data_dir
 
             check_data_dir(settings.data_dir)
-            nats_server = NatsServer(settings.data_dir / "nats").start()
+            nats_server = start_private_nats(settings.data_dir)
             url = nats_server.url
+        if not settings.nats.user:
+            _use_recorded_user(settings, "operator")
     bus = Bus(settings, url, configure_telemetry("kbmesh-cli"))
     try:
         await bus.connect()
@@ -463,6 +506,82 @@ async def _backup_or_restore(args: argparse.Namespace) -> int:
         return 1
     for key in manifest.skipped_documents:
         print(f"  not in the archive (still being extracted): {key}", file=sys.stderr)
+    return 0
+
+
+def _use_recorded_user(settings: Settings, role: str) -> None:
+    """Connect as `role` with the credentials a `kbmesh up` on the data directory made."""
+    from services.common.busauth import recorded_credentials
+
+    found = recorded_credentials(settings.data_dir, role)
+    if found is not None:
+        settings.nats.user, settings.nats.password = found.user, found.password
+
+
+def _bus_config(publishers: list[str]) -> int:
+    from services.common.busauth import Publisher, deploy_conf
+    from services.common.errors import InvalidInput
+    from services.common.ids import check_id
+
+    chosen = []
+    for spec in publishers:
+        name, _, org = spec.partition(":")
+        try:
+            chosen.append(Publisher(check_id(name, "--publisher NAME"), check_id(org, "ORG")))
+        except InvalidInput as err:
+            print(f"kbmesh bus config: {err} (--publisher NAME:ORG)", file=sys.stderr)
+            return 2
+    print(deploy_conf(chosen), end="")
+    return 0
+
+
+def _publishers(args: argparse.Namespace) -> int:
+    import json
+
+    from services.common import busauth
+    from services.common.errors import InvalidInput
+    from services.common.natsproc import reload_running
+
+    data_dir = _settings(args).data_dir
+    if args.publishers_command == "list":
+        for record in busauth.load_publishers(data_dir):
+            print(json.dumps(record.summary()))
+        return 0
+    from services.runtime import prepare_data_dir
+
+    prepare_data_dir(data_dir)
+    if args.publishers_command == "add":
+        try:
+            record = busauth.add_publisher(data_dir, args.name, args.org)
+        except (ValueError, InvalidInput) as err:
+            print(f"kbmesh publishers add: {err}", file=sys.stderr)
+            return 1
+    elif not busauth.revoke_publisher(data_dir, args.name):
+        print(f"kbmesh publishers revoke: no publisher named {args.name!r}", file=sys.stderr)
+        return 1
+    # A running `kbmesh up` takes the change at once; a stopped one at its next start.
+    applied = reload_running(data_dir / "nats", busauth.local_accounts(data_dir))
+    if args.publishers_command == "add":
+        recorded = data_dir / "nats.url"
+        url = recorded.read_text().strip() if recorded.exists() else None
+        print(
+            json.dumps(
+                {
+                    **record.summary(),
+                    "user": record.name,
+                    "password": record.password,
+                    "url": url,
+                    "publish": list(busauth.UPSTREAM_PUBLISH),
+                    "subscribe": list(busauth.UPSTREAM_STATUS),
+                }
+            )
+        )
+    else:
+        print(json.dumps({"revoked": args.name}))
+    if not applied:
+        print(
+            "no running kbmesh on this data directory: applies at its next start", file=sys.stderr
+        )
     return 0
 
 

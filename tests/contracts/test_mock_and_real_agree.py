@@ -20,6 +20,7 @@ from services.contracts.export import CALL_TOOL, LIST_TOOLS, TOOLS_PATH, Contrac
 from services.gateway.tools import TOOLS
 from tests.conftest import running_stack
 from tests.support.asgi import serve_app
+from tests.support.bus import bus_url
 from tests.support.contracts import errors, rest_errors, send_example
 from tests.support.openai_chat import ScriptedChat, Text, search, tool_ids, tool_results
 
@@ -100,7 +101,7 @@ async def world(tmp_path_factory, embedders):
             egress={"allow_private": True},
         ) as (rt, client),
     ):
-        w = World(client, rt.bus.url, chat_api_base=chat_url + "/v1")
+        w = World(client, bus_url(rt.bus.url, rt.settings.data_dir), chat_api_base=chat_url + "/v1")
         w.kb = await w.new_kb()
         w.kb_id = (await w.ok(client.get(f"/v1/kbs/{w.kb}")))["kb_id"]
         w.doc_id = await w.upload(

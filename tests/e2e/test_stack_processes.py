@@ -9,6 +9,7 @@ import subprocess
 import httpx
 import pytest
 
+from services.common.busauth import Credentials, new_password, server_accounts
 from services.common.natsproc import NatsServer
 from services.common.store import Match
 from services.common.store.base import Filter
@@ -73,10 +74,19 @@ def test_up_indexes_searches_and_survives_a_restart(tmp_path):
     assert "indexed org_id" not in second.output()
 
 
+# Each process connects as its own NATS user with the least permissions its services need
+# (services/common/busauth.py): what one of them misses shows up here as a failed flow.
+PROCESS_ROLES = {"ingest": "ingest", "embed": "embed+search", "gateway": "gateway"}
+
+
 @pytest.fixture
 def split_stack(tmp_path):
-    """nats-server + `serve ingest` + `serve embed search` + `serve gateway`."""
-    nats = NatsServer(tmp_path / "nats").start()
+    """nats-server with one user per process + `serve ingest` + `serve embed search` +
+    `serve gateway`."""
+    users = {
+        role: Credentials(role.replace("+", "-"), new_password()) for role in PROCESS_ROLES.values()
+    }
+    nats = NatsServer(tmp_path / "nats", accounts=lambda: server_accounts(users)).start()
     port = free_port()
     env = kbmesh_env(
         KBMESH_NATS_URL=nats.url,
@@ -85,24 +95,25 @@ def split_stack(tmp_path):
         KBMESH_PORT=str(port),
     )
     metrics = {"ingest": free_port(), "embed": free_port()}
+    envs = {
+        name: {
+            **env,
+            "KBMESH_NATS__USER": users[role].user,
+            "KBMESH_NATS__PASSWORD": users[role].password,
+            **({"KBMESH_METRICS_PORT": str(metrics[name])} if name in metrics else {}),
+        }
+        for name, role in PROCESS_ROLES.items()
+    }
     procs = {
-        "ingest": Proc(
-            ["serve", "ingest"],
-            tmp_path / "ingest.log",
-            {**env, "KBMESH_METRICS_PORT": str(metrics["ingest"])},
-        ),
-        "embed": Proc(
-            ["serve", "embed", "search"],
-            tmp_path / "embed.log",
-            {**env, "KBMESH_METRICS_PORT": str(metrics["embed"])},
-        ),
-        "gateway": Proc(["serve", "gateway"], tmp_path / "gateway.log", env),
+        "ingest": Proc(["serve", "ingest"], tmp_path / "ingest.log", envs["ingest"]),
+        "embed": Proc(["serve", "embed", "search"], tmp_path / "embed.log", envs["embed"]),
+        "gateway": Proc(["serve", "gateway"], tmp_path / "gateway.log", envs["gateway"]),
     }
     stack = {
         "base": f"http://127.0.0.1:{port}",
         "metrics": metrics,
         "procs": procs,
-        "env": env,
+        "env": envs["embed"],
         "tmp": tmp_path,
         "nats": nats,
     }

@@ -7,7 +7,9 @@ consumers need one: their acks, redeliveries and delivery counts are the server'
 - a permanent error (`InvalidInput`) is rejected at once: dead-lettered with the reason,
   after the owner's failure hook ran, and never redelivered;
 - a transient error on the last allowed delivery is dead-lettered the same way;
-- a message that is not its event is dead-lettered without reaching the handler."""
+- a message that is not its event is dead-lettered without reaching the handler;
+- an upstream publisher's event reaches the handler with the publisher known, unless it
+  names another org than the publisher's: then it is dead-lettered unread."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import pytest
 from faststream.nats import NatsRouter, TestNatsBroker
 from opentelemetry import trace
 
-from services.common.bus import Bus, consume
+from services.common.bus import CURRENT_PUBLISHER, Bus, consume
+from services.common.busauth import Publisher, upstream_subject
 from services.common.errors import InvalidInput
 from services.common.events import DLQ_STREAM, STREAM, DocDeleted, Subject, dlq_subject
 from services.common.natsproc import NatsServer
@@ -48,6 +51,7 @@ async def subscribed(
     nats_url: str,
     handler: Callable[[DocDeleted], Awaitable[None]],
     on_failure: Callable[[Any, Exception], Awaitable[None]] | None = None,
+    upstream: bool = False,
 ) -> AsyncIterator[tuple[Bus, str]]:
     """`handler` behind `consume` on a durable of its own, started by TestNatsBroker against
     the real server; yields the bus and the durable's name."""
@@ -55,7 +59,7 @@ async def subscribed(
     bus = Bus(settings, nats_url, trace.get_tracer_provider())
     durable = f"test-{uuid.uuid4().hex[:8]}"
     router = NatsRouter()
-    consume(router, bus, SUBJECT, durable, handler, on_failure=on_failure)
+    consume(router, bus, SUBJECT, durable, handler, on_failure=on_failure, upstream=upstream)
     bus.broker.include_router(router)
     await bus.connect()
     # A new durable reads the stream from its start: earlier tests' events are not ours.
@@ -199,3 +203,34 @@ async def test_malformed_message_is_dead_lettered_without_reaching_the_handler(
 
 async def _true(value: object) -> bool:
     return bool(value)
+
+
+async def test_an_upstream_event_of_the_publishers_org_only_reaches_the_handler(
+    nats_url: str,
+) -> None:
+    """The subject names the publisher (the server's account import writes it there): an
+    event for its own org is handled with `CURRENT_PUBLISHER` set; one naming another org
+    is dead-lettered as Forbidden and the handler never sees it."""
+    seen: list[tuple[str, Publisher | None]] = []
+
+    async def handler(ev: DocDeleted) -> None:
+        seen.append((ev.org_id, CURRENT_PUBLISHER.get()))
+
+    feeder = Publisher(name="feeder", org_id="acme")
+    subject = upstream_subject(SUBJECT, feeder)
+    nc = await nats.connect(nats_url)
+    letters = await nc.subscribe(dlq_subject(subject))
+    try:
+        async with subscribed(nats_url, handler, upstream=True) as (bus, durable):
+            for org in ("acme", "victim"):
+                sent = DocDeleted(org_id=org, document_ids=[uuid.uuid4().hex])
+                await bus.js.publish(
+                    subject, sent.model_dump_json().encode(), headers={"Nats-Msg-Id": sent.event_id}
+                )
+            letter = await letters.next_msg(timeout=30)
+            await settled(bus, f"{durable}-upstream")
+    finally:
+        await nc.close()
+    assert seen == [("acme", feeder)]
+    assert json.loads(letter.data)["org_id"] == "victim"
+    assert letter.headers is not None and letter.headers["Kbmesh-Error-Type"] == "Forbidden"

@@ -16,6 +16,7 @@ from jsonschema import Draft202012Validator
 
 from services.common.content import SUPPORTED
 from tests.conftest import running_stack
+from tests.support.bus import bus_env
 from tests.support.mcp_client import (
     ERROR_META,
     TRANSPORTS,
@@ -337,7 +338,7 @@ async def test_typescript_sdk_reads_the_message_of_a_failing_tool(stack, tmp_pat
     else:
         target = json.dumps([*kbmesh_command(), "mcp"])
         env = {
-            "KBMESH_NATS_URL": stack.rt.bus.url,
+            **bus_env(stack.rt),
             "KBMESH_MCP_TOOLSETS": "core,compat",
             "KBMESH_DATA_DIR": str(tmp_path),
             "KBMESH_LOG_LEVEL": "WARNING",

@@ -18,9 +18,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.common.answers import AskRequest
 from services.common.events import Subject
-from services.gateway.auth import KeyResolver
 from tests.conftest import running_stack
 from tests.support.asgi import serve_app
+from tests.support.bus import OperatorKeys
 from tests.support.domain import LONG_DOCS, create_kb, upload
 from tests.support.mcp_client import failed, http_session, ok, serve_http
 from tests.support.openai_chat import (
@@ -96,7 +96,7 @@ async def world(stack) -> dict[str, Any]:
         "document_id"
     ]
     # From here on every gateway call needs a key.
-    resolver = KeyResolver(rt.registries.keys, rt.settings.default_org)
+    resolver = OperatorKeys(rt)
     org = rt.settings.default_org
     keys = {
         "admin": await resolver.create(org, name="admin"),

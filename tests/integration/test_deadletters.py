@@ -10,6 +10,7 @@ import sys
 from services.common.deadletters import list_dead_letters, replay
 from services.common.events import DocUploaded
 from tests.conftest import running_stack
+from tests.support.bus import bus_env
 from tests.support.domain import wait_until
 from tests.support.procs import ROOT, kbmesh_env
 
@@ -38,7 +39,7 @@ async def test_dead_letter_replayed_after_the_cause_is_fixed(tmp_path, embedders
         listed = subprocess.run(
             [sys.executable, "-m", "services.cli", "dlq", "list", "--subject", "doc.uploaded"],
             cwd=ROOT,
-            env=kbmesh_env(KBMESH_NATS_URL=rt.bus.url),
+            env=kbmesh_env(**bus_env(rt, "operator")),
             capture_output=True,
             text=True,
             timeout=60,
@@ -110,7 +111,7 @@ async def test_dlq_list_prints_error_texts_that_are_not_ascii(tmp_path, embedder
         listed = subprocess.run(
             [sys.executable, "-m", "services.cli", "dlq", "list"],
             cwd=ROOT,
-            env=kbmesh_env(KBMESH_NATS_URL=rt.bus.url),
+            env=kbmesh_env(**bus_env(rt, "operator")),
             capture_output=True,
             text=True,
             timeout=60,
@@ -125,7 +126,7 @@ async def test_dlq_list_prints_error_texts_that_are_not_ascii(tmp_path, embedder
         discarded = subprocess.run(
             [sys.executable, "-m", "services.cli", "dlq", "discard", str(letter.sequence)],
             cwd=ROOT,
-            env=kbmesh_env(KBMESH_NATS_URL=rt.bus.url),
+            env=kbmesh_env(**bus_env(rt, "operator")),
             capture_output=True,
             text=True,
             timeout=60,
@@ -144,10 +145,10 @@ async def test_dead_letters_over_rest_stay_in_their_org_and_scope(tmp_path, embe
     """GET /v1/dead-letters shows a caller only its org's dead letters (and, with a KB-scoped
     key, only those naming its KBs); replay needs a writable key that sees the letter; a
     replayed letter is gone from the list and its upload is indexed."""
-    from services.gateway.auth import KeyResolver
+    from tests.support.bus import OperatorKeys
 
     async with running_stack(tmp_path, embedders=embedders) as (rt, client):
-        resolver = KeyResolver(rt.registries.keys, rt.settings.default_org)
+        resolver = OperatorKeys(rt)
         a = await resolver.create("org-a")
         b = await resolver.create("org-b")
         a_reader = await resolver.create("org-a", read_only=True)

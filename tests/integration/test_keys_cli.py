@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from tests.conftest import running_stack
+from tests.support.bus import bus_env
 from tests.support.domain import uid, wait_until
 from tests.support.procs import ROOT, kbmesh_env
 
@@ -16,7 +17,7 @@ def keys(rt, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.cli", "keys", *args],
         cwd=ROOT,
-        env=kbmesh_env(KBMESH_NATS_URL=rt.bus.url),
+        env=kbmesh_env(**bus_env(rt, "operator")),
         capture_output=True,
         text=True,
         timeout=60,

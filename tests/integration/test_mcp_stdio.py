@@ -11,9 +11,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from services.gateway.auth import KeyResolver
 from services.gateway.tools import TOOLS
 from tests.conftest import running_stack
+from tests.support.bus import OperatorKeys, bus_env
 from tests.support.corpus import DOCS, PARAPHRASES
 from tests.support.mcp_client import REPO, failed, ok, stdio_session
 from tests.support.procs import kbmesh_env
@@ -32,7 +32,7 @@ async def test_stdio_against_a_running_stack(stack, tmp_path):
     would break."""
     rt, client = stack
     env = {
-        "KBMESH_NATS_URL": rt.bus.url,
+        **bus_env(rt),
         "KBMESH_MCP_TOOLSETS": "core,compat",
         "KBMESH_DATA_DIR": str(tmp_path),
         "KBMESH_LOG_LEVEL": "INFO",
@@ -68,10 +68,10 @@ async def test_stdio_api_key_confines_the_process(stack, tmp_path):
     its KB and cannot upload."""
     rt, client = stack
     kb = (await client.post("/v1/kbs", json={"name": "stdio-scope"})).json()
-    key = await KeyResolver(rt.registries.keys, rt.settings.default_org).create(
+    key = await OperatorKeys(rt).create(
         rt.settings.default_org, "stdio", kb_ids=[kb["kb_id"]], read_only=True
     )
-    env = {"KBMESH_NATS_URL": rt.bus.url, "KBMESH_API_KEY": key, "KBMESH_DATA_DIR": str(tmp_path)}
+    env = {**bus_env(rt), "KBMESH_API_KEY": key, "KBMESH_DATA_DIR": str(tmp_path)}
     async with stdio_session([], env) as s:
         listed = ok(await s.call_tool("kb_list", {}))
         assert [k["kb_id"] for k in listed["items"]] == [kb["kb_id"]]

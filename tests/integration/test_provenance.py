@@ -19,8 +19,8 @@ from services.common.audit import AUDIT_STREAM
 from services.common.events import DocUploaded, Subject
 from services.gateway.auth import Principal, hash_key, key_id
 from services.gateway.schemas import UploadBody
-from services.runtime import api_keys
 from tests.conftest import running_stack
+from tests.support.bus import OperatorKeys, bus_env, bus_url
 from tests.support.domain import create_kb, wait_until
 from tests.support.procs import ROOT, kbmesh_env
 
@@ -38,7 +38,7 @@ async def stack(tmp_path_factory, embedders):
         client,
     ):
         org = rt.settings.default_org
-        keys = api_keys(rt)
+        keys = OperatorKeys(rt)
         admin = await keys.create(org, "admin")
         client.headers["Authorization"] = f"Bearer {admin}"
         kb = await create_kb(client)
@@ -104,7 +104,7 @@ async def test_an_upstream_publishers_document_is_written_by_the_bus(stack):
     event = DocUploaded(
         org_id=stack.org, document_id=document_id, name="upstream.txt", content="tide tables"
     )
-    nc = await nats.connect(stack.rt.bus.url)
+    nc = await nats.connect(bus_url(stack.rt.bus.url, stack.rt.settings.data_dir, "gateway"))
     try:
         await nc.jetstream().publish(
             Subject.DOC_UPLOADED,
@@ -212,7 +212,7 @@ async def test_kbmesh_audit_prints_the_trail(stack):
             "operator",
         ],
         cwd=ROOT,
-        env=kbmesh_env(KBMESH_NATS_URL=stack.rt.bus.url),
+        env=kbmesh_env(**bus_env(stack.rt, "operator")),
         capture_output=True,
         text=True,
         timeout=120,

@@ -15,8 +15,8 @@ from services.common import bm25
 from services.common.models import KnowledgeBase
 from services.common.queries import SearchRequest, SearchResponse
 from services.common.store import Filter, Match
-from services.gateway.auth import KeyResolver
 from tests.conftest import running_stack
+from tests.support.bus import OperatorKeys
 from tests.support.corpus import DOCS
 
 OTHER_ORG = "other-org"
@@ -180,7 +180,7 @@ async def upload(client, headers: dict[str, str], kb: str, **body: Any) -> str:
 @pytest.fixture(scope="module")
 async def corpus(stack) -> Corpus:
     rt, client = stack
-    resolver = KeyResolver(rt.registries.keys, rt.settings.default_org)
+    resolver = OperatorKeys(rt)
     c = Corpus(
         keys={
             "local": await resolver.create("local", name="search tests"),
@@ -805,7 +805,7 @@ async def test_repeated_query_embeds_nothing_new(stack, corpus, embedders):
 async def test_scoped_key_searches_only_its_kbs(stack, corpus):
     """A key limited to one KB: kb_ids omitted means that KB alone; naming another is 404."""
     rt, client = stack
-    token = await KeyResolver(rt.registries.keys, rt.settings.default_org).create(
+    token = await OperatorKeys(rt).create(
         "local", name="modes only", kb_ids=[corpus.kbs["modes"]], read_only=True
     )
     headers = {"Authorization": f"Bearer {token}"}

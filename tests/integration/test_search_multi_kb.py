@@ -16,6 +16,7 @@ from services.common.bus import Bus
 from services.search.handlers import create_responders
 from services.search.service import SearchService
 from tests.conftest import running_stack
+from tests.support.bus import credentials
 from tests.support.corpus import DOCS
 from tests.support.openai_embeddings import OpenAIEmbeddingsServer
 
@@ -147,7 +148,12 @@ async def test_search_replicas_share_the_load(stack, kbs):
 
     counting("first", first)
     counting("second", second)
-    bus = Bus(rt.settings, rt.bus.url, trace.get_tracer_provider())
+    bus = Bus(
+        rt.settings,
+        rt.bus.url,
+        trace.get_tracer_provider(),
+        credentials(rt.settings.data_dir, "search"),
+    )
     bus.responders += create_responders(second)
     try:
         await bus.connect()

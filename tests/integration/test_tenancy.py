@@ -9,8 +9,8 @@ import uuid
 import pytest
 
 from services.common.events import DocUploaded, KbIndex, Subject, TagsChanged
-from services.gateway.auth import KeyResolver
 from tests.conftest import running_stack
+from tests.support.bus import OperatorKeys
 from tests.support.domain import (
     LONG_DOCS,
     LONG_QUERIES,
@@ -40,7 +40,7 @@ async def world(stack):
     the same document id and source in both, and documents of their own."""
     rt, client = stack
     keyless_before = (await client.get("/v1/kbs")).status_code
-    resolver = KeyResolver(rt.registries.keys, rt.settings.default_org)
+    resolver = OperatorKeys(rt)
     keys = {org: await resolver.create(org, name=f"{org} tests") for org in (A, B, C)}
     keyless_after = (await client.get("/v1/kbs")).status_code
     w = {"keys": keys, "keyless": (keyless_before, keyless_after)}

@@ -22,6 +22,7 @@ from mcp_types import CallToolResult
 
 from services.gateway.mcp import ERROR_META
 from tests.support.asgi import serve_app
+from tests.support.bus import bus_env
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -125,7 +126,7 @@ async def session_over(
             yield session
         return
     env = {
-        "KBMESH_NATS_URL": rt.bus.url,
+        **bus_env(rt),
         "KBMESH_MCP_TOOLSETS": "core,compat",
         "KBMESH_DATA_DIR": str(data_dir),
     }

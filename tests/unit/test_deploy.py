@@ -23,9 +23,11 @@ from urllib.parse import urlparse
 import pytest
 from pydantic import BaseModel
 
+from services.common import busauth
 from services.common.events import DLQ_STREAM, STREAM
 from services.common.settings import Settings
 from services.runtime import SERVICES, check_services
+from tests.support.bus import matches
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed in this environment")
 
@@ -486,3 +488,143 @@ def test_operations_guide_lists_every_setting_and_docs_name_only_real_ones() -> 
     for doc, text in docs.items():
         for name in set(KBMESH_VAR.findall(text)) - known - {STREAM, DLQ_STREAM}:
             assert f'"{name}"' in cli, f"{doc} names {name}, which nothing reads"
+
+
+# ---- NATS: no anonymous access, one user per service (services/common/busauth.py) --------
+
+NATS_CONF = DEPLOY / "nats"
+NATS_VALUES = KUBERNETES / "helm" / "nats-values.yaml"
+COMPOSE_CLUSTER = DEPLOY / "compose.cluster.yaml"
+HELM_ENV = re.compile(r"^<< \$(\w+) >>$")
+
+
+def compose_cluster_file() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(COMPOSE_CLUSTER.read_text())
+    return data
+
+
+def helm_to_model(value: Any) -> Any:
+    """The NATS chart's `<< $VAR >>` (written unquoted: an environment reference) as the
+    model's `EnvRef`."""
+    if isinstance(value, str) and (m := HELM_ENV.match(value)):
+        return busauth.EnvRef(m.group(1))
+    if isinstance(value, dict):
+        return {k: helm_to_model(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [helm_to_model(v) for v in value]
+    return value
+
+
+def deploy_users() -> dict[str, dict[str, Any]]:
+    """Every NATS user of deploy/ (all forms configure the same), by name."""
+    kbmesh = busauth.deploy_accounts()[busauth.ACCOUNT]
+    return {u["user"]: u for u in kbmesh["users"]}
+
+
+def test_nats_configuration_is_the_permission_model() -> None:
+    """deploy/nats/auth.conf is exactly what `kbmesh bus config` renders from the model, both
+    NATS configurations (single server, cluster) include it, and the Helm values carry the
+    same accounts: one model, no hand-edited copy to drift."""
+    assert (NATS_CONF / "auth.conf").read_text() == busauth.deploy_conf()
+    for conf in ("kbmesh.conf", "cluster.conf"):
+        text = (NATS_CONF / conf).read_text()
+        assert re.search(r"^include \./auth\.conf$", text, re.M), conf
+        assert "no_auth_user" not in text and "authorization" not in text, conf
+    values = yaml.safe_load(NATS_VALUES.read_text())
+    assert helm_to_model(values["config"]["merge"]["accounts"]) == busauth.deploy_accounts()
+
+
+def test_no_nats_user_but_the_operator_writes_the_key_store() -> None:
+    writes = ["$KV.keys.abc", "$JS.API.STREAM.PURGE.KV_keys", "$JS.API.STREAM.UPDATE.KV_keys"]
+    for name, user in deploy_users().items():
+        allowed = user["permissions"]["publish"]["allow"]
+        can = [s for s in writes if any(matches(p, s) for p in allowed)]
+        assert can == (writes if name == "operator" else []), name
+
+
+def test_every_nats_server_gets_every_password() -> None:
+    """Each NATS server (compose, the cluster's three, the Helm chart's pods) has every
+    user's password in its environment: a missing one would leave that user unable to log
+    in (nats-server refuses an unset variable)."""
+    wanted = {busauth.password_variable(u) for u in deploy_users()}
+    compose_nats = compose_file()["services"]["nats"]
+    assert wanted <= set(as_env(compose_nats["environment"])), "compose: nats"
+    assert any("auth.conf" in v for v in compose_nats["volumes"])
+    for name, svc in compose_cluster_file()["services"].items():
+        if name.startswith("nats"):
+            assert wanted <= set(as_env(svc["environment"])), f"compose.cluster: {name}"
+            assert any("auth.conf" in v for v in svc["volumes"]), name
+    env = yaml.safe_load(NATS_VALUES.read_text())["container"]["env"]
+    for variable in wanted:
+        ref = env[variable]["valueFrom"]["secretKeyRef"]
+        user = next(u for u in deploy_users() if busauth.password_variable(u) == variable)
+        assert ref == {"name": "kbmesh-nats", "key": user}, variable
+
+
+def process_credentials() -> list[tuple[str, list[str], str | None, str | None]]:
+    """(where, services, NATS user, what its password names) of every kbmesh process."""
+    out: list[tuple[str, list[str], str | None, str | None]] = []
+    for name, svc in compose_file()["services"].items():
+        command = svc.get("command")
+        if not command or kbmesh_services(command) is None:
+            continue
+        env = svc.get("environment") or {}
+        password = str(env.get("KBMESH_NATS__PASSWORD", ""))
+        m = INTERPOLATION_REQUIRED.match(password)
+        out.append(
+            (
+                f"compose:{name}",
+                kbmesh_services(command) or [],
+                env.get("KBMESH_NATS__USER"),
+                m.group(1) if m else None,
+            )
+        )
+    for doc in k8s_documents():
+        if doc["kind"] != "Deployment":
+            continue
+        for container in doc["spec"]["template"]["spec"]["containers"]:
+            command = [*container.get("command", []), *container.get("args", [])]
+            env = {e["name"]: e for e in container.get("env", [])}
+            user = env.get("KBMESH_NATS__USER", {}).get("value")
+            ref = env.get("KBMESH_NATS__PASSWORD", {}).get("valueFrom", {}).get("secretKeyRef")
+            key = ref["key"] if ref and ref.get("name") == "kbmesh-nats" else None
+            out.append(
+                (
+                    f"kubernetes:{doc['metadata']['name']}",
+                    kbmesh_services(command) or [],
+                    user,
+                    busauth.password_variable(key) if key else None,
+                )
+            )
+    return out
+
+
+INTERPOLATION_REQUIRED = re.compile(r"^\$\{(\w+):\?[^}]*\}$")
+
+
+def test_every_kbmesh_process_connects_as_its_own_user() -> None:
+    """No kbmesh process without credentials: each compose service and Kubernetes Deployment
+    connects as the NATS user of its service set (the least permissions it needs, never the
+    operator's), with that user's password (compose refuses to start without it)."""
+    processes = process_credentials()
+    assert len(processes) >= 8
+    users = deploy_users()
+    for where, services, user, password in processes:
+        role = busauth.role_for(services)
+        assert user == busauth.DEPLOY_USERS[role], where
+        assert user in users and user != "operator", where
+        assert password == busauth.password_variable(user), where
+    # The cluster layer keeps every service's user (compose merges environments).
+    for name, svc in compose_cluster_file()["services"].items():
+        if not name.startswith("nats"):
+            assert "KBMESH_NATS__USER" not in as_env(svc.get("environment")), name
+
+
+def test_secret_template_holds_every_users_password() -> None:
+    secrets = [
+        d
+        for d in load_documents(KUBERNETES / "secret.yaml")
+        if d["metadata"]["name"] == "kbmesh-nats"
+    ]
+    assert len(secrets) == 1
+    assert set(secrets[0]["stringData"]) == set(deploy_users())

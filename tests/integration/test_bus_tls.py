@@ -1,0 +1,113 @@
+"""TLS to NATS, as `deploy/` documents it: a service with `KBMESH_NATS__TLS_CA_FILE` and its
+user connects to a server that requires TLS and declares the topology; without the CA it
+cannot connect."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import ssl
+import subprocess
+from pathlib import Path
+
+import nats
+import pytest
+from opentelemetry import trace
+
+from services.common.bus import Bus
+from services.common.busauth import Credentials, new_password, server_accounts
+from services.common.natsproc import free_port, nats_server_binary, wait_for_port
+from services.common.registry import Registries
+from services.common.settings import Settings
+
+x509 = pytest.importorskip("cryptography.x509")
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+
+
+def _certificates(folder: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1 signed by it: (ca, cert, key) files."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kbmesh test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nats")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = folder / "ca.pem", folder / "server.pem", folder / "server-key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+async def test_a_service_connects_over_tls_with_its_user(tmp_path):
+    ca, cert, key = _certificates(tmp_path)
+    gateway = Credentials("gateway", new_password())
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text(
+        json.dumps(
+            {
+                "listen": f"127.0.0.1:{port}",
+                "jetstream": {"store_dir": str(tmp_path / "store")},
+                "tls": {"cert_file": str(cert), "key_file": str(key)},
+                "accounts": server_accounts({"gateway": gateway}),
+            }
+        )
+    )
+    server = subprocess.Popen([nats_server_binary(), "-c", str(config)])
+    try:
+        wait_for_port("127.0.0.1", port)
+        url = f"tls://127.0.0.1:{port}"
+        settings = Settings(
+            data_dir=tmp_path,
+            nats={"user": gateway.user, "password": gateway.password, "tls_ca_file": ca},
+        )
+        bus = Bus(settings, url, trace.get_tracer_provider())
+        await bus.connect()
+        try:
+            registries = await Registries.open(bus.js)
+            assert await registries.keys.list() == []
+            await registries.close()
+        finally:
+            await bus.close()
+
+        # Without the CA, the server's certificate is not trusted: no connection.
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await nats.connect(
+                url, user=gateway.user, password=gateway.password, allow_reconnect=False
+            )
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -1,0 +1,170 @@
+"""The bus permission model (services/common/busauth.py) read as nats-server reads it: who
+may publish and subscribe to what, the key store's single writer, publishers bound to one
+org, and the data directory's credential files."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from services.common import busauth
+from services.common.busauth import (
+    ACCOUNT,
+    ROLES,
+    SERVICE_ROLES,
+    Credentials,
+    Publisher,
+    PublisherRecord,
+    permissions,
+    publisher_of,
+    server_accounts,
+    upstream_subject,
+)
+from services.common.errors import InvalidInput
+from tests.support.bus import matches
+
+
+def may_publish(role: str, subject: str) -> bool:
+    return any(matches(p, subject) for p in permissions(role).publish)
+
+
+def may_subscribe(role: str, subject: str) -> bool:
+    return any(matches(p, subject) for p in permissions(role).subscribe)
+
+
+KEY_WRITES = (
+    "$KV.keys.0123abcd",
+    "$JS.API.STREAM.UPDATE.KV_keys",
+    "$JS.API.STREAM.DELETE.KV_keys",
+    "$JS.API.STREAM.PURGE.KV_keys",
+    "$JS.API.STREAM.MSG.DELETE.KV_keys",
+    "$JS.API.STREAM.RESTORE.KV_keys",
+)
+
+
+@pytest.mark.parametrize("role", [r for r in ROLES if r != "operator"] + ["embed+search"])
+def test_only_the_operator_writes_the_key_store(role):
+    """No service user — nor `kbmesh up`'s combined one — can put, purge or reconfigure the
+    API-key bucket; all of them may read it."""
+    assert not [s for s in KEY_WRITES if may_publish(role, s)]
+    assert all(may_publish("operator", s) for s in KEY_WRITES)
+    assert may_publish(role, "$JS.API.DIRECT.GET.KV_keys.$KV.keys.0123abcd")
+
+
+@pytest.mark.parametrize(
+    ("role", "allowed", "refused"),
+    [
+        (
+            "ingest",
+            ["kb.index", "kb.remove", "doc.failed", "$KV.documents.o.d", "$O.texts.C.x"],
+            ["doc.uploaded", "doc.indexed", "$KV.index.k.d", "$KV.kbs.o.k", "search.query"],
+        ),
+        (
+            "embed",
+            ["doc.indexed", "doc.failed", "$KV.index.k.d", "$KV.kbs.o.k"],
+            ["kb.index", "doc.uploaded", "$KV.documents.o.d", "$O.texts.C.x", "$KV.prompts.x"],
+        ),
+        (
+            "search",
+            [],
+            ["doc.uploaded", "kb.index", "$KV.kbs.o.k", "$KV.documents.o.d", "$O.texts.C.x"],
+        ),
+        (
+            "gateway",
+            ["doc.uploaded", "kb.changed", "search.query", "$KV.kbs.o.k", "$KV.prompts.o.p"],
+            ["$KV.index.k.d", "$JS.API.STREAM.DELETE.KBMESH", "$JS.API.STREAM.PURGE.KBMESH"],
+        ),
+    ],
+)
+def test_each_service_publishes_what_its_work_needs_only(role, allowed, refused):
+    assert [s for s in allowed if not may_publish(role, s)] == []
+    assert [s for s in refused if may_publish(role, s)] == []
+
+
+def test_replies_arrive_in_each_users_own_inbox():
+    """A user reads replies under `_INBOX.<user>` only: the gateway cannot read the replies
+    the operator's CLI gets (key records) nor search's (document text)."""
+    for role in SERVICE_ROLES:
+        assert may_subscribe(role, f"_INBOX.{role}.abc")
+        others = [r for r in ROLES if r != role]
+        assert not [r for r in others if may_subscribe(role, f"_INBOX.{r}.abc")]
+    assert permissions("search").responses and not permissions("gateway").responses
+
+
+def test_stack_is_the_union_of_the_four_services():
+    stack = permissions("stack")
+    for role in SERVICE_ROLES:
+        own = permissions(role)
+        assert set(own.publish) <= set(stack.publish)
+        assert set(own.subscribe) - {f"_INBOX.{role}.>"} <= set(stack.subscribe)
+    assert permissions("embed+search").responses
+
+
+def test_no_service_publishes_an_upstream_identity_but_gateway_replays():
+    """Only the operator and the gateway (replaying a dead letter onto its original subject)
+    may publish the subjects that carry a publisher's identity."""
+    forged = "doc.uploaded.upstream.acme.feeder"
+    assert [r for r in ROLES if may_publish(r, forged)] == ["operator", "stack", "gateway"]
+
+
+def test_a_publisher_is_an_account_that_sees_four_subjects_of_one_org():
+    records = [
+        PublisherRecord(name="feeder", org_id="acme", password="p1"),
+        PublisherRecord(name="other", org_id="beta", password="p2"),
+    ]
+    users = {role: Credentials(role, "pw") for role in ROLES}
+    accounts = server_accounts(users, records)
+    assert set(accounts) == {ACCOUNT, "PUB_feeder", "PUB_other"}
+    feeder = accounts["PUB_feeder"]
+    assert feeder["users"] == [{"user": "feeder", "password": "p1"}]
+    assert "jetstream" not in feeder and "permissions" not in feeder["users"][0]
+    inside = {i["service"]["subject"]: i["to"] for i in feeder["imports"] if "service" in i}
+    assert inside == {
+        "doc.uploaded.upstream.acme.feeder": "doc.uploaded",
+        "ocr.done.upstream.acme.feeder": "ocr.done",
+        "tags.changed.upstream.acme.feeder": "tags.changed",
+        "doc.deleted.upstream.acme.feeder": "doc.deleted",
+    }
+    status = {i["stream"]["subject"]: i["to"] for i in feeder["imports"] if "stream" in i}
+    assert status == {
+        "upstream.acme.doc.indexed": "doc.indexed",
+        "upstream.acme.doc.failed": "doc.failed",
+    }
+    # Every export names the one account allowed to import it.
+    exports = accounts[ACCOUNT]["exports"]
+    for export in exports:
+        subject = export.get("service") or export.get("stream")
+        owner = "PUB_feeder" if ("acme" in subject) else "PUB_other"
+        assert export["accounts"] == [owner], export
+
+
+def test_publisher_of_reads_the_identity_the_server_wrote():
+    publisher = Publisher(name="feeder", org_id="acme")
+    assert publisher_of(upstream_subject("doc.uploaded", publisher)) == publisher
+    assert publisher_of("doc.uploaded") is None
+    assert publisher_of("kb.index") is None
+    assert publisher_of("tags.changed.upstream.acme") is None
+
+
+def test_credentials_are_made_once_and_kept_private(tmp_path):
+    data = tmp_path / "data"
+    first = busauth.local_credentials(data)
+    assert set(first) == set(ROLES) and len({c.password for c in first.values()}) == len(ROLES)
+    assert busauth.local_credentials(data) == first
+    path = data / busauth.CREDENTIALS_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert busauth.recorded_credentials(data, "gateway") == first["gateway"]
+
+
+def test_publishers_are_added_listed_and_revoked(tmp_path):
+    record = busauth.add_publisher(tmp_path, "feeder", "acme")
+    with pytest.raises(ValueError, match="exists"):
+        busauth.add_publisher(tmp_path, "feeder", "beta")
+    with pytest.raises(InvalidInput):
+        busauth.add_publisher(tmp_path, "bad.name", "acme")
+    assert [r.publisher for r in busauth.load_publishers(tmp_path)] == [record.publisher]
+    assert stat.S_IMODE((tmp_path / busauth.PUBLISHERS_FILE).stat().st_mode) == 0o600
+    assert busauth.revoke_publisher(tmp_path, "feeder")
+    assert not busauth.revoke_publisher(tmp_path, "feeder")
+    assert busauth.load_publishers(tmp_path) == []
