@@ -11,10 +11,14 @@ import uuid
 import pytest
 from playwright.async_api import expect
 
-from services.common.events import DocUploaded
+from services.common.events import DocUploaded, OcrDone
 from tests.browser.conftest import shoot
 
 XSS = "<img src=x onerror=alert(1)>"
+# The smallest valid PNG (1x1): an image, so its upload waits for OCR.
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
 ETNA = (
     "Mount Etna is an active stratovolcano on the east coast of Sicily. It erupts often: "
     "lava flows down its slopes and ash closes the airport of Catania.\n\n"
@@ -310,16 +314,21 @@ async def test_documents_show_their_path_and_filter_by_status(page, stack):
             },
         )
         assert r.status_code in (200, 202), r.text
-    # A PDF that is not one: extraction fails, and the document says why.
+    # A scan whose OCR fails: the document fails, and says why.
     r = await stack.client.post(
         f"/v1/kbs/{kb['kb_id']}/documents?wait=true",
         json={
-            "name": "broken.pdf",
-            "content": base64.b64encode(b"%PDF-1.4 not really a pdf").decode(),
+            "name": "scan.png",
+            "mime_type": "image/png",
+            "content": base64.b64encode(PNG).decode(),
             "content_encoding": "base64",
         },
     )
-    assert r.json()["status"] == "failed", r.text
+    assert r.json()["status"] == "awaiting_ocr", r.text
+    await stack.rt.bus.publish(
+        "ocr.done",
+        OcrDone(org_id="local", document_id=r.json()["document_id"], ok=False, error="blurred"),
+    )
     await page.goto(f"/#/kbs/{kb['kb_id']}/documents")
     rows = page.locator("table.data tbody tr")
     await expect(rows.filter(has_text="README.Debian")).to_have_count(2)
@@ -327,12 +336,18 @@ async def test_documents_show_their_path_and_filter_by_status(page, stack):
     await expect(page.get_by_text("/usr/share/doc/pip/README.Debian")).to_be_visible()
 
     await page.get_by_label("Status").select_option("failed")
+    for _ in range(60):  # until ingest has failed it
+        if await rows.filter(has_text="scan.png").count():
+            break
+        await page.get_by_label("Status").select_option("complete")
+        await page.get_by_label("Status").select_option("failed")
+        await page.wait_for_timeout(500)
     await expect(rows).to_have_count(1)
-    await expect(rows.first).to_contain_text("broken.pdf")
-    await expect(rows.first.locator(".reason")).not_to_be_empty()
+    await expect(rows.first).to_contain_text("scan.png")
+    await expect(rows.first.locator(".reason")).to_contain_text("blurred")
     await page.get_by_label("Status").select_option("complete")
     await expect(rows).to_have_count(2)
-    await expect(rows.filter(has_text="broken.pdf")).to_have_count(0)
+    await expect(rows.filter(has_text="scan.png")).to_have_count(0)
 
 
 async def test_list_filters_sorts_and_shows_names_as_text(page, stack, screenshots):

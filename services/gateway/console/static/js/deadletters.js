@@ -35,6 +35,7 @@ export async function renderDeadLetters(main) {
     }
     // A replay whose cause is not fixed fails again at once: look before saying it worked.
     toast(`Replayed ${letter.subject} #${letter.sequence}; checking…`);
+    load();
     let again = null;
     for (let i = 0; i < 6 && !again; i++) {
       await new Promise((resolve) => setTimeout(resolve, 500));
