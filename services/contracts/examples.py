@@ -69,6 +69,7 @@ from services.gateway.schemas import (
     PromptView,
     UploadBody,
     UploadResult,
+    types_view,
 )
 from services.gateway.tools.answers import KbAskInput
 from services.gateway.tools.compat import (
@@ -921,4 +922,5 @@ REST_EXAMPLES: list[RestExample] = [
         DEAD_LETTER,
         path_params={"sequence": DEAD_LETTER.sequence},
     ),
+    RestExample("GET", "/v1/types", 200, types_view()),
 ]

@@ -23,6 +23,7 @@ from services.common.errors import KbmeshError
 from services.common.natsproc import NatsServer
 from services.common.queries import SearchQuery
 from services.gateway.api import answers, deadletters, documents, kbs, progress, search, tools
+from services.gateway.api import types as formats
 from services.gateway.api.problems import (
     ProblemFieldError,
     bus_problem,
@@ -280,6 +281,7 @@ def create_app(
     app.include_router(progress.router)
     app.include_router(answers.router)
     app.include_router(deadletters.router)
+    app.include_router(formats.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))
         mcp_http = mcp.streamable_http_app(streamable_http_path="/")
