@@ -217,6 +217,9 @@ def _converted(data: bytes, fmt: Format, bounds: Bounds) -> tuple[str, Layout]:
     try:
         result = kreuzberg.extract_bytes_sync(_text_bytes(data, fmt), fmt.mime_type, config)
     except kreuzberg.KreuzbergError as err:
+        if "out of memory" in str(err).lower():
+            # The reader's allocation failed at the child's address-space limit.
+            raise MemoryError(str(err)) from err
         raise InvalidInput(
             f"not a readable {fmt.name} file: {_first_line(err)}", field="content"
         ) from err
