@@ -155,3 +155,20 @@ async def test_searches_keep_their_latency_and_the_server_its_memory_during_a_bo
     assert busy_p95 <= 2 * max(idle_p95, 0.02), (
         f"p95 idle {idle_p95 * 1000:.1f} ms, during the bomb {busy_p95 * 1000:.1f} ms"
     )
+
+
+async def test_a_document_past_the_time_limit_is_stopped_and_the_next_one_reads():
+    """The reader of a document that takes too long is killed with its process; the pool
+    replaces it, and the next document is read."""
+    from services.common.limits import LimitSettings
+    from services.ingest.sandbox import ExtractionFailed, Extractor
+
+    limits = {**LIMITS, "extract_seconds": 1, "extract_memory_mb": 4096}  # time runs out first
+    extractor = Extractor(LimitSettings(**limits))
+    try:
+        with pytest.raises(ExtractionFailed, match="KBMESH_LIMITS__EXTRACT_SECONDS"):
+            await extractor.extract(docx_bomb(8_000_000), None, "empty.docx")
+        read = await extractor.extract(b"# Fine\n\nStill read.", None, "fine.md")
+        assert read.text.startswith("# Fine") and read.layout.format == "markdown"
+    finally:
+        extractor.close()
