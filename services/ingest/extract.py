@@ -96,8 +96,10 @@ def sniff(data: bytes, declared: str, name: str) -> Format:
             f"{', '.join(readable_types()['mime_types'])}",
             field="mime_type",
         )
-    # "text/plain" is what many clients send for any text: a telling name is more exact.
-    if stated is not None and not (stated.mime_type == "text/plain" and named is not None):
+    # "text/plain" is what many clients send for any text: a telling name of a text format is
+    # more exact (a binary format's name on text content is not: the text is read as text).
+    text_named = named is not None and not named.binary
+    if stated is not None and not (stated.mime_type == "text/plain" and text_named):
         return stated
     if named is not None and not named.binary:
         return named

@@ -64,6 +64,8 @@ def test_types_are_sniffed_from_bytes_before_names_and_declared_types() -> None:
     md = (FORMATS / "notes.md").read_bytes()
     assert extract(md, "text/plain", "notes.md", BOUNDS).layout.format == "markdown"
     assert extract(b"#!/bin/sh\necho hi\n", None, "configure", BOUNDS).mime_type == "text/plain"
+    # Text sent as text under a binary format's name is text.
+    assert extract(b"just words", "text/plain", "scan.pdf", BOUNDS).text == "just words"
 
 
 def test_unreadable_input_is_refused_with_the_reason() -> None:
