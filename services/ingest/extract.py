@@ -32,6 +32,10 @@ SETTING = "KBMESH_LIMITS__"
 # A page marker kreuzberg writes between slides; plain letters survive its markdown escaping.
 _MARKER = "KBMESHPAGEBREAK7F3A"
 _MARKER_LINE = re.compile(rf"\n*{_MARKER} (\d+)\n*")
+# kreuzberg 4.10 opens an HTML page's markdown with its <head> metadata as YAML front matter
+# whose closing "---" its own formatter turns into a heading ("## title: ..."): dropped, the
+# page's <h1> and text follow it.
+_HTML_FRONT_MATTER = re.compile(r"\A---\n(?:[\w:-]+: [^\n]*\n)*\n?## [\w:-]+: [^\n]*\n+")
 _ZIP_MAGIC = b"PK\x03\x04"
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -236,6 +240,8 @@ def _converted(data: bytes, fmt: Format, bounds: Bounds) -> tuple[str, Layout]:
         layout.unit = "page"
         return _joined(pages, layout), layout
     content = str(result.content).replace("\x00", "")
+    if fmt.name == "HTML":
+        content = _HTML_FRONT_MATTER.sub("", content)
     found = list(_MARKER_LINE.finditer(content))
     if not found:
         return content, layout

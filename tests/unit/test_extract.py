@@ -34,6 +34,7 @@ def test_structure_survives_as_markdown() -> None:
     html = extract((FORMATS / "page.html").read_bytes(), "text/html", "page.html", BOUNDS)
     assert "## Trees" in html.text and "- obsidianwillow" in html.text
     assert "hidden" not in html.text, "scripts are not text"
+    assert html.text.startswith("# Field guide"), "no <head> metadata as a heading"
     rst = extract((FORMATS / "guide.rst").read_bytes(), None, "guide.rst", BOUNDS)
     assert rst.layout.format == "markdown" and "## Install" in rst.text
     code = extract((FORMATS / "tool.py").read_bytes(), None, "tool.py", BOUNDS)
