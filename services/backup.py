@@ -35,6 +35,7 @@ from nats.js.errors import NoKeysError, NotFoundError
 from services.common.content import checksum, content_checksum
 from services.common.datadir import CURRENT_FORMAT, read_format
 from services.common.events import STREAM, KbChanged, Subject
+from services.common.layout import layout_object
 from services.common.models import DocStatus, DocumentRecord, KnowledgeBase
 from services.common.registry import Registries, TextStore
 from services.common.settings import Settings
@@ -98,6 +99,8 @@ async def _document(
         objects: dict[str, bytes] = {}
         text = await texts.get(record.text_object)
         original = await texts.get(_original(record))
+        # Headings and pages of the text, when its format has them (services/common/layout.py).
+        layout = await texts.get(layout_object(record.org_id, record.document_id))
         consistent = True
         if record.status == DocStatus.ready:
             consistent = text is not None and checksum(text.decode("utf-8")) == record.checksum
@@ -108,6 +111,8 @@ async def _document(
                 objects[record.text_object] = text
             if original is not None:
                 objects[_original(record)] = original
+            if layout is not None:
+                objects[layout_object(record.org_id, record.document_id)] = layout
             return value, objects
         await asyncio.sleep(0.2)  # mid-change: its new revision is being written
         try:

@@ -5,9 +5,14 @@ A file's document is found again by its `uri` (the path relative to the root giv
 the source, so a re-run updates the same documents. A file whose bytes hash to the stored
 document's `content_checksum` is not uploaded again (and so nothing is re-embedded);
 `--sync` deletes the source's documents whose files are gone. Every upload waits until the
-document is indexed or failed. The last line printed is always the summary
-`N uploaded, N unchanged, N deleted, N failed`; exit status 1 when anything failed, 2 on bad
-usage.
+document is indexed or failed.
+
+Which files are uploaded follows the server: it lists the formats it reads (`GET /v1/types`),
+and every file of those formats (also gzip-compressed), and every text file whatever its
+name, is uploaded; the rest is skipped with the reason. A knowledge base that does not exist
+is reported before anything else (`--create-kb` creates it). The last line printed is always
+the summary `N uploaded, N unchanged, N deleted, N skipped, N failed`; exit status 1 when
+anything failed, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import asyncio
 import base64
 import contextlib
 import fnmatch
+import gzip
 import hashlib
 import os
 import sys
 import time
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,7 +36,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from services.common.content import normalise_mime
+from services.common.formats import FORMATS, GZIP_TYPE
 
 DEFAULT_API = "http://127.0.0.1:8080"
 PAGE = 500
@@ -40,16 +47,7 @@ PLAIN_EVERY_SECONDS = 5.0
 TTY_EVERY_SECONDS = 0.2
 SNIFF_BYTES = 8192
 EXIT_USAGE = 2
-
-# Types the server extracts (services/common/content.py), minus images: those wait for an
-# upstream OCR system, which a folder load should not silently depend on.
-TEXTUAL = {"text/plain", "text/markdown", "text/x-markdown", "text/csv", "application/json"}
-EXTRACTED = TEXTUAL | {
-    "text/html",
-    "application/xhtml+xml",
-    "application/pdf",
-    "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
-}
+EXIT_FAILED = 1
 
 
 def add_parser(sub: Any) -> None:
@@ -62,6 +60,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("paths", nargs="+", metavar="PATH|URL", help="files, folders or http(s) URLs")
     p.add_argument("--kb", default="default", help="knowledge base name or id (default: default)")
+    p.add_argument(
+        "--create-kb",
+        action="store_true",
+        help="create the knowledge base (named --kb) when it does not exist",
+    )
     p.add_argument("--tags", default="", help="comma-separated tags for every document")
     p.add_argument("--collection", help="the collection of every document")
     p.add_argument(
@@ -91,11 +94,10 @@ def run(args: argparse.Namespace) -> int:
     """Entry point from the CLI: returns the exit status."""
     try:
         options = Options.from_args(args)
-        files, skipped = walk(options)
     except UsageError as err:
         print(f"kbmesh ingest: {err}", file=sys.stderr)
         return EXIT_USAGE
-    return asyncio.run(Ingest(options, files, skipped).run())
+    return asyncio.run(Ingest(options).run())
 
 
 class UsageError(Exception):
@@ -123,6 +125,7 @@ class Options:
     concurrency: int
     api: str
     api_key: str | None
+    create_kb: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -149,6 +152,7 @@ class Options:
             concurrency=args.concurrency,
             api=args.api.rstrip("/"),
             api_key=os.environ.get("KBMESH_API_KEY") or None,
+            create_kb=bool(getattr(args, "create_kb", False)),
         )
 
 
@@ -177,9 +181,71 @@ class Skipped:
     reason: str
 
 
-def walk(options: Options) -> tuple[list[LocalFile], list[Skipped]]:
+@dataclass(frozen=True)
+class Readable:
+    """The formats the server reads, by file extension (from `GET /v1/types`)."""
+
+    types: dict[str, str]  # extension -> the media type to upload it with
+    binary: frozenset[str]  # extensions of formats sent as bytes (no NUL check)
+    images: frozenset[str]  # extensions of images: they would wait for OCR
+
+    @classmethod
+    def from_types(cls, body: dict[str, Any]) -> Readable:
+        types: dict[str, str] = {}
+        binary: set[str] = set()
+        images: set[str] = set()
+        for fmt in body.get("formats", []):
+            for ext in fmt.get("extensions", []):
+                types[ext.lower()] = fmt["mime_types"][0]
+                if fmt.get("binary"):
+                    binary.add(ext.lower())
+                if fmt.get("kind") == "image":
+                    images.add(ext.lower())
+        return cls(types, frozenset(binary), frozenset(images))
+
+    @classmethod
+    def local(cls) -> Readable:
+        """This client's own table: for a server that does not list its types."""
+        return cls.from_types(
+            {
+                "formats": [
+                    {
+                        "extensions": list(f.extensions),
+                        "mime_types": list(f.mime_types),
+                        "binary": f.binary,
+                        "kind": f.kind,
+                    }
+                    for f in FORMATS
+                ]
+            }
+        )
+
+    def mime_type(self, path: Path) -> tuple[str | None, str | None]:
+        """(media type to upload with, None) or (None, why the file is skipped). A file of
+        no listed format is uploaded as text when it is text (a script, a LICENSE)."""
+        name = path.name.lower()
+        packed = name.endswith(".gz")
+        inner = name[:-3] if packed else name
+        ext = Path(inner).suffix
+        if ext in self.images:
+            return None, "unsupported type (an image: it needs OCR first)"
+        if ext in self.binary:
+            return (GZIP_TYPE if packed else self.types[ext]), None
+        if _binary(path, packed):
+            known = self.types.get(ext)
+            shown = f"{known}, but its bytes are binary" if known else "binary content"
+            return None, f"unsupported type ({shown})"
+        if packed:
+            return GZIP_TYPE, None
+        return self.types.get(ext, "text/plain"), None
+
+
+def walk(
+    options: Options, readable: Readable | None = None
+) -> tuple[list[LocalFile], list[Skipped]]:
     """Every file under the roots that passes hidden/.gitignore/--include/--exclude, split
-    into those the server can extract and those it cannot."""
+    into those the server can read and those it cannot."""
+    readable = readable or Readable.local()
     files: dict[str, LocalFile] = {}
     skipped: list[Skipped] = []
     for root in options.roots:
@@ -190,9 +256,9 @@ def walk(options: Options) -> tuple[list[LocalFile], list[Skipped]]:
                 continue
             if _matches(uri, options.exclude):
                 continue
-            mime = normalise_mime(None, path.name)
-            if mime not in EXTRACTED or (mime in TEXTUAL and _binary(path)):
-                skipped.append(Skipped(uri, f"unsupported type ({mime})"))
+            mime, reason = readable.mime_type(path)
+            if mime is None:
+                skipped.append(Skipped(uri, reason or "unsupported type"))
                 continue
             stat = path.stat()
             files[uri] = LocalFile(path, uri, mime, stat.st_size, stat.st_mtime)
@@ -242,10 +308,17 @@ def _matches(uri: str, globs: list[str]) -> bool:
     return any(fnmatch.fnmatch(uri, g) or fnmatch.fnmatch(name, g) for g in globs)
 
 
-def _binary(path: Path) -> bool:
-    """A file that claims to be text (or has no telling extension) but holds NUL bytes."""
-    with path.open("rb") as f:
-        return b"\0" in f.read(SNIFF_BYTES)
+def _binary(path: Path, packed: bool = False) -> bool:
+    """A file that claims to be text (or has no telling extension) but holds NUL bytes (for
+    a gzip file: once decompressed, or when it does not decompress at all)."""
+    try:
+        if packed:
+            with gzip.open(path, "rb") as f:
+                return b"\0" in f.read(SNIFF_BYTES)
+        with path.open("rb") as f:
+            return b"\0" in f.read(SNIFF_BYTES)
+    except (OSError, EOFError, zlib.error):
+        return True
 
 
 def file_checksum(path: Path) -> str:
@@ -346,12 +419,13 @@ class Tally:
     uploaded: int = 0
     unchanged: int = 0
     deleted: int = 0
+    skipped: int = 0
     failures: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self) -> str:
         return (
             f"{self.uploaded} uploaded, {self.unchanged} unchanged, "
-            f"{self.deleted} deleted, {len(self.failures)} failed"
+            f"{self.deleted} deleted, {self.skipped} skipped, {len(self.failures)} failed"
         )
 
 
@@ -359,17 +433,18 @@ class RequestFailed(Exception):
     """An API call answered with an error (the problem body's detail is the message)."""
 
 
+class KbMissing(Exception):
+    """The knowledge base named does not exist (and --create-kb was not given)."""
+
+
 class Ingest:
-    def __init__(self, options: Options, files: list[LocalFile], skipped: list[Skipped]) -> None:
+    def __init__(self, options: Options) -> None:
         self.o = options
-        self.files = files
-        self.skipped = skipped
+        self.files: list[LocalFile] = []
         self.tally = Tally()
-        self.progress = Progress(len(files) + len(options.urls), sum(f.size for f in files))
+        self.progress = Progress(0, 0)
 
     async def run(self) -> int:
-        for s in self.skipped:
-            print(f"skipped {s.uri}: {s.reason}", flush=True)
         headers = {"Authorization": f"Bearer {self.o.api_key}"} if self.o.api_key else {}
         timeout = httpx.Timeout(300.0, connect=10.0)
         try:
@@ -377,16 +452,48 @@ class Ingest:
                 base_url=self.o.api, headers=headers, timeout=timeout
             ) as self.http:
                 await self._run()
+        except KbMissing as err:
+            print(f"kbmesh ingest: {err}", flush=True)
+            print(self.tally.summary(), flush=True)
+            return EXIT_FAILED
         except (RequestFailed, httpx.HTTPError) as err:
             self.tally.failures.append(("kbmesh", _reason(err)))
         for uri, reason in self.tally.failures:
             print(f"failed {uri}: {reason}", flush=True)
         print(self.tally.summary(), flush=True)
-        return 1 if self.tally.failures else 0
+        return EXIT_FAILED if self.tally.failures else 0
+
+    async def _kb(self) -> dict[str, Any]:
+        """The knowledge base, checked before anything is read or uploaded."""
+        response = await self.http.get(f"/v1/kbs/{self.o.kb}")
+        if response.status_code != 404:
+            return dict(self._answer(response))
+        if not self.o.create_kb:
+            raise KbMissing(
+                f"knowledge base {self.o.kb!r} not found; run again with --create-kb to "
+                "create it, or create it first (POST /v1/kbs)"
+            )
+        kb = await self._call("POST", "/v1/kbs", json={"name": self.o.kb})
+        print(f"created knowledge base {self.o.kb!r} ({kb['kb_id']})", flush=True)
+        return dict(kb)
+
+    async def _readable(self) -> Readable:
+        """What the server reads; this client's own table for a server that cannot say."""
+        response = await self.http.get("/v1/types")
+        if response.status_code == 404:
+            return Readable.local()
+        return Readable.from_types(self._answer(response))
 
     async def _run(self) -> None:
-        kb = await self._call("GET", f"/v1/kbs/{self.o.kb}")
+        kb = await self._kb()
         self.kb_id: str = kb["kb_id"]
+        self.files, skipped = walk(self.o, await self._readable())
+        self.tally.skipped = len(skipped)
+        for s in skipped:
+            print(f"skipped {s.uri}: {s.reason}", flush=True)
+        self.progress = Progress(
+            len(self.files) + len(self.o.urls), sum(f.size for f in self.files)
+        )
         stored = await self._stored() if self.files or self.o.sync else {}
         limit = asyncio.Semaphore(self.o.concurrency)
 
@@ -512,7 +619,9 @@ class Ingest:
             self.tally.failures.append((doc["uri"], f"delete failed: {_reason(err)}"))
 
     async def _call(self, method: str, url: str, **kwargs: Any) -> Any:
-        response = await self.http.request(method, url, **kwargs)
+        return self._answer(await self.http.request(method, url, **kwargs))
+
+    def _answer(self, response: httpx.Response) -> Any:
         if response.status_code >= 400:
             try:
                 detail = response.json().get("detail") or response.text

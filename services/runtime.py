@@ -66,6 +66,9 @@ class Runtime:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
+        if self.ingest is not None:  # its extraction children
+            with contextlib.suppress(Exception):
+                self.ingest.close()
         if self.search is not None:  # its background reads use the store, closed below
             with contextlib.suppress(Exception):
                 await self.search.close()

@@ -166,6 +166,11 @@ class Citation(BaseModel):
     document_name: str
     kb_id: str
     chunk_index: int
+    heading_path: list[str] = Field(
+        default_factory=list, description="the headings above the cited chunk, outermost first"
+    )
+    pages: list[int] = Field(default_factory=list, description="the PDF pages it lies on")
+    slides: list[int] = Field(default_factory=list, description="the slides it lies on")
 
 
 class SearchMade(BaseModel):
@@ -262,6 +267,9 @@ class ToolResult(BaseModel):
     relevance: float | None = Field(description="similarity to the query; null for context")
     is_matched: bool = Field(description="false for neighbouring chunks added for context")
     chunk_index: int
+    place: str | None = Field(
+        None, description="where the passage lies in its document: section headings, page"
+    )
 
 
 class ToolSearchOutput(BaseModel):

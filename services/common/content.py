@@ -6,9 +6,9 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import mimetypes
 
 from services.common.errors import InvalidInput, TooLarge
+from services.common.formats import FORMATS, GENERIC_TYPES, GZIP_TYPE, by_mime, by_name, clean_mime
 
 
 def decode_content(content: str, encoding: str, max_bytes: int) -> bytes:
@@ -60,31 +60,32 @@ def content_checksum(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-TEXT_TYPES = {"text/plain", "text/markdown", "text/x-markdown", "text/csv", "application/json"}
+# Every format kbmesh reads is in `formats.FORMATS`; these are views of it.
+TEXT_TYPES = {m for f in FORMATS if not f.binary and f.kind != "image" for m in f.mime_types}
 HTML_TYPES = {"text/html", "application/xhtml+xml"}
 PDF_TYPE = "application/pdf"
 DOCX_TYPE = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
 IMAGE_PREFIX = "image/"
-SUPPORTED = sorted(TEXT_TYPES | HTML_TYPES | {PDF_TYPE, DOCX_TYPE, "image/*"})
+# One media type per format, for descriptions and error messages.
+SUPPORTED = [f.mime_type for f in FORMATS if f.kind != "image"] + [GZIP_TYPE, "image/*"]
 
 
 def normalise_mime(mime_type: str | None, name: str = "") -> str:
-    mime = (mime_type or "").split(";")[0].strip().lower()
-    if not mime or mime == "application/octet-stream":
-        guessed, _ = mimetypes.guess_type(name)
-        if name.lower().endswith((".md", ".markdown")):
-            guessed = "text/markdown"
-        mime = guessed or "text/plain"
-    return mime
+    """The media type an upload is recorded with: the declared one (an alias such as
+    text/x-markdown becomes its format's usual name), else what the name says, else
+    text/plain. Ingest sniffs the bytes again: a declared type is a hint, not the truth."""
+    mime = clean_mime(mime_type)
+    if not mime or mime in GENERIC_TYPES:
+        named = by_name(name)
+        return named.mime_type if named is not None else "text/plain"
+    known = by_mime(mime)
+    if known is None or known.kind == "image":
+        return mime
+    return known.mime_type
 
 
 def is_supported(mime: str) -> bool:
-    return (
-        mime in TEXT_TYPES
-        or mime in HTML_TYPES
-        or mime in (PDF_TYPE, DOCX_TYPE)
-        or (mime.startswith(IMAGE_PREFIX))
-    )
+    return mime == GZIP_TYPE or by_mime(mime) is not None
 
 
 # Where the gateway stages uploads too large to travel inline; ingest deletes them once stored.

@@ -34,6 +34,21 @@ class LimitSettings(BaseModel):
         description="an upload by URL: the whole fetch (every redirect, headers and body), "
         "however steadily the server drips bytes",
     )
+    extract_memory_mb: int = Field(
+        1024, ge=128, description="address space of the process that reads one document"
+    )
+    extract_seconds: float = Field(60.0, gt=0, description="time to read one document")
+    extract_workers: int = Field(
+        2, ge=1, le=64, description="documents read at once (one child process each)"
+    )
+    extract_expanded_bytes: int = Field(
+        100 * 1024 * 1024,
+        ge=1024,
+        description="what compressed content (gzip, the zip of an office file) may expand to",
+    )
+    extract_expansion_ratio: int = Field(
+        200, ge=2, description="how many times its size compressed content may expand"
+    )
 
 
 def check_labels(tags: Iterable[str], collection: str | None, limits: LimitSettings) -> None:

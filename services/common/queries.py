@@ -262,6 +262,30 @@ class SearchHit(BaseModel):
     collection: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     is_matched: bool = True
+    heading_path: list[str] = Field(
+        default_factory=list,
+        description="the headings above the chunk in its document, outermost first "
+        "(empty for text without headings)",
+    )
+    pages: list[int] = Field(
+        default_factory=list, description="the pages of a PDF the chunk lies on (1-based)"
+    )
+    slides: list[int] = Field(
+        default_factory=list, description="the slides of a presentation the chunk lies on"
+    )
+
+    def place(self) -> str:
+        """Where the chunk lies, for people and models: "Setup › Cooling · page 2"."""
+        return place_text(self.heading_path, self.pages, self.slides)
+
+
+def place_text(heading_path: list[str], pages: list[int], slides: list[int]) -> str:
+    parts = [" › ".join(heading_path)] if heading_path else []
+    for unit, numbers in (("page", pages), ("slide", slides)):
+        if numbers:
+            shown = str(numbers[0]) if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]}"
+            parts.append(f"{unit}{'s' if len(numbers) > 1 else ''} {shown}")
+    return " · ".join(parts)
 
 
 class SearchResponse(BaseModel):

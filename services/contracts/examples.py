@@ -76,6 +76,7 @@ from services.gateway.schemas import (
     PromptView,
     UploadBody,
     UploadResult,
+    types_view,
 )
 from services.gateway.tools.answers import KbAskInput
 from services.gateway.tools.compat import (
@@ -1012,4 +1013,5 @@ REST_EXAMPLES: list[RestExample] = [
         DEAD_LETTER,
         path_params={"sequence": DEAD_LETTER.sequence},
     ),
+    RestExample("GET", "/v1/types", 200, types_view()),
 ]

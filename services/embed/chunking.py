@@ -1,19 +1,28 @@
 """Chunking a document's text by the KB's settings, within the embedding model's token limit.
 
 chonkie does the splitting; this module picks the chunker, caps the chunk size at what the
-model reads (a longer chunk would be cut silently by the model), and returns chunks as exact
-spans of the input so that highlights and neighbours can be cut from the stored text.
+model reads (a longer chunk would be cut silently by the model), and returns chunks as spans
+of the input so that highlights and neighbours can be cut from the stored text.
+
+With the document's layout (`chunk_document`), chunks follow its structure: a markdown
+section is never split across headings and each chunk carries its heading path; a table is
+split by rows, each piece repeating the header row (the one case where a chunk's text is not
+a plain span); code is split at its top-level definitions; and a chunk of a paged document
+stays on one page or slide and names it.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 from chonkie import RecursiveChunker, RecursiveRules, SentenceChunker, TokenChunker
 from chonkie.tokenizer import AutoTokenizer, CharacterTokenizer, TokenizerProtocol
 
+from services.common.layout import Layout
 from services.common.models import Chunker, KnowledgeBase
 
 # chonkie's default levels (paragraphs, sentences, pauses, words) without the last one, which
@@ -34,9 +43,11 @@ MAX_CHARS_PER_TOKEN = 16
 class Chunk:
     text: str
     index: int
-    start: int  # character offsets into the input: text == input[start:end]
+    start: int  # character offsets into the input: text == input[start:end] (but tables)
     end: int
     token_count: int
+    headings: tuple[str, ...] = ()  # the headings above it, outermost first
+    pages: tuple[int, ...] = ()  # the pages (or slides) it lies on
 
 
 def chunk_text(text: str, kb: KnowledgeBase, tokenizer: object, *, max_tokens: int) -> list[Chunk]:
@@ -296,3 +307,239 @@ def _token_spans(
                 break
         first = nxt
     return spans
+
+
+# ---- structure ------------------------------------------------------------------------------
+
+_HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$")
+_FENCE = re.compile(r"^ {0,3}(```|~~~)")
+_TABLE_RULE = re.compile(r"^\s*\|?(\s*:?-{3,}:?\s*\|)+\s*:?-*:?\s*$")
+_MARKUP = re.compile(r"\\(?=[^\w\s])|[*_`]")
+
+
+@dataclass(frozen=True)
+class _Block:
+    kind: str  # "prose", "table" or "code"
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """How one section's chunks are sized: the KB's chunker within `limit` tokens (the
+    model's input less the section's prefix), `size` = min(chunk_size, limit)."""
+
+    kb: KnowledgeBase
+    tokenizer: object
+    counter: AutoTokenizer
+    size: int
+    limit: int
+
+    def span(self, text: str, start: int, end: int) -> list[Chunk]:
+        """`chunk_text` of text[start:end], with offsets into the whole text."""
+        return [
+            _with(c, start=c.start + start, end=c.end + start)
+            for c in chunk_text(text[start:end], self.kb, self.tokenizer, max_tokens=self.limit)
+        ]
+
+
+def chunk_document(
+    text: str,
+    layout: Layout | None,
+    kb: KnowledgeBase,
+    tokenizer: object,
+    *,
+    max_tokens: int,
+    prefix_tokens: Callable[[tuple[str, ...]], int],
+) -> list[Chunk]:
+    """Chunks of a document by its layout (see the module docstring). `prefix_tokens` says
+    how many tokens the heading path put before a chunk for embedding will take, so that
+    prefix and chunk together fit the model. Plain text is chunked as `chunk_text` does."""
+    if layout is None or layout.format == "text":
+        chunks = chunk_text(text, kb, tokenizer, max_tokens=max_tokens - prefix_tokens(()))
+    else:
+        counter = AutoTokenizer(tokenizer)
+        sections: list[tuple[int, int, tuple[str, ...]]] = (
+            _sections(text) if layout.format == "markdown" else [(0, len(text), ())]
+        )
+        # A chunk stays on one page (or slide), so that it cites exactly where it lies.
+        sections = _split_at(sections, [start for start, _ in layout.pages])
+        chunks = []
+        for start, end, headings in sections:
+            limit = max(1, max_tokens - prefix_tokens(headings))
+            fit = _Fit(kb, tokenizer, counter, max(1, min(kb.chunk_size, limit)), limit)
+            for block in _blocks(text, start, end, layout.format):
+                if block.kind == "table":
+                    pieces = _table_chunks(text, block, fit)
+                elif block.kind == "code":
+                    pieces = _code_chunks(text, block, fit)
+                else:
+                    pieces = fit.span(text, block.start, block.end)
+                chunks += [_with(c, headings=headings) for c in pieces]
+    return [
+        _with(
+            c,
+            index=i,
+            pages=tuple(layout.pages_of(c.start, c.end)) if layout is not None else (),
+        )
+        for i, c in enumerate(chunks)
+    ]
+
+
+def _with(chunk: Chunk, **changes: object) -> Chunk:
+    values = {**chunk.__dict__, **changes}
+    return Chunk(**values)  # type: ignore[arg-type]
+
+
+def _sections(text: str) -> list[tuple[int, int, tuple[str, ...]]]:
+    """Markdown sections: (start, end, heading path) from each ATX heading to the next one
+    (headings inside fenced code do not count). A section that is only its heading line
+    is dropped: its heading lives on in the paths of the sections below it."""
+    marks: list[tuple[int, tuple[str, ...]]] = [(0, ())]
+    path: list[tuple[int, str]] = []
+    fence: str | None = None
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        opened = _FENCE.match(line)
+        if fence is not None:
+            if opened and opened.group(1) == fence:
+                fence = None
+        elif opened:
+            fence = opened.group(1)
+        else:
+            heading = _HEADING.match(line.rstrip("\r\n"))
+            if heading:
+                level = len(heading.group(1))
+                title = _MARKUP.sub("", heading.group(2)).strip()
+                path = [(lvl, t) for lvl, t in path if lvl < level]
+                if title:
+                    path.append((level, title))
+                marks.append((offset, tuple(t for _, t in path)))
+        offset += len(line)
+    sections = []
+    for (start, headings), (end, _) in zip(marks, [*marks[1:], (len(text), ())], strict=True):
+        body = text[start:end]
+        first, _, rest = body.lstrip().partition("\n")
+        if not body.strip() or (_HEADING.match(first) and not rest.strip()):
+            continue
+        sections.append((start, end, headings))
+    return sections
+
+
+def _split_at(
+    sections: list[tuple[int, int, tuple[str, ...]]], cuts: list[int]
+) -> list[tuple[int, int, tuple[str, ...]]]:
+    out = []
+    for start, end, headings in sections:
+        inside = [c for c in cuts if start < c < end]
+        for s, e in zip([start, *inside], [*inside, end], strict=True):
+            out.append((s, e, headings))
+    return out
+
+
+def _blocks(text: str, start: int, end: int, fmt: str) -> list[_Block]:
+    """A section cut into prose and tables (markdown), or a whole source file (code)."""
+    if fmt == "code":
+        return [_Block("code", start, end)]
+    blocks: list[_Block] = []
+    lines = text[start:end].splitlines(keepends=True)
+    offsets = [start]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    prose = start
+    i = 0
+    while i < len(lines):
+        is_table = (
+            lines[i].lstrip().startswith("|")
+            and i + 1 < len(lines)
+            and _TABLE_RULE.match(lines[i + 1].rstrip("\r\n")) is not None
+        )
+        if not is_table:
+            i += 1
+            continue
+        j = i + 2
+        while j < len(lines) and lines[j].lstrip().startswith("|"):
+            j += 1
+        if offsets[i] > prose:
+            blocks.append(_Block("prose", prose, offsets[i]))
+        blocks.append(_Block("table", offsets[i], offsets[j]))
+        prose = offsets[j]
+        i = j
+    if prose < end:
+        blocks.append(_Block("prose", prose, end))
+    return [b for b in blocks if text[b.start : b.end].strip()]
+
+
+def _table_chunks(text: str, block: _Block, fit: _Fit) -> list[Chunk]:
+    """Rows grouped up to the chunk size; every group after the first repeats the header
+    row and its rule line, so that each chunk reads as a table on its own."""
+    lines = text[block.start : block.end].splitlines(keepends=True)
+    header = "".join(lines[:2])
+    header_tokens = fit.counter.count_tokens(header)
+    out: list[Chunk] = []
+    group_start = block.start
+    cursor = block.start + len(header)
+    group_tokens = header_tokens
+    first = True
+
+    def flush(upto: int) -> None:
+        nonlocal group_start, group_tokens, first
+        if upto > group_start:
+            s, e = _trim(text, group_start, upto)
+            body = text[s:e]
+            shown = body if first else header + body
+            out.append(Chunk(shown, 0, s, e, fit.counter.count_tokens(shown)))
+            first = False
+        group_start = upto
+        group_tokens = header_tokens
+
+    for line in lines[2:]:
+        tokens = fit.counter.count_tokens(line)
+        if header_tokens + tokens > fit.size:
+            # A row too long for a chunk with its header: split on its own.
+            flush(cursor)
+            out += fit.span(text, cursor, cursor + len(line))
+            cursor += len(line)
+            group_start = cursor
+            continue
+        if group_tokens + tokens > fit.size:
+            flush(cursor)
+        group_tokens += tokens
+        cursor += len(line)
+    flush(cursor)
+    return out
+
+
+def _code_chunks(text: str, block: _Block, fit: _Fit) -> list[Chunk]:
+    """Source code cut at its top-level definitions: a definition (with the comments and
+    decorators right above it) starts where a line at column 0 follows a blank line. Whole
+    definitions are packed together up to the chunk size; a longer one is split by the
+    KB's chunker (at its blank lines first)."""
+    pieces: list[tuple[int, int]] = []
+    offset = block.start
+    piece_start = block.start
+    blank_before = False
+    for line in text[block.start : block.end].splitlines(keepends=True):
+        stripped = line.strip()
+        top_level = bool(stripped) and not line[0].isspace() and line[0] not in "})]"
+        if top_level and blank_before and offset > piece_start:
+            pieces.append((piece_start, offset))
+            piece_start = offset
+        blank_before = not stripped
+        offset += len(line)
+    pieces.append((piece_start, block.end))
+
+    out: list[Chunk] = []
+    group: tuple[int, int] | None = None
+    group_tokens = 0
+    for start, end in pieces:
+        tokens = fit.counter.count_tokens(text[start:end])
+        if group is not None and group_tokens + tokens <= fit.size:
+            group, group_tokens = (group[0], end), group_tokens + tokens
+            continue
+        if group is not None:
+            out += fit.span(text, *group)
+        group, group_tokens = (start, end), tokens
+    if group is not None:
+        out += fit.span(text, *group)
+    return out

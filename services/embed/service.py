@@ -9,11 +9,14 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import ValidationError
+
 from services.common import bm25, metrics
 from services.common.embedders import EmbedderPool
 from services.common.errors import Conflict, NotFound, Transient
 from services.common.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish, Subject
 from services.common.ids import point_id
+from services.common.layout import Layout, layout_object
 from services.common.models import (
     DocStatus,
     DocumentRecord,
@@ -27,12 +30,15 @@ from services.common.registry import Registries
 from services.common.store import ChunkPoint, Match, SparseVector, VectorStore
 from services.common.store.base import Filter
 from services.common.telemetry import tracer
-from services.embed.chunking import Chunk, chunk_text
+from services.embed.chunking import Chunk, chunk_document
 
 log = logging.getLogger("kbmesh.embed")
 _tracer = tracer("kbmesh.embed")
 # Titles ride along in every chunk's embedded text; cap what they may take of the model's input.
 TITLE_TOKEN_BUDGET = 24
+# The same for a title with the headings above a chunk ("title › section › subsection").
+PATH_TOKEN_BUDGET = 48
+PATH_SEPARATOR = " › "
 # How often one kb.index catches up with a document that changed while it was being indexed.
 CATCH_UP_ROUNDS = 5
 SWITCH_GRACE_SECONDS = 2.0
@@ -230,17 +236,39 @@ class EmbedService:
             raise FileNotFoundError(f"text of {record.document_id} missing")  # transient
         embedder = self.embedders.get(kb.embedding_model, kb.api_base)
         title = record.name.strip()
+        layout = await self._layout(record)
+
+        def prefix(headings: tuple[str, ...]) -> str:
+            """What goes before a chunk for embedding and BM25: the title and the headings
+            above it, outer headings dropped first when the path is too long."""
+            parts = [p for p in (title, *headings) if p]
+            while len(parts) > 2 and embedder.count_tokens(_path(parts)) >= PATH_TOKEN_BUDGET:
+                del parts[1]
+            return _path(parts)
+
+        def prefix_tokens(headings: tuple[str, ...]) -> int:
+            if not headings:
+                # As for every document before headings were read: plain text chunks alike.
+                return min(embedder.count_tokens(title) + 1, TITLE_TOKEN_BUDGET) if title else 0
+            return min(embedder.count_tokens(prefix(headings)) + 1, PATH_TOKEN_BUDGET)
 
         def prepare() -> tuple[list[Chunk], list[str], list[SparseVector]]:
             # CPU-bound (tokenising, chunking, BM25): kept off the event loop.
-            budget = min(embedder.count_tokens(title) + 1, TITLE_TOKEN_BUDGET) if title else 0
             with _tracer.start_as_current_span("kbmesh.embed.chunk") as span:
-                chunks = chunk_text(
-                    text, kb, embedder.tokenizer(), max_tokens=embedder.max_tokens - budget
+                chunks = chunk_document(
+                    text,
+                    layout,
+                    kb,
+                    embedder.tokenizer(),
+                    max_tokens=embedder.max_tokens,
+                    prefix_tokens=prefix_tokens,
                 )
                 span.set_attribute("kbmesh.chunk_count", len(chunks))
-            # The title goes into what is embedded and keyword-indexed, not the content.
-            indexed = [f"{title}\n{c.text}" if title else c.text for c in chunks]
+            # The heading path goes into what is embedded and keyword-indexed, not the content.
+            indexed = []
+            for c in chunks:
+                head = prefix(c.headings)
+                indexed.append(f"{head}\n{c.text}" if head else c.text)
             return chunks, indexed, [bm25.encode_document(t) for t in indexed]
 
         chunks, indexed, sparse = await asyncio.to_thread(prepare)
@@ -264,6 +292,7 @@ class EmbedService:
                     "end": c.end,
                     "settings_version": kb.settings_version,
                     "text_checksum": record.checksum,
+                    **_place(c, layout),
                 },
             )
             for c, vector, sparse_vector in zip(chunks, dense, sparse, strict=True)
@@ -292,6 +321,19 @@ class EmbedService:
             settings_version=kb.settings_version,
             chunk_count=len(points),
         )
+
+    async def _layout(self, record: DocumentRecord) -> Layout | None:
+        """The layout ingest stored beside this text; None for a document stored before
+        layouts were (read as plain text), or beside another version of the text."""
+        data = await self.reg.texts.get(layout_object(record.org_id, record.document_id))
+        if not data:
+            return None
+        try:
+            layout = Layout.model_validate_json(data)
+        except ValidationError:
+            log.warning("unreadable layout document_id=%s", record.document_id)
+            return None
+        return layout if layout.checksum == record.checksum else None
 
     async def remove(self, ev: KbRemove) -> None:
         async with self._serial(ev.kb_id, ev.document_id):
@@ -419,3 +461,18 @@ class EmbedService:
                 embedded=embedded,
             ),
         )
+
+
+def _path(parts: list[str]) -> str:
+    return PATH_SEPARATOR.join(parts)
+
+
+def _place(chunk: Chunk, layout: Layout | None) -> dict[str, Any]:
+    """Where a chunk lies in its document, for hits and citations: its heading path, and
+    its pages (or slides)."""
+    place: dict[str, Any] = {}
+    if chunk.headings:
+        place["heading_path"] = list(chunk.headings)
+    if chunk.pages and layout is not None:
+        place["slides" if layout.unit == "slide" else "pages"] = list(chunk.pages)
+    return place

@@ -29,6 +29,7 @@ from services.gateway.api import (
     search,
     tools,
 )
+from services.gateway.api import types as formats
 from services.gateway.api.problems import (
     ProblemFieldError,
     bus_problem,
@@ -219,6 +220,7 @@ def create_app(
     app.include_router(answers.router)
     app.include_router(deadletters.router)
     app.include_router(audit.router)
+    app.include_router(formats.router)
     if mcp is not None:
         app.include_router(tools.create_router(mcp))
         mcp_http = mcp.streamable_http_app(streamable_http_path="/")

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.common.answers import AskOptions
 from services.common.audit import AuditEntry
 from services.common.content import SUPPORTED
+from services.common.formats import FORMATS, readable_types
 from services.common.ids import ID_PATTERN
 from services.common.limits import MAX_KB_TAGS, KbTag, PlainText
 from services.common.models import (
@@ -452,4 +453,40 @@ class DeadLetterList(BaseModel):
         0,
         description="dead letters that name no org (not kbmesh events: malformed input), "
         "which no org sees here; operators list them with `kbmesh dlq list`",
+    )
+
+
+class FormatView(BaseModel):
+    name: str
+    kind: str = Field(
+        description="how its text is read: text, markdown, code, document (converted to "
+        "markdown) or image (waits for OCR)"
+    )
+    mime_types: list[str]
+    extensions: list[str]
+    binary: bool = Field(description="bytes rather than text: send it base64-encoded")
+
+
+class TypesView(BaseModel):
+    formats: list[FormatView]
+    mime_types: list[str] = Field(description="every media type an upload may declare")
+    extensions: list[str] = Field(
+        description="every file extension read (a trailing .gz is undone first)"
+    )
+
+
+def types_view() -> TypesView:
+    """What `GET /v1/types` answers: every format of services/common/formats.py."""
+    return TypesView(
+        formats=[
+            FormatView(
+                name=f.name,
+                kind=f.kind,
+                mime_types=list(f.mime_types),
+                extensions=list(f.extensions),
+                binary=f.binary,
+            )
+            for f in FORMATS
+        ],
+        **readable_types(),
     )

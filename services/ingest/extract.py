@@ -1,87 +1,295 @@
-"""Text extraction per media type. Scanned input (no text layer, images) needs OCR."""
+"""Reading a document's text: the type sniffed from its bytes and name, gzip undone within
+bounds, and every format that is not already text converted to markdown by kreuzberg
+(headings, lists and tables kept; pages and slides numbered). Scanned input (a PDF without a
+text layer, an image) raises NeedsOcr: it waits for `ocr.done`.
+
+This runs in the extraction child process (see `sandbox.py`), never in a serving process:
+import nothing here that a child should not load.
+"""
 
 from __future__ import annotations
 
 import io
+import re
+import zipfile
+import zlib
+from dataclasses import dataclass
 
-from services.common.content import (
-    DOCX_TYPE,
-    HTML_TYPES,
-    IMAGE_PREFIX,
-    PDF_TYPE,
-    SUPPORTED,
-    TEXT_TYPES,
+from services.common.errors import InvalidInput, TooLarge
+from services.common.formats import (
+    GENERIC_TYPES,
+    GZIP_TYPE,
+    Format,
+    by_mime,
+    by_name,
+    clean_mime,
+    is_gzip_name,
+    readable_types,
 )
-from services.common.errors import InvalidInput
+from services.common.layout import Layout
+
+SETTING = "KBMESH_LIMITS__"
+# A page marker kreuzberg writes between slides; plain letters survive its markdown escaping.
+_MARKER = "KBMESHPAGEBREAK7F3A"
+_MARKER_LINE = re.compile(rf"\n*{_MARKER} (\d+)\n*")
+# kreuzberg 4.10 opens an HTML page's markdown with its <head> metadata as YAML front matter
+# whose closing "---" its own formatter turns into a heading ("## title: ..."): dropped, the
+# page's <h1> and text follow it.
+_HTML_FRONT_MATTER = re.compile(r"\A---\n(?:[\w:-]+: [^\n]*\n)*\n?## [\w:-]+: [^\n]*\n+")
+_ZIP_MAGIC = b"PK\x03\x04"
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 class NeedsOcr(Exception):
     """The content has no text layer; it waits for `ocr.done`."""
 
 
-def extract_text(data: bytes, mime: str) -> str:
-    """Return the document's text, or raise NeedsOcr / InvalidInput (also when there is no
-    text at all: an empty document would be stored and reported complete with no chunks)."""
-    text = _extract(data, mime)
+@dataclass(frozen=True)
+class Bounds:
+    """How far decompression may expand a document (the bomb guard)."""
+
+    expanded_bytes: int
+    expansion_ratio: int
+
+
+@dataclass(frozen=True)
+class Extracted:
+    text: str
+    mime_type: str  # the type as read (sniffed), which the document is recorded with
+    layout: Layout
+
+
+def extract(data: bytes, declared: str | None, name: str, bounds: Bounds) -> Extracted:
+    """The document's text and layout, or NeedsOcr / InvalidInput / TooLarge (a document
+    with no text at all is invalid: it would be stored and reported complete with nothing
+    to find)."""
+    mime = clean_mime(declared)
+    if data.startswith(_GZIP_MAGIC) or mime == GZIP_TYPE or is_gzip_name(name):
+        data = gunzip(data, bounds)
+        mime = "" if mime == GZIP_TYPE else mime
+        name = re.sub(r"\.gz$", "", name, flags=re.IGNORECASE)
+    fmt = sniff(data, mime, name)
+    if fmt.kind == "image":
+        raise NeedsOcr(fmt.mime_type)
+    if fmt.kind == "document":
+        text, layout = _converted(data, fmt, bounds)
+    else:
+        text = _decode(data, fmt)
+        layout = Layout(checksum="", format="text" if fmt.kind == "text" else fmt.kind)
+        if fmt.kind == "code":
+            layout.language = fmt.name
     if not text.strip():
+        if fmt.mime_type == "application/pdf":
+            raise NeedsOcr(fmt.mime_type)
         raise InvalidInput("the document has no text (empty or only whitespace)", field="content")
-    return text
+    return Extracted(text=text, mime_type=fmt.mime_type, layout=layout)
 
 
-def _extract(data: bytes, mime: str) -> str:
-    if mime in TEXT_TYPES:
-        text = _decode(data)
-        if "\x00" in text:
-            raise InvalidInput(
-                f"{mime} content contains NUL characters: not a text file", field="content"
-            )
-        return text
-    # NULs that a parser passes through from a binary format carry nothing.
-    return _extract_formatted(data, mime).replace("\x00", "")
+def sniff(data: bytes, declared: str, name: str) -> Format:
+    """The document's format: its bytes decide for binary formats (a PDF under any name is
+    read as a PDF), then a specific declared type, then the file name, then whether the bytes
+    are text at all."""
+    magic = _magic(data)
+    if magic is not None and (magic.binary or magic.kind == "image"):
+        return magic
+    stated = by_mime(declared) if declared not in GENERIC_TYPES else None
+    named = by_name(name)
+    if declared and declared not in GENERIC_TYPES and stated is None:
+        raise InvalidInput(
+            f"unsupported mime_type {declared!r}; readable types: "
+            f"{', '.join(readable_types()['mime_types'])}",
+            field="mime_type",
+        )
+    # "text/plain" is what many clients send for any text: a telling name of a text format is
+    # more exact (a binary format's name on text content is not: the text is read as text).
+    text_named = named is not None and not named.binary
+    if stated is not None and not (stated.mime_type == "text/plain" and text_named):
+        return stated
+    if named is not None and not named.binary:
+        return named
+    if magic is not None:
+        return magic
+    if named is not None:  # a binary format by name whose bytes are not that format
+        raise InvalidInput(f"not a readable {named.name} file", field="content")
+    if b"\x00" in data[:8192]:
+        raise InvalidInput(
+            "unsupported type: binary content in no format kbmesh reads", field="mime_type"
+        )
+    return by_mime("text/plain")  # type: ignore[return-value]
 
 
-def _extract_formatted(data: bytes, mime: str) -> str:
-    if mime in HTML_TYPES:
-        from bs4 import BeautifulSoup
+def _magic(data: bytes) -> Format | None:
+    """What kreuzberg's content sniffing says, when it names a format kbmesh reads."""
+    import kreuzberg
 
-        soup = BeautifulSoup(_decode(data), "html.parser")
-        for tag in soup(["script", "style", "noscript"]):
-            tag.decompose()
-        return soup.get_text("\n", strip=True)
-    if mime == PDF_TYPE:
-        return _pdf_text(data)
-    if mime == DOCX_TYPE:
-        import docx
+    try:
+        detected = kreuzberg.detect_mime_type_from_bytes(data)
+    except (kreuzberg.KreuzbergError, RuntimeError, ValueError):
+        return None  # "Could not determine MIME type": not a format it knows
+    found = by_mime(detected)
+    if found is None and detected == "application/zip":
+        found = _zip_format(data)
+    return found
 
-        try:
-            document = docx.Document(io.BytesIO(data))
-        except Exception as err:
-            raise InvalidInput(f"not a readable DOCX file: {err}", field="content") from err
-        return "\n".join(p.text for p in document.paragraphs if p.text.strip())
-    if mime.startswith(IMAGE_PREFIX):
-        raise NeedsOcr(mime)
-    raise InvalidInput(
-        f"unsupported mime_type {mime!r}; supported: {', '.join(SUPPORTED)}", field="mime_type"
+
+def _zip_format(data: bytes) -> Format | None:
+    """Office and e-book files are zips; their first entries name what they are."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            names = set(z.namelist())
+            if "mimetype" in names:
+                return by_mime(z.read("mimetype")[:100].decode("ascii", "replace"))
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    for prefix, mime in (
+        ("word/", "application/vnd.openxmlformats-officedocument.wordprocessingml.document"),
+        ("ppt/", "application/vnd.openxmlformats-officedocument.presentationml.presentation"),
+        ("xl/", "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"),
+    ):
+        if any(n.startswith(prefix) for n in names):
+            return by_mime(mime)
+    return None
+
+
+def gunzip(data: bytes, bounds: Bounds) -> bytes:
+    """Decompress gzip (also several members), refusing a bomb before it is inflated: output
+    is read in bounded steps, and reading stops past the absolute size or the ratio."""
+    limit = min(bounds.expanded_bytes, max(len(data), 1) * bounds.expansion_ratio)
+    out = bytearray()
+    rest = data
+    try:
+        while rest:
+            inflater = zlib.decompressobj(wbits=zlib.MAX_WBITS | 16)
+            pending = rest
+            while pending and not inflater.eof:
+                out += inflater.decompress(pending, 1 << 20)
+                _check_expansion(len(out), len(data), limit, bounds)
+                pending = inflater.unconsumed_tail
+            if not inflater.eof:
+                raise InvalidInput("gzip content is truncated", field="content")
+            rest = inflater.unused_data.lstrip(b"\x00")
+    except zlib.error as err:
+        raise InvalidInput(f"not readable gzip content: {err}", field="content") from err
+    return bytes(out)
+
+
+def _check_expansion(size: int, packed: int, limit: int, bounds: Bounds) -> None:
+    if size <= limit:
+        return
+    if size > bounds.expanded_bytes:
+        raise TooLarge(
+            f"the content expands past {bounds.expanded_bytes} bytes when decompressed "
+            f"({SETTING}EXTRACT_EXPANDED_BYTES)",
+            field="content",
+        )
+    raise TooLarge(
+        f"the content expands more than {bounds.expansion_ratio} times its {packed} bytes "
+        f"when decompressed: refused as a decompression bomb ({SETTING}EXTRACT_EXPANSION_RATIO)",
+        field="content",
     )
 
 
-def _decode(data: bytes) -> str:
+def _check_zip(data: bytes, bounds: Bounds) -> None:
+    """An office file or e-book is a zip: refuse one whose entries declare more than the
+    bounds allow before anything inflates them. (Declared sizes can lie; the extraction
+    child's memory and time limits catch a zip that does.)"""
+    if not data.startswith(_ZIP_MAGIC):
+        return
     try:
-        return data.decode("utf-8")
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            declared = sum(info.file_size for info in z.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        raise InvalidInput(f"not a readable zip container: {err}", field="content") from err
+    limit = min(bounds.expanded_bytes, len(data) * bounds.expansion_ratio)
+    _check_expansion(declared, len(data), limit, bounds)
+
+
+def _converted(data: bytes, fmt: Format, bounds: Bounds) -> tuple[str, Layout]:
+    import kreuzberg
+
+    _check_zip(data, bounds)
+    config = kreuzberg.ExtractionConfig(
+        output_format="markdown",
+        use_cache=False,
+        # Scanned pages wait for `ocr.done`; kreuzberg must not OCR them itself. (Its type
+        # stubs lag behind the binding, which takes this argument.)
+        disable_ocr=True,  # type: ignore[call-arg]
+        pages=kreuzberg.PageConfig(
+            extract_pages=True,
+            insert_page_markers=True,
+            marker_format=f"\n\n{_MARKER} {{page_num}}\n\n",
+        ),
+    )
+    try:
+        result = kreuzberg.extract_bytes_sync(_text_bytes(data, fmt), fmt.mime_type, config)
+    except kreuzberg.KreuzbergError as err:
+        if "out of memory" in str(err).lower():
+            # The reader's allocation failed at the child's address-space limit.
+            raise MemoryError(str(err)) from err
+        raise InvalidInput(
+            f"not a readable {fmt.name} file: {_first_line(err)}", field="content"
+        ) from err
+    layout = Layout(checksum="", format="markdown")
+    pages = [
+        (int(p["page_number"]), str(p.get("content") or "").replace("\r\n", "\n"))
+        for p in result.pages or []
+    ]
+    if fmt.mime_type == "application/pdf" and any(content.strip() for _, content in pages):
+        # The pages' own text: kreuzberg's joined markdown of a PDF drops lines it takes for
+        # running headers, and carries no page markers.
+        layout.unit = "page"
+        return _joined(pages, layout), layout
+    content = str(result.content).replace("\x00", "")
+    if fmt.name == "HTML":
+        content = _HTML_FRONT_MATTER.sub("", content)
+    found = list(_MARKER_LINE.finditer(content))
+    if not found:
+        return content, layout
+    layout.unit = "slide" if "presentation" in fmt.mime_type else "page"
+    pieces = [
+        (int(m.group(1)), content[m.end() : nxt.start() if nxt else len(content)])
+        for m, nxt in zip(found, [*found[1:], None], strict=True)
+    ]
+    lead = content[: found[0].start()]
+    if lead.strip():
+        pieces.insert(0, (int(found[0].group(1)), lead))
+    return _joined(pieces, layout), layout
+
+
+def _joined(pieces: list[tuple[int, str]], layout: Layout) -> str:
+    parts: list[str] = []
+    offset = 0
+    for number, piece in pieces:
+        # NULs that a parser passes through from a binary format carry nothing.
+        piece = piece.replace("\x00", "").strip("\n")
+        if not piece.strip():
+            continue
+        if parts:
+            offset += 2  # the "\n\n" between pages
+        layout.pages.append((offset, number))
+        parts.append(piece)
+        offset += len(piece)
+    return "\n\n".join(parts)
+
+
+def _text_bytes(data: bytes, fmt: Format) -> bytes:
+    # Text formats must be UTF-8 for kreuzberg, as for every text kbmesh stores.
+    if not fmt.binary:
+        _decode(data, fmt)
+    return data
+
+
+def _decode(data: bytes, fmt: Format) -> str:
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise InvalidInput("text content is not valid UTF-8", field="content") from err
+        raise InvalidInput(f"{fmt.name} content is not valid UTF-8", field="content") from err
+    if "\x00" in text:
+        raise InvalidInput(
+            f"{fmt.mime_type} content contains NUL characters: not a text file", field="content"
+        )
+    return text.removeprefix("\ufeff")
 
 
-def _pdf_text(data: bytes) -> str:
-    from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
-
-    try:
-        reader = PdfReader(io.BytesIO(data))
-        pages = [page.extract_text() or "" for page in reader.pages]
-    except (PdfReadError, ValueError, KeyError) as err:
-        raise InvalidInput(f"not a readable PDF: {err}", field="content") from err
-    text = "\n\n".join(p.strip() for p in pages if p.strip())
-    if not text.strip():
-        raise NeedsOcr(PDF_TYPE)
-    return text
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]

@@ -3,7 +3,6 @@ turns every change into `kb.index` / `kb.remove` for the embed service."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -19,8 +18,6 @@ from services.common.content import (
     checksum,
     content_checksum,
     decode_content,
-    is_supported,
-    normalise_mime,
 )
 from services.common.errors import Conflict, InvalidInput, NotFound, Transient
 from services.common.events import (
@@ -36,6 +33,7 @@ from services.common.events import (
     TagsChanged,
 )
 from services.common.ids import check_id, new_id
+from services.common.layout import Layout, layout_object
 from services.common.limits import (
     check_document_fields,
     check_extracted_text,
@@ -56,7 +54,8 @@ from services.common.models import (
 )
 from services.common.registry import Registries
 from services.common.settings import Settings
-from services.ingest.extract import NeedsOcr, extract_text
+from services.ingest.extract import NeedsOcr
+from services.ingest.sandbox import Extractor
 
 log = logging.getLogger("kbmesh.ingest")
 T = TypeVar("T")
@@ -93,6 +92,10 @@ class IngestService:
         self.publish = publish
         self.settings = settings
         self.audit = audit
+        self.extractor = Extractor(settings.limits)
+
+    def close(self) -> None:
+        self.extractor.close()
 
     async def _audit(
         self,
@@ -140,20 +143,20 @@ class IngestService:
         )
 
         data = await self._content(ev)
-        mime = normalise_mime(ev.mime_type, ev.name)
-        if not is_supported(mime):
-            raise InvalidInput(f"unsupported mime_type {mime!r}", field="mime_type")
         tags = list(ev.tags)
         if ev.kb_id:
             kb = await self._kb(ev.org_id, ev.kb_id)
             tags.append(kb_tag(kb.kb_id))
         visible, collection = split_tags(tags)
+        text: str | None = None
+        layout: Layout | None = None
         try:
-            # Parsing a large PDF or DOCX is CPU work: keep it off the event loop.
-            text: str | None = await asyncio.to_thread(extract_text, data, mime)
-        except NeedsOcr:
-            text = None
-        if text is not None:
+            # In a child process with memory and time limits (see sandbox.py).
+            extracted = await self.extractor.extract(data, ev.mime_type, ev.name)
+        except NeedsOcr as scanned:
+            mime = str(scanned)
+        else:
+            text, layout, mime = extracted.text, extracted.layout, extracted.mime_type
             check_extracted_text(text, limits)
         if existing is not None and not existing.writable_in(ev.scope_kb_ids):
             raise id_unavailable(document_id)  # before its original bytes are replaced
@@ -191,7 +194,7 @@ class IngestService:
                 await self._save(record, last)
                 log.info("awaiting_ocr org_id=%s document_id=%s", ev.org_id, document_id)
                 return record
-            return await self._store_text(record, text, existing, last)
+            return await self._store_text(record, text, existing, last, layout)
 
         record = await self._cas(write)
         if record.upload_event_id == ev.event_id:
@@ -246,11 +249,17 @@ class IngestService:
         text: str,
         previous: DocumentRecord | None,
         last: int | None,
+        layout: Layout | None = None,
     ) -> DocumentRecord:
         record.checksum = checksum(text)
         if previous is not None and previous.checksum != record.checksum:
             record.text_revision = previous.text_revision + 1
         await self.reg.texts.put(record.text_object, text.encode("utf-8"))
+        # Beside the text, naming its checksum: embed uses it only with the text it describes.
+        layout = (layout or Layout(checksum="")).model_copy(update={"checksum": record.checksum})
+        await self.reg.texts.put(
+            layout_object(record.org_id, record.document_id), layout.model_dump_json().encode()
+        )
         record.status = DocStatus.ready
         record.error = None
         return await self._apply_membership(record, last)
@@ -336,6 +345,7 @@ class IngestService:
             if record is None:
                 continue
             await self.reg.texts.delete(record.text_object)
+            await self.reg.texts.delete(layout_object(record.org_id, record.document_id))
             await self.reg.texts.delete(f"{record.org_id}/{record.document_id}/original")
             deleted.append(record)
             await self._audit(ev, record, "deleted")

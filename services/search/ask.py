@@ -258,6 +258,7 @@ class AskService:
                     relevance=h.score,
                     is_matched=h.is_matched,
                     chunk_index=h.chunk_index,
+                    place=h.place() or None,
                 )
                 for h in hits
             ],
@@ -405,6 +406,9 @@ def _citations(text: str, retrieved: list[SearchHit]) -> list[Citation]:
             document_name=h.document_name,
             kb_id=h.kb_id,
             chunk_index=h.chunk_index,
+            heading_path=h.heading_path,
+            pages=h.pages,
+            slides=h.slides,
         )
         for h in retrieved
         if h.chunk_id in text

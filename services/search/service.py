@@ -466,6 +466,9 @@ def to_hit(hit: Hit, score: float | None, match_type: MatchType | None) -> Searc
         tags=p.get("tags") or [],
         collection=p.get("collection"),
         metadata=p.get("metadata") or {},
+        heading_path=p.get("heading_path") or [],
+        pages=p.get("pages") or [],
+        slides=p.get("slides") or [],
     )
 
 

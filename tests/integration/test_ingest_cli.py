@@ -119,7 +119,7 @@ async def test_folder_ingest_skips_unchanged_and_syncs_deletions(stack, tmp_path
     chunks_before = await metric(client, "kbmesh_chunks_embedded_total")
     status, lines = await kbmesh_ingest(base, *args)
     assert status == 0, lines
-    assert lines[-1] == "12 uploaded, 0 unchanged, 0 deleted, 0 failed", lines
+    assert lines[-1] == "12 uploaded, 0 unchanged, 0 deleted, 1 skipped, 0 failed", lines
     assert any(line.startswith("skipped logo.bin: unsupported") for line in lines), lines
     stored = await source_documents(client, source)
     assert set(stored) == set(TREE), "uris are the paths relative to the folder given"
@@ -141,14 +141,14 @@ async def test_folder_ingest_skips_unchanged_and_syncs_deletions(stack, tmp_path
 
     status, lines = await kbmesh_ingest(base, *args)
     assert status == 0, lines
-    assert lines[-1] == "0 uploaded, 12 unchanged, 0 deleted, 0 failed", lines
+    assert lines[-1] == "0 uploaded, 12 unchanged, 0 deleted, 1 skipped, 0 failed", lines
     assert await metric(client, "kbmesh_chunks_embedded_total") == chunks
 
     (root / "docs" / "guide" / "tags.md").unlink()
     (root / "docs" / "faq.md").write_text("# FAQ\n\nPending documents wait for indexing.")
     status, lines = await kbmesh_ingest(base, *args, "--sync")
     assert status == 0, lines
-    assert lines[-1] == "1 uploaded, 10 unchanged, 1 deleted, 0 failed", lines
+    assert lines[-1] == "1 uploaded, 10 unchanged, 1 deleted, 1 skipped, 0 failed", lines
     after = await source_documents(client, source)
     assert set(after) == set(TREE) - {"docs/guide/tags.md"}
     r = await client.get(f"/v1/documents/{stored['docs/guide/tags.md']['document_id']}")
@@ -170,7 +170,7 @@ async def test_failed_extraction_is_listed_and_exits_1(stack, tmp_path):
     failed_before = await metric(client, "kbmesh_documents_failed_total", stage="ingest")
     status, lines = await kbmesh_ingest(base, tmp_path, "--kb", kb["kb_id"])
     assert status == 1, lines
-    assert lines[-1] == "1 uploaded, 0 unchanged, 0 deleted, 1 failed", lines
+    assert lines[-1] == "1 uploaded, 0 unchanged, 0 deleted, 0 skipped, 1 failed", lines
     failure = next(line for line in lines if line.startswith("failed broken.pdf: "))
     assert "PDF" in failure, failure
     assert lines.index(failure) < len(lines) - 1
@@ -197,11 +197,34 @@ async def test_url_ingest_loads_one_web_page(stack):
         url = f"{site}/runbook.html"
         status, lines = await kbmesh_ingest(base, url, "--kb", kb["name"])
     assert status == 0, lines
-    assert lines[-1] == "1 uploaded, 0 unchanged, 0 deleted, 0 failed", lines
+    assert lines[-1] == "1 uploaded, 0 unchanged, 0 deleted, 0 skipped, 0 failed", lines
     docs = (await client.get("/v1/documents", params={"kb": kb["kb_id"]})).json()["items"]
     assert [(d["uri"], d["status"]) for d in docs] == [(url, "complete")]
     r = await client.post("/v1/search", json={"query": "restart order", "kb_ids": [kb["kb_id"]]})
     assert r.json()["hits"][0]["document_id"] == docs[0]["document_id"]
+
+
+async def test_a_missing_kb_is_reported_first_with_the_fix(stack, tmp_path):
+    """An unknown KB is the first thing said, with the fix, and nothing is read or uploaded
+    (exit 1); with --create-kb the KB is created and the files load into it."""
+    _rt, client, base = stack
+    (tmp_path / "a.md").write_text("# A\n\nAbout alpha.")
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)))
+    name = f"new-{uid()}"
+    status, lines = await kbmesh_ingest(base, tmp_path, "--kb", name)
+    assert status == 1, lines
+    assert lines[0].startswith(f"kbmesh ingest: knowledge base {name!r} not found"), lines
+    assert "--create-kb" in lines[0]
+    assert lines[-1] == "0 uploaded, 0 unchanged, 0 deleted, 0 skipped, 0 failed", lines
+    assert (await client.get(f"/v1/kbs/{name}")).status_code == 404
+
+    status, lines = await kbmesh_ingest(base, tmp_path, "--kb", name, "--create-kb")
+    assert status == 0, lines
+    assert lines[0].startswith(f"created knowledge base {name!r}"), lines
+    assert "skipped blob.bin: unsupported type (binary content)" in lines
+    assert lines[-1] == "1 uploaded, 0 unchanged, 0 deleted, 1 skipped, 0 failed", lines
+    stats = (await client.get(f"/v1/kbs/{name}/stats")).json()
+    assert stats["document_count"] == 1
 
 
 async def test_bad_usage_exits_2(stack, tmp_path):

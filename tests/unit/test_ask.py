@@ -99,3 +99,36 @@ async def test_a_private_api_base_is_refused_before_any_call():
     with pytest.raises(Forbidden, match="non-public address"):
         await chat(EgressPolicy()).check()
     await chat(EgressPolicy(allow_private=True)).check()
+
+
+def test_citations_name_the_section_and_page_of_what_they_cite():
+    """A cited chunk's heading path and pages travel into the citation and its text."""
+    from services.common.answers import AskResponse, Usage
+    from services.common.queries import SearchHit
+    from services.gateway.tools.rendering import render_answer
+    from services.search.ask import _citations
+
+    hit = SearchHit(
+        chunk_id="c-1",
+        kb_id="kb",
+        document_id="d",
+        document_name="report.pdf",
+        chunk_index=3,
+        total_chunks=9,
+        content="The survey found quasarfjord.",
+        heading_path=["Findings"],
+        pages=[2],
+    )
+    [citation] = _citations("As c-1 says, yes.", [hit])
+    assert (citation.heading_path, citation.pages, citation.slides) == (["Findings"], [2], [])
+    response = AskResponse(
+        answer="yes",
+        citations=[citation],
+        retrieved=[hit],
+        iterations=1,
+        searches=[],
+        stopped="answered",
+        model="m",
+        usage=Usage(),
+    )
+    assert "- report.pdf, Findings · page 2, chunk 4 " in render_answer(response)

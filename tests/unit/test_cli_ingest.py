@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli_ingest import Options, Progress, UsageError, walk
+from services.cli_ingest import Options, Progress, Readable, Tally, UsageError, walk
 
 
 def options(*paths: Path, **overrides: object) -> Options:
@@ -126,3 +126,64 @@ async def test_progress_redraws_one_line_on_a_terminal_and_prints_lines_elsewher
     assert tty.getvalue().startswith("\r\x1b[2K[") and tty.getvalue().endswith("\n")
     assert "1/2 files" in tty.getvalue() and "progress:" not in tty.getvalue()
     assert plain.getvalue().startswith("progress: 1/2 files, 10 B/10 B, 4 chunks indexed")
+
+
+def test_every_type_the_server_reads_is_picked_with_its_media_type(tmp_path: Path) -> None:
+    """reStructuredText, gzipped markdown, code, office files and extensionless scripts are
+    uploaded (with the server's media type for their extension); a gzip holding binary
+    bytes and an image are skipped with the reason."""
+    import gzip
+
+    tree(
+        tmp_path,
+        {
+            "guide.rst": "Guide\n=====\n",
+            "readme.md.gz": gzip.compress(b"# Readme\n"),
+            "changelog.Debian.gz": gzip.compress(b"pkg (1.0) unstable\n"),
+            "blob.gz": gzip.compress(bytes(range(256))),
+            "tool.py": "def f():\n    pass\n",
+            "report.pdf": b"%PDF-1.4 \x00\x01",
+            "configure": "#!/bin/sh\necho hi\n",
+            "scan.jpg": b"\xff\xd8\xff",
+        },
+    )
+    files, skipped = walk(options(tmp_path))
+    assert {f.uri: f.mime_type for f in files} == {
+        "guide.rst": "text/x-rst",
+        "readme.md.gz": "application/gzip",
+        "changelog.Debian.gz": "application/gzip",
+        "tool.py": "text/x-python",
+        "report.pdf": "application/pdf",
+        "configure": "text/plain",
+    }
+    reasons = {s.uri: s.reason for s in skipped}
+    assert reasons == {
+        "blob.gz": "unsupported type (binary content)",
+        "scan.jpg": "unsupported type (an image: it needs OCR first)",
+    }
+
+
+def test_the_servers_list_of_types_decides(tmp_path: Path) -> None:
+    """What the server lists (GET /v1/types) is what is uploaded: a server that reads no
+    PDFs gets none, as binary content of an unknown type."""
+    tree(tmp_path, {"a.pdf": b"%PDF-1.4 \x00", "b.md": "# B"})
+    server = {
+        "formats": [
+            {
+                "name": "Markdown",
+                "kind": "markdown",
+                "mime_types": ["text/markdown"],
+                "extensions": [".md"],
+                "binary": False,
+            },
+        ]
+    }
+    files, skipped = walk(options(tmp_path), Readable.from_types(server))
+    assert [(f.uri, f.mime_type) for f in files] == [("b.md", "text/markdown")]
+    assert [(s.uri, s.reason) for s in skipped] == [("a.pdf", "unsupported type (binary content)")]
+
+
+def test_summary_counts_skipped_files() -> None:
+    tally = Tally(uploaded=3, unchanged=1, deleted=0, skipped=2)
+    tally.failures.append(("x.md", "HTTP 422"))
+    assert tally.summary() == "3 uploaded, 1 unchanged, 0 deleted, 2 skipped, 1 failed"

@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING
 
 from services.common.answers import AskResponse
-from services.common.queries import ChunkResponse, SearchHit, SearchResponse
+from services.common.queries import ChunkResponse, SearchHit, SearchResponse, place_text
 
 if TYPE_CHECKING:
     from services.gateway.tools.compat import SearchDocsOutput, SearchKnowledgeBaseOutput
@@ -16,8 +16,10 @@ if TYPE_CHECKING:
 def _hit_header(hit: SearchHit) -> str:
     where = hit.uri or hit.source_id or ""
     score = f", score {hit.score:.3f}" if hit.score is not None else ""
+    place = hit.place()
     return (
         f"{hit.document_name} — chunk {hit.chunk_index + 1} of {hit.total_chunks}{score}"
+        + (f"\n    in: {place}" if place else "")
         + (f"\n    source: {where}" if where else "")
         + f"\n    kb: {hit.kb_id} · document_id: {hit.document_id} · chunk_id: {hit.chunk_id}"
     )
@@ -100,7 +102,8 @@ def render_answer(resp: AskResponse) -> str:
     if resp.citations:
         lines.append("\nSources:")
         lines.extend(
-            f"- {c.document_name}, chunk {c.chunk_index + 1} (kb: {c.kb_id} · document_id: "
+            f"- {c.document_name}, {_cited_place(c.heading_path, c.pages, c.slides)}"
+            f"chunk {c.chunk_index + 1} (kb: {c.kb_id} · document_id: "
             f"{c.document_id} · chunk_id: {c.chunk_id})"
             for c in resp.citations
         )
@@ -108,3 +111,8 @@ def render_answer(resp: AskResponse) -> str:
     stop = "answered" if resp.stopped == "answered" else "stopped at the iteration limit"
     lines.append(f"\n({resp.model}, {resp.iterations} model call(s), {stop}; searches: {searched})")
     return "\n".join(lines)
+
+
+def _cited_place(heading_path: list[str], pages: list[int], slides: list[int]) -> str:
+    place = place_text(heading_path, pages, slides)
+    return f"{place}, " if place else ""

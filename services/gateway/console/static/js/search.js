@@ -183,6 +183,7 @@ export function renderSearch(panel, getKb) {
               h("div.chunk-meta",
                 c.score !== null && c.score !== undefined ? h("span.score", `score ${c.score.toFixed(3)}`) : null,
                 h("span", `chunk ${c.chunk_index + 1} of ${c.total_chunks}`),
+                place(c) ? h("span.place", place(c)) : null,
                 c.match_type ? h("span.match-type", c.match_type) : null),
               h("p", highlighted(c.content, text)))
             : h("div.chunk.neighbour",
@@ -194,4 +195,14 @@ export function renderSearch(panel, getKb) {
   }
 
   clear(panel).append(h("div.card", form), results);
+}
+
+// Where a chunk lies in its document: "Setup › Cooling · page 2" (as the MCP tools say it).
+function place(hit) {
+  const parts = (hit.heading_path || []).length ? [hit.heading_path.join(" › ")] : [];
+  for (const [unit, numbers] of [["page", hit.pages || []], ["slide", hit.slides || []]]) {
+    if (numbers.length === 1) parts.push(`${unit} ${numbers[0]}`);
+    else if (numbers.length > 1) parts.push(`${unit}s ${numbers[0]}-${numbers[numbers.length - 1]}`);
+  }
+  return parts.join(" · ");
 }

@@ -1,0 +1,114 @@
+"""Extraction in child processes, each bounded in memory and time, so that a hostile or broken
+document (a decompression bomb, a parser stuck in a loop) fails alone and the serving process
+neither grows nor stalls.
+
+pebble's process pool runs `extract.extract` in spawned children: a task past its time is
+killed with its process, which the pool replaces. Each child caps its own address space
+(RLIMIT_AS) and runs at a lower CPU priority than the services, so searches keep their
+latency while a document is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from pebble import ProcessExpired, ProcessPool
+
+from services.common.errors import InvalidInput
+from services.common.limits import LimitSettings
+from services.ingest.extract import Bounds, Extracted, extract
+
+log = logging.getLogger("kbmesh.ingest")
+SETTING = "KBMESH_LIMITS__"
+# Lower CPU priority of the children than the serving process (0 = the same).
+CHILD_NICENESS = 10
+# A child is replaced after this many documents: whatever a parser leaked goes with it.
+TASKS_PER_CHILD = 100
+
+
+class ExtractionFailed(InvalidInput):
+    """The document took more memory or time than a document may."""
+
+
+def _limit_child(memory_bytes: int) -> None:
+    """Runs first in every child: cap its address space, yield the CPU to the services."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    with contextlib.suppress(OSError):  # a platform that refuses niceness runs at ours
+        os.nice(CHILD_NICENESS)
+    import kreuzberg  # noqa: F401  loaded once per child, not per document
+
+
+def _run(data: bytes, declared: str | None, name: str, bounds: Bounds) -> Extracted:
+    try:
+        return extract(data, declared, name, bounds)
+    except MemoryError as err:
+        raise ExtractionFailed("reading the document ran out of memory") from err
+
+
+class Extractor:
+    """Reads documents in a pool of bounded child processes."""
+
+    def __init__(self, limits: LimitSettings) -> None:
+        self.limits = limits
+        self.bounds = Bounds(
+            expanded_bytes=limits.extract_expanded_bytes,
+            expansion_ratio=limits.extract_expansion_ratio,
+        )
+        self._pool: ProcessPool | None = None
+
+    def _started(self) -> ProcessPool:
+        if self._pool is None or not self._pool.active:
+            self._pool = ProcessPool(
+                max_workers=self.limits.extract_workers,
+                max_tasks=TASKS_PER_CHILD,
+                initializer=_limit_child,
+                initargs=(self.limits.extract_memory_mb * 1024 * 1024,),
+                # spawn: a fork of a serving process would copy its threads' locks and its
+                # memory; a spawned child imports only the extraction code.
+                context=multiprocessing.get_context("spawn"),
+            )
+        return self._pool
+
+    async def extract(self, data: bytes, declared: str | None, name: str) -> Extracted:
+        """The document's text and layout; InvalidInput (or its ExtractionFailed) when it
+        cannot be read within the limits, NeedsOcr when it has no text layer."""
+        seconds = self.limits.extract_seconds
+        future = self._started().schedule(
+            _run, args=(data, declared, name, self.bounds), timeout=seconds
+        )
+        try:
+            return await asyncio.wrap_future(future)
+        except FutureTimeout as err:
+            raise ExtractionFailed(
+                f"reading the document took longer than {seconds:g} s and was stopped "
+                f"({SETTING}EXTRACT_SECONDS)",
+                field="content",
+            ) from err
+        except ProcessExpired as err:
+            # Killed by the kernel: most often an allocation past RLIMIT_AS in native code.
+            log.warning("extraction child died name=%s exitcode=%s", name, err.exitcode)
+            raise ExtractionFailed(
+                f"reading the document exceeded the memory limit of "
+                f"{self.limits.extract_memory_mb} MB, or crashed the reader "
+                f"({SETTING}EXTRACT_MEMORY_MB)",
+                field="content",
+            ) from err
+        except ExtractionFailed as err:
+            raise ExtractionFailed(
+                f"{err.message}: over the limit of {self.limits.extract_memory_mb} MB "
+                f"({SETTING}EXTRACT_MEMORY_MB)",
+                field="content",
+            ) from err
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join(timeout=10)
+            self._pool = None
