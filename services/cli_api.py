@@ -16,14 +16,10 @@ from typing import Any
 
 import httpx
 
+from services.cli_ingest import default_api
+
 EXIT_ERROR = 1
 MODES = ("hybrid", "dense", "keyword")
-
-
-def default_api() -> str:
-    return os.environ.get("KBMESH_API_URL") or (
-        f"http://127.0.0.1:{os.environ.get('KBMESH_PORT') or 8080}"
-    )
 
 
 class ApiFailure(Exception):

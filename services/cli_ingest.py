@@ -38,7 +38,14 @@ import httpx
 
 from services.common.formats import FORMATS, GZIP_TYPE
 
-DEFAULT_API = "http://127.0.0.1:8080"
+
+def default_api() -> str:
+    """KBMESH_API_URL, else the local stack on KBMESH_PORT (8080), as `kbmesh up` serves it."""
+    return os.environ.get("KBMESH_API_URL") or (
+        f"http://127.0.0.1:{os.environ.get('KBMESH_PORT') or 8080}"
+    )
+
+
 PAGE = 500
 # How long to keep polling a document the upload's own wait gave up on (a long queue).
 SETTLE_SECONDS = 3600.0
@@ -85,8 +92,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--concurrency", type=_positive, default=8, help="uploads at once (default 8)")
     p.add_argument(
         "--api",
-        default=DEFAULT_API,
-        help=f"kbmesh REST API (default {DEFAULT_API}); the key comes from KBMESH_API_KEY",
+        default=default_api(),
+        help="kbmesh REST API (KBMESH_API_URL; default http://127.0.0.1:$KBMESH_PORT, port "
+        "8080); the key comes from KBMESH_API_KEY",
     )
 
 

@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     # Backup reads the bus; restore runs ingest and embed over a new data dir.
     "backup": {"common", "runtime"},
     # `kbmesh status|search|kb`: REST clients too.
-    "cli_api": set(),
+    "cli_api": {"cli_ingest"},
     "cli": {"common", "contracts", "gateway", "runtime", "cli_ingest", "cli_api", "backup"},
 }
 
