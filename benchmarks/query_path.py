@@ -58,7 +58,7 @@ async def run(
 ) -> dict[str, list[float]]:
     onnx = LocalEmbedder(MODEL)
     onnx.load()
-    torch = LocalEmbedder(MODEL, backend="torch")
+    torch = LocalEmbedder(MODEL, backend="torch", device="cpu")
     torch.load()
     nc = await nats.connect((data / "nats.url").read_text().strip())
     names = ("rest_hybrid", "rest_keyword", "nats_hybrid", "nats_keyword", "onnx", "torch")

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,7 +19,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.common.bus import BUS_UNAVAILABLE
 from services.common.errors import KbmeshError
 from services.common.natsproc import NatsServer
-from services.common.queries import SearchQuery
 from services.gateway.api import answers, deadletters, documents, kbs, progress, search, tools
 from services.gateway.api.problems import (
     ProblemFieldError,
@@ -31,14 +28,13 @@ from services.gateway.api.problems import (
     openapi_document,
     problem,
 )
-from services.gateway.auth import KeyResolver, Principal
-from services.gateway.bodyguard import JsonBodyGuard, read_body, replay
+from services.gateway.auth import KeyResolver
+from services.gateway.bodyguard import JsonBodyGuard
 from services.gateway.console import mount_console
 from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
 
 _tracer = trace.get_tracer("kbmesh.gateway")
-SEARCH_PATH = "/v1/search"
 
 
 class TracedRequests:
@@ -79,92 +75,6 @@ def _server_span(scope: Scope, send: Send, route: str | None = None) -> Iterator
         yield send_traced
 
 
-class FastSearch:
-    """`POST /v1/search` answered ahead of FastAPI's request machinery.
-
-    Routing, the middleware chain, solving the route's dependencies and FastAPI's body
-    handling took 0.5-0.6 ms of a 7-9 ms search back to back, and about 1 ms when the
-    search followed other work on the same cores (docs/benchmarks.md, "Where a search's
-    time goes"). A search the route would answer is answered here, with the same key check,
-    body guard, validation, span and service call. Anything the route would refuse (a
-    missing or unknown key, a body that is not a valid SearchQuery, an unusual content type)
-    goes on to the app as it came, nothing having been done, and is refused there in the
-    usual problem format. The route stays the documented operation."""
-
-    def __init__(self, app: ASGIApp, service: GatewayService, keys: KeyResolver) -> None:
-        self.app = app
-        self.service = service
-        self.keys = keys
-        self.guard = JsonBodyGuard(app)
-
-    @staticmethod
-    def takes(scope: Scope) -> bool:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != SEARCH_PATH:
-            return False
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                return value.split(b";")[0].strip().lower() == b"application/json"
-        return False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body, other = await read_body(receive)
-        replayed = replay(body, receive, other)
-        accepted = None if other is not None else await self._accept(scope, body)
-        if accepted is None:
-            await self.app(scope, replayed, send)
-            return
-        caller, query = accepted
-        with _server_span(scope, send, SEARCH_PATH) as send_traced:
-            response: Response
-            try:
-                found = await self.service.search.query_json(caller, query)
-            except KbmeshError as err:
-                response = error_problem(err)
-            except BUS_UNAVAILABLE as err:
-                response = bus_problem(err)
-            else:
-                response = Response(found, media_type="application/json")
-            await response(scope, replayed, send_traced)
-
-    async def _accept(self, scope: Scope, body: bytes) -> tuple[Principal, SearchQuery] | None:
-        """The caller and the query, when the route would take them; else None."""
-        if self.guard.inspect(body) is not None:
-            return None
-        try:
-            # As the route parses it: JSON first, then the model (the same errors, the same
-            # coercions).
-            query = SearchQuery.model_validate(json.loads(body))
-        except (ValueError, ValidationError):
-            return None
-        authorization = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":  # the first, as the route's `Header()` reads it
-                authorization = value.decode("latin-1")
-                break
-        client = scope.get("client")
-        try:
-            caller = await self.keys.resolve(authorization, client[0] if client else None)
-        except Exception:  # a refused key, or a bus that is away: the route answers
-            return None
-        return caller, query
-
-
-class GatewayApp(FastAPI):
-    """FastAPI, with `POST /v1/search` answered by `FastSearch` where it can."""
-
-    fast_search: FastSearch | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.fast_search is not None and FastSearch.takes(scope):
-            await self.fast_search(scope, receive, send)
-            return
-        await super().__call__(scope, receive, send)
-
-    async def routed(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app without the fast path: where `FastSearch` sends what it does not take."""
-        await super().__call__(scope, receive, send)
-
-
 def create_app(
     service: GatewayService,
     keys: KeyResolver,
@@ -190,7 +100,7 @@ def create_app(
         finally:
             await service.stop()
 
-    app = GatewayApp(
+    app = FastAPI(
         title="kbmesh",
         version="0.1.0",
         description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
@@ -289,5 +199,4 @@ def create_app(
         )
         app.mount("/mcp", mcp_http)
     mount_console(app)
-    app.fast_search = FastSearch(app.routed, service, keys)
     return app

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.embedders.base import Embedder, is_local
-from services.common.embedders.local import Backend, LocalEmbedder, local_spec
+from services.common.embedders.local import LocalEmbedder, local_spec
 from services.common.embedders.remote import LiteLLMEmbedder, remote_max_tokens
+from services.common.embedders.selection import Backend, Device, Precision
 
 if TYPE_CHECKING:
     from services.common.egress import EgressPolicy
@@ -36,6 +37,8 @@ class EmbedderPool:
         api_key: str | None = None,
         query_cache_size: int = 1024,
         local_backend: Backend = "onnx",
+        local_device: Device = "auto",
+        local_precision: Precision = "auto",
         document_processes: int = 0,
         cache_dir: Path | None = None,
         egress: EgressPolicy | None = None,
@@ -46,7 +49,7 @@ class EmbedderPool:
         self._egress = egress
         self._max_batch = max_batch
         self._api_key = api_key
-        self._local_backend: Backend = local_backend
+        self._local = dict(backend=local_backend, device=local_device, precision=local_precision)
         self._document_processes = document_processes
         self._cache_dir = cache_dir
         self._embedders: dict[tuple[str, str | None], Embedder] = {}
@@ -62,7 +65,7 @@ class EmbedderPool:
                 if is_local(model):
                     embedder = LocalEmbedder(
                         model,
-                        backend=self._local_backend,
+                        **self._local,  # type: ignore[arg-type]
                         cache_dir=self._cache_dir,
                         batch_size=self._batch_size,
                         max_batch=self._max_batch,
