@@ -92,9 +92,9 @@ def main() -> None:
     config = json.loads((embedder.model_dir / "config.json").read_text())
     shape = (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"])
 
-    from services.common.embedders.tokenizing import model_input_tokenizer
+    from services.common.embedders.tokenizing import model_tokenizer
 
-    tokenizer = model_input_tokenizer(embedder.model_dir, embedder.max_tokens + 2)
+    tokenizer = model_tokenizer(embedder.model_dir, embedder.max_tokens + 2)
     texts = pipeline_chunks(embedder, [(d["_id"], d["text"]) for d in corpus])
     ours = [len(e.ids) for e in tokenizer.encode_batch(texts)]
     theirs = [len(e.ids) for e in tokenizer.encode_batch([d["text"] for d in corpus])]

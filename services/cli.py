@@ -231,8 +231,8 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
 def _freeze_heap() -> None:
     """What a started server holds (modules, models, schemas: over a million objects) lives
     as long as the process. Frozen, the collector's full passes skip it; unfrozen, they
-    walked it all every few seconds under load, each stopping the process for 130-200 ms
-    (10-30 ms frozen)."""
+    walked it all every few seconds under load, each pausing the process several times
+    longer (docs/benchmarks/log)."""
     gc.collect()
     gc.freeze()
 

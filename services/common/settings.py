@@ -36,7 +36,7 @@ class BusSettings(BaseModel):
 
 class SearchSettings(BaseModel):
     # Defaults measured on three sets (man pages by what they are for, man pages by a sentence
-    # from their middle, stdlib pages by one function's summary): docs/benchmarks.md.
+    # from their middle, stdlib pages by one function's summary): docs/benchmarks/log.
     rrf_k: int = Field(10, ge=1, description="reciprocal rank fusion constant")
     lead_weight: float = Field(
         1.0,
@@ -52,7 +52,7 @@ class SearchSettings(BaseModel):
         "fraction of the best chunk or less (the answer is inside a document)",
     )
     # 50, not 100: the same quality on every set measured (MRR@10 within 0.003), and a
-    # search turns half as many candidates into hits (docs/benchmarks.md, "Candidates per
+    # search turns half as many candidates into hits (docs/benchmarks/log, "Candidates per
     # list"). A larger `top_k` still gets lists of `top_k`.
     prefetch_limit: int = Field(
         50, ge=1, le=1000, description="candidates per list (signal, lead or not, KB)"

@@ -126,7 +126,7 @@ async def test_calls_run_side_by_side_up_to_the_concurrency() -> None:
 
 
 def test_document_workers_split_the_cores() -> None:
-    """One single-threaded bfloat16 child per core up to four; past that, threads per child;
+    """One single-threaded child per core up to four; past that, threads per child;
     an operator's process count shares the cores among them."""
     from services.common.embedders.processes import document_workers
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from services.common.embedders.base import normalise
 from services.common.embedders.cpu import usable_physical_cores
-from services.common.embedders.tokenizing import model_input_tokenizer
+from services.common.embedders.tokenizing import model_tokenizer
 
 Pooling = Literal["mean", "cls"]
 
@@ -91,7 +91,7 @@ class OnnxEncoder:
         import onnxruntime as ort
 
         self.config = ModelConfig.read(model_dir)
-        self._tok = model_input_tokenizer(model_dir, self.config.max_seq_length)
+        self._tok = model_tokenizer(model_dir, self.config.max_seq_length)
         self._batch_size = batch_size
 
         def session(*, spin: bool) -> ort.InferenceSession:

@@ -1,16 +1,8 @@
-"""Local models: weights on this machine, run in-process, no network and no key.
-
-    LocalEmbedder       the `local/...` model ids (or any sentence-transformers directory of
-                        a BERT-family encoder): a query lane and a document lane
-    ├── engine          onnxruntime on CPU; torch on a CUDA GPU, and the fp32 reference
-    ├── selection       which engine, device and precision: one table, settings override it
-    ├── processes       document batches in child processes, below other work's priority
-    └── onnx_export     the weights → a cached ONNX graph, fp32 or int8 (no download)
-
-Document chunks of concurrent `kb.index` messages are coalesced into batches (`Batcher`);
-queries take their own lane and thread, so a search never waits for a document batch. No
-model call runs on the event loop.
-"""
+"""Local models: weights on this machine, no network and no key. `LocalEmbedder` serves the
+`local/...` ids (or any sentence-transformers directory of a BERT-family encoder) on the
+engine, device and precision `selection` picks. Document chunks of concurrent `kb.index`
+messages are coalesced into batches (`Batcher`); queries take their own lane and thread, so
+a search never waits for a document batch. No model call runs on the event loop."""
 
 from __future__ import annotations
 
@@ -31,9 +23,9 @@ from services.common import metrics
 from services.common.embedders.base import LOCAL_PREFIX, MODEL_FIELD, QUERY_MAX_TEXTS
 from services.common.embedders.batching import Batcher
 from services.common.embedders.engine import Encoder, ModelConfig, OnnxEncoder, TorchEncoder
-from services.common.embedders.processes import EncoderGroup, ProcessEncoder
+from services.common.embedders.processes import ProcessEncoder
 from services.common.embedders.selection import Backend, Device, Precision, select
-from services.common.embedders.tokenizing import chunking_tokenizer
+from services.common.embedders.tokenizing import model_tokenizer
 from services.common.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -96,17 +88,6 @@ def default_cache_dir() -> Path:
     return Path(base) / "kbmesh" / "models"
 
 
-class LaneEncoder:
-    """Queries on one encoder, document batches on another."""
-
-    def __init__(self, queries: Encoder, documents: Encoder) -> None:
-        self.queries = queries
-        self.documents = documents
-
-    def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
-        return (self.queries if query else self.documents).encode(texts, query=query)
-
-
 class LocalEmbedder:
     """A local model. `load()` builds (or reuses) what the selected engine runs and warms it.
     `model_dir` serves any sentence-transformers directory under the id `model`."""
@@ -126,17 +107,21 @@ class LocalEmbedder:
         document_processes: int = 0,
     ) -> None:
         self._spec = LocalModelSpec.of_directory(model_dir) if model_dir else local_spec(model)
-        self._model = LOCAL_PREFIX + model.removeprefix(LOCAL_PREFIX)
+        self.name = model.removeprefix(LOCAL_PREFIX)  # the id without `local/`
+        self.model = LOCAL_PREFIX + self.name
+        self.dim, self.max_tokens = self._spec.dim, self._spec.max_tokens
+        self.model_dir = Path(self._spec.path())
+        self.embed_count = 0  # texts embedded (tests use it to prove no re-embedding)
         if self._spec.quantized:  # only as an onnxruntime graph
             backend = "auto" if backend == "auto" else "onnx"
             device, precision = "cpu", "int8"
         self.selection = select(backend, device, precision, processes=document_processes)
         self._cache_dir = cache_dir or default_cache_dir()
         self._batch_size = batch_size
-        self._encoder: Encoder | None = None
+        # Queries on the first, document batches on the second (the same one in process).
+        self._encoders: tuple[Encoder, Encoder] | None = None
         self._tokenizer: Tokenizer | None = None
         self._load_lock = threading.Lock()
-        self._embed_count = 0
         # One thread per lane: a document batch and a query run at the same time, and
         # neither competes with chunking and BM25 work in the default thread pool.
         workers = self.selection.processes or 1
@@ -153,45 +138,21 @@ class LocalEmbedder:
         self.queries = Batcher(self._encode_queries, max_texts=batch_size)
 
     @property
-    def model(self) -> str:
-        return self._model
-
-    @property
-    def dim(self) -> int:
-        return self._spec.dim
-
-    @property
-    def max_tokens(self) -> int:
-        return self._spec.max_tokens
-
-    @property
-    def embed_count(self) -> int:
-        return self._embed_count
-
-    @property
     def loaded(self) -> bool:
-        return self._encoder is not None
-
-    @property
-    def model_dir(self) -> Path:
-        return Path(self._spec.path())
-
-    @property
-    def name(self) -> str:
-        """The model id without `local/`."""
-        return self._model.removeprefix(LOCAL_PREFIX)
+        return self._encoders is not None
 
     def load(self, *, documents: bool = True) -> None:
         """Build or open the model and warm it (blocking; readiness waits on it). Idempotent.
         `documents=False` (a process that only searches) starts no document processes until
         a document batch first needs them."""
         with self._load_lock:
-            if self._encoder is not None:
+            if self._encoders is not None:
                 return
             sel = self.selection
             encoder: Encoder
             if sel.engine == "torch":
                 encoder = TorchEncoder(self.model_dir, self._batch_size, device=sel.device)
+                batches: Encoder = encoder
             else:
                 from services.common.embedders.onnx_export import ensure_onnx
 
@@ -200,28 +161,24 @@ class LocalEmbedder:
                 )
                 lane = functools.partial(OnnxEncoder, graph, self.model_dir, self._batch_size)
                 encoder = lane(lanes="queries") if sel.processes else lane(threads=sel.threads)
+                batches = encoder
                 if sel.processes:
                     factory = functools.partial(lane, lanes="documents", threads=sel.threads)
-                    with ThreadPoolExecutor(sel.processes) as starting:  # seconds each: at once
-                        children = starting.map(
-                            lambda _: ProcessEncoder(factory, start=documents),
-                            range(sel.processes),
-                        )
-                        encoder = LaneEncoder(encoder, EncoderGroup(list(children)))
+                    batches = ProcessEncoder(factory, sel.processes, start=documents)
             # The first run pays for lazy initialisation inside the runtime.
             probe = encoder.encode(["warm up"], query=True)
             if documents:
-                encoder.encode(["warm up"], query=False)
+                batches.encode(["warm up"], query=False)
             if probe.shape != (1, self._spec.dim):
                 raise RuntimeError(
-                    f"{self._model} gives vectors of shape {probe.shape[1:]}, "
+                    f"{self.model} gives vectors of shape {probe.shape[1:]}, "
                     f"expected ({self._spec.dim},)"
                 )
-            self._encoder = encoder
+            self._encoders = (encoder, batches)
             log.info(
                 "embedder_loaded model=%s engine=%s device=%s precision=%s cpu=%s "
                 "document_processes=%d path=%s",
-                self._model,
+                self.model,
                 sel.engine,
                 sel.device,
                 sel.precision,
@@ -232,10 +189,10 @@ class LocalEmbedder:
 
     def encode(self, texts: list[str], *, query: bool = False) -> np.ndarray:
         """Blocking encode on the caller's thread (benchmarks, tests)."""
-        if self._encoder is None:
+        if self._encoders is None:
             self.load()
-        assert self._encoder is not None
-        return self._encoder.encode(texts, query=query)
+        assert self._encoders is not None
+        return self._encoders[not query].encode(texts, query=query)
 
     async def _encode_documents(self, texts: list[str]) -> list[list[float]]:
         loop = asyncio.get_running_loop()
@@ -255,12 +212,12 @@ class LocalEmbedder:
             vectors = await self.queries.submit(texts)
         else:
             vectors = await self.documents.submit(texts)
-        self._embed_count += len(texts)
+        self.embed_count += len(texts)
         return vectors
 
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            self._tokenizer = chunking_tokenizer(self.model_dir)
+            self._tokenizer = model_tokenizer(self.model_dir)
         return self._tokenizer
 
     def count_tokens(self, text: str) -> int:

@@ -1,20 +1,13 @@
-"""Builds the onnxruntime form of a sentence-transformers model directory, once, into a cache.
-
-The weights are exported with torch's own exporter (the inputs the model's forward takes,
-shapes from its config), fused by onnxruntime's transformer optimiser (attention and
-layer-norm kernels) and, for `int8`, quantised dynamically per output channel by
-onnxruntime's quantiser (per tensor loses far more of the vectors' direction). The speed and
-quality of each precision: docs/benchmarks.md, "Engines". Nothing is downloaded.
-
-The export runs in a child process (`python -m services.common.embedders.onnx_export`), so a
-serving process never imports torch; a file lock keeps concurrent starts from exporting twice,
-and the result appears under its final name only when complete.
-"""
+"""Builds the onnxruntime form of a sentence-transformers model directory, once, into a cache:
+exported by torch (the inputs the model's forward takes), fused by onnxruntime's transformer
+optimiser and, for `int8`, quantised dynamically per output channel by onnxruntime's
+quantiser (docs/benchmarks.md, "Engines"). Nothing is downloaded. The export runs in a child
+process (`python -m services.common.embedders.onnx_export`), so a serving process never
+imports torch; a file lock keeps concurrent starts from exporting twice, and the result
+appears under its final name only when complete."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import inspect
 import logging
@@ -23,9 +16,10 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
+
+from filelock import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -55,23 +49,13 @@ def cache_key(model_dir: Path, *, variant: Variant) -> str:
     return f"{variant}-r{RECIPE_VERSION}-ort{onnxruntime.__version__}-{digest.hexdigest()[:16]}"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def ensure_onnx(model_dir: Path, cache_dir: Path, *, name: str, variant: Variant) -> Path:
     """The cached ONNX file for `model_dir`, exporting it first if this cache lacks it."""
     target = cache_dir / name / cache_key(model_dir, variant=variant) / ONNX_FILE
     if target.exists():
         return target
-    with _locked(target.parent.with_suffix(".lock")):
+    target.parent.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.parent.with_suffix(".lock")):
         if target.exists():  # another process built it while we waited
             return target
         log.info("onnx_export model=%s variant=%s cache=%s", name, variant, target.parent)
