@@ -112,7 +112,6 @@ class OnnxEncoder:
         self._documents = self._documents or self._queries
         assert self._documents is not None and self._queries is not None
         self._inputs = {i.name for i in self._documents.get_inputs()}
-        self.kind = "onnxruntime"
 
     def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
         sess = self._queries if query else self._documents
@@ -151,19 +150,14 @@ class TorchEncoder:
         batch_size: int = 32,
         *,
         device: Literal["cpu", "cuda"] = "cpu",
-        threads: int | None = None,
     ) -> None:
-        import torch
         from sentence_transformers import SentenceTransformer
 
-        if threads:  # process-wide: only for an encoder with a process of its own
-            torch.set_num_threads(threads)
         self.config = ModelConfig.read(model_dir)
         self._st = SentenceTransformer(str(model_dir), device=device, local_files_only=True)
         self._batch_size = batch_size
         # One forward at a time: on CPU it already uses every core, on a GPU one stream.
         self._lock = threading.Lock()
-        self.kind = f"torch-{device}"
 
     def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
         with self._lock:

@@ -44,10 +44,6 @@ class Selection:
     processes: int  # document child processes; 0: documents in this process
     threads: int  # of each child, else of this process's sessions
 
-    def describe(self) -> str:
-        where = f"{self.processes} document processes" if self.processes else "in process"
-        return f"{self.engine} {self.precision} on {self.device} ({self.hardware}), {where}"
-
 
 def cuda_available() -> bool:
     """Whether torch can use a CUDA device. Without an NVIDIA driver loaded, answered
