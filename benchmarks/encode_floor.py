@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.embedding_throughput import MODEL, pipeline_chunks
-from services.common.embedders import LocalEmbedder
-from services.common.embedders.local import local_spec, native_bf16, usable_cores
+from services.common.embedders import LocalEmbedder, default_cache_dir
+from services.common.embedders.cpu import usable_cores
 
 KINDS = ("bfloat16", "fp32", "int8")
 
@@ -89,13 +89,12 @@ def main() -> None:
     corpus = [json.loads(line) for line in (args.set / "corpus.jsonl").open()]
     embedder = LocalEmbedder(MODEL, backend="onnx")
     embedder.load(documents=False)
-    spec = local_spec(embedder.name)
     config = json.loads((embedder.model_dir / "config.json").read_text())
     shape = (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"])
 
-    from services.common.embedders.tokenizing import model_input_tokenizer
+    from services.common.embedders.tokenizing import model_tokenizer
 
-    tokenizer = model_input_tokenizer(embedder.model_dir, spec.max_seq_length)
+    tokenizer = model_tokenizer(embedder.model_dir, embedder.max_tokens + 2)
     texts = pipeline_chunks(embedder, [(d["_id"], d["text"]) for d in corpus])
     ours = [len(e.ids) for e in tokenizer.encode_batch(texts)]
     theirs = [len(e.ids) for e in tokenizer.encode_batch([d["text"] for d in corpus])]
@@ -118,21 +117,26 @@ def main() -> None:
     if args.measure:
         import torch
 
-        from services.common.embedders.local import TorchEncoder
+        from services.common.embedders.engine import OnnxEncoder
+        from services.common.embedders.onnx_export import ensure_onnx
 
         torch.set_num_threads(1)
         sample = texts[: args.measure]
-        encoder = TorchEncoder(embedder.model_dir, spec, 32, bf16=native_bf16(), threads=1)
+        graph = ensure_onnx(
+            embedder.model_dir, default_cache_dir(), name=embedder.name, variant="fp32"
+        )
+        encoder = OnnxEncoder(graph, embedder.model_dir, lanes="documents", threads=1)
         encoder.encode(sample[:32], query=False)
         started = time.perf_counter()
         for i in range(0, len(sample), 32):
             encoder.encode(sample[i : i + 32], query=False)
         elapsed = time.perf_counter() - started
-        kind = "bfloat16" if native_bf16() else "fp32"
+        kind = "fp32"
         achieved = work(ours[: len(sample)], *shape) / elapsed
         share = achieved / (rates[kind] / cores)
         print(
-            f"\ndocument encoder (torch {kind}, one thread): {len(sample) / elapsed:.1f} chunks/s,"
+            f"\ndocument encoder (onnxruntime {kind}, one thread): "
+            f"{len(sample) / elapsed:.1f} chunks/s,"
             f" {achieved / 1e9:.0f} G/s, {share:.0%} of one core's {kind} peak"
         )
 

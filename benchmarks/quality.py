@@ -197,6 +197,8 @@ def target(args: argparse.Namespace) -> Iterator[str]:
             )
             if v is not None
         }
+        if args.precision:
+            env["KBMESH_LOCAL_PRECISION"] = args.precision
         with kbmesh_up_at(args.data_dir, **env) as base:
             yield base
 
@@ -238,6 +240,9 @@ def main() -> None:
     parser.add_argument("--rrf-k", type=int, help="KBMESH_SEARCH__RRF_K for the started stack")
     parser.add_argument("--lead-weight", type=float, help="KBMESH_SEARCH__LEAD_WEIGHT")
     parser.add_argument("--prefetch-limit", type=int, help="KBMESH_SEARCH__PREFETCH_LIMIT")
+    parser.add_argument(
+        "--precision", choices=("fp32", "int8"), help="KBMESH_LOCAL_PRECISION for the stack"
+    )
     args = parser.parse_args()
 
     corpus, queries, qrels = load_beir(args.beir_dir)
@@ -270,7 +275,8 @@ def main() -> None:
             f"date {datetime.date.today()}  KBs searched {searched}  chunks {chunks}  "
             f"model {args.model or 'default'}  "
             f"chunk_size {args.chunk_size}  top_k {args.top_k}  rrf_k {args.rrf_k}  "
-            f"lead_weight {args.lead_weight}  prefetch_limit {args.prefetch_limit}"
+            f"lead_weight {args.lead_weight}  prefetch_limit {args.prefetch_limit}  "
+            f"precision {args.precision or 'default'}"
         )
         print("| mode | MRR@10 | Recall@10 | nDCG@10 |\n| --- | --- | --- | --- |")
         results = {}

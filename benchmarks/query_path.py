@@ -59,7 +59,7 @@ async def run(
 ) -> dict[str, list[float]]:
     onnx = LocalEmbedder(MODEL)
     onnx.load()
-    torch = LocalEmbedder(MODEL, backend="torch")
+    torch = LocalEmbedder(MODEL, backend="torch", device="cpu")
     torch.load()
     # Search requests as the gateway sends them: as its NATS user, replies in its inbox.
     gateway = recorded_credentials(data, "gateway")

@@ -340,22 +340,13 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
         sys.exit(f"kbmesh failed to start: {failure!r}")
 
 
-YOUNG_COLLECTION_ALLOCATIONS = 50_000
-
-
 def _freeze_heap() -> None:
     """What a started server holds (modules, models, schemas: over a million objects) lives
     as long as the process. Frozen, the collector's full passes skip it; unfrozen, they
-    walked it all every few seconds under load, each stopping the process for 130-200 ms
-    (10-30 ms frozen).
-
-    The young generation is collected every 50,000 allocations instead of 700: a search
-    allocates thousands of short-lived objects (its candidates), and each collection walked
-    those still alive; 6 % of the serving thread's time went to it. REST hybrid searches
-    back to back: p50 4.51-4.62 ms against 4.61-4.75 (docs/benchmarks.md)."""
+    walked it all every few seconds under load, each pausing the process several times
+    longer (docs/benchmarks/log)."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(YOUNG_COLLECTION_ALLOCATIONS, 10, 10)
 
 
 async def _mcp(args: argparse.Namespace) -> None:

@@ -154,6 +154,8 @@ async def build_runtime(
             max_batch=settings.embed_max_batch,
             query_cache_size=settings.search.query_cache_size,
             local_backend=settings.local_backend,
+            local_device=settings.local_device,
+            local_precision=settings.local_precision,
             document_processes=settings.local_document_processes,
             cache_dir=settings.models_dir,
             egress=egress_policy(settings),

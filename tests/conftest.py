@@ -31,16 +31,17 @@ MODEL_CACHE_DIR = Path(os.environ["KBMESH_MODEL_CACHE_DIR"])
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache() -> Path:
-    """Build the ONNX exports once before any test needs them (fp32, and the query graph
-    `auto` uses on this CPU), so that no `kbmesh up` under test spends its readiness timeout
-    exporting (a no-op once the cache holds them)."""
+    """Build the ONNX exports once before any test needs them (fp32, and the precision
+    `auto` uses on this machine), so that no `kbmesh up` under test spends its readiness
+    timeout exporting (a no-op once the cache holds them)."""
     from services.common.embedders import LocalEmbedder
-    from services.common.embedders.local import query_variant
     from services.common.embedders.onnx_export import ensure_onnx
+    from services.common.embedders.selection import select
     from services.common.settings import DEFAULT_MODEL
 
     model = LocalEmbedder(DEFAULT_MODEL, cache_dir=MODEL_CACHE_DIR)
-    ensure_onnx(model.model_dir, MODEL_CACHE_DIR, name=model.name, variant=query_variant())
+    auto = select("auto", "cpu").precision
+    ensure_onnx(model.model_dir, MODEL_CACHE_DIR, name=model.name, variant=auto)
     return ensure_onnx(model.model_dir, MODEL_CACHE_DIR, name=model.name, variant="fp32")
 
 

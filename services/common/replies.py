@@ -7,7 +7,7 @@ its middleware stack, a worker queue) cost more than a millisecond of each searc
 connection to a local nats-server, a request answered by a trivial handler took 0.29 ms with
 nats-py on both sides and 1.33 ms through FastStream with its telemetry middleware (1.9 ms
 against 0.4 after a 5 ms pause). Through the gateway at 100k chunks, 1.3 ms of a 16.4 ms
-search (docs/benchmarks.md).
+search (docs/benchmarks/log).
 
 A trace still crosses the hop: the requester puts its context in the message headers (W3C
 `traceparent`) inside a CLIENT span `<subject> request`, and the responder carries it on in

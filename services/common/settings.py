@@ -36,7 +36,7 @@ class BusSettings(BaseModel):
 
 class SearchSettings(BaseModel):
     # Defaults measured on three sets (man pages by what they are for, man pages by a sentence
-    # from their middle, stdlib pages by one function's summary): docs/benchmarks.md.
+    # from their middle, stdlib pages by one function's summary): docs/benchmarks/log.
     rrf_k: int = Field(10, ge=1, description="reciprocal rank fusion constant")
     lead_weight: float = Field(
         1.0,
@@ -52,7 +52,7 @@ class SearchSettings(BaseModel):
         "fraction of the best chunk or less (the answer is inside a document)",
     )
     # 50, not 100: the same quality on every set measured (MRR@10 within 0.003), and a
-    # search turns half as many candidates into hits (docs/benchmarks.md, "Candidates per
+    # search turns half as many candidates into hits (docs/benchmarks/log, "Candidates per
     # list"). A larger `top_k` still gets lists of `top_k`.
     prefetch_limit: int = Field(
         50, ge=1, le=1000, description="candidates per list (signal, lead or not, KB)"
@@ -215,18 +215,21 @@ class Settings(BaseSettings):
     )
     local_backend: Literal["auto", "onnx", "torch"] = Field(
         "auto",
-        description="runtime for local/... models: auto (on a CPU with AMX queries and document "
-        "batches in amx.c; else queries on onnxruntime, with 8-bit weights where the CPU has "
-        "int8 dot products, and document batches in bfloat16 on torch where the CPU has "
-        "bfloat16 instructions, else onnxruntime; document batches in child processes), onnx "
-        "(fp32, one process), or torch fp32 (the reference)",
+        description="engine for local/... models: auto (services/common/embedders/selection.py: "
+        "onnxruntime on CPU with document batches in child processes, torch on a CUDA GPU), "
+        "onnx (onnxruntime, one process) or torch (fp32, the reference)",
+    )
+    local_device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where local models run: auto (a CUDA GPU if torch sees one), cpu, cuda"
+    )
+    local_precision: Literal["auto", "fp32", "int8"] = Field(
+        "auto", description="local models' precision on CPU: auto (chosen per CPU kind), fp32, int8"
     )
     local_document_processes: int = Field(
         0,
         ge=0,
-        description="child processes that embed document batches with the auto backend; 0: "
-        "one per core, up to 16 on AMX (each ~0.15 GB, amx.c), else up to 4 (each ~0.45 GB "
-        "in bfloat16 on torch, ~0.17 GB on onnxruntime)",
+        description="child processes that embed document batches with the auto backend on CPU; "
+        "0: one per core, up to 4 (each ~0.17 GB)",
     )
     model_cache_dir: Path | None = Field(
         None, description="ONNX exports of the local models; default <data_dir>/models"

@@ -4,7 +4,7 @@ Ranking groups candidates by document (a document's opening lends its chunks a p
 every candidate needs its document id. Reading it with the candidate lists costs the
 engine a payload read per point, about 6 us in Qdrant Edge and 400 points a hybrid search:
 2.7 of a 1,000-chunk KB's 3.2 ms of candidate lists, 3.4 of 6.1 ms at 100k chunks
-(docs/benchmarks.md). The answer never changes: a point id is derived from its KB,
+(docs/benchmarks/log). The answer never changes: a point id is derived from its KB,
 document and chunk index (`ids.point_id`), so an id names one document for good and a
 remembered answer cannot go stale (a point deleted since is simply not returned again).
 

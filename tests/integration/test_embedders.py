@@ -23,27 +23,15 @@ from services.common.embedders import (
     EmbedderPool,
     LiteLLMEmbedder,
     LocalEmbedder,
-    amx,
+    cpu,
     model_limits,
+    selection,
 )
-from services.common.embedders import fused as fused_module
 from services.common.embedders.base import LOCAL_PREFIX
-from services.common.embedders.encoder_process import NICENESS
-from services.common.embedders.local import (
-    LOCAL_MODELS,
-    EncoderGroup,
-    LaneEncoder,
-    OnnxEncoder,
-    ProcessEncoder,
-    TorchEncoder,
-    cpu_flags,
-    document_workers,
-    local_spec,
-    native_bf16,
-    query_variant,
-    usable_cores,
-)
+from services.common.embedders.engine import OnnxEncoder, TorchEncoder
+from services.common.embedders.local import LOCAL_MODELS
 from services.common.embedders.onnx_export import ensure_onnx
+from services.common.embedders.processes import NICENESS, ProcessEncoder
 from services.common.errors import Forbidden, InvalidInput, Transient
 from services.common.models import KnowledgeBase
 from services.common.settings import BUNDLED_MODELS
@@ -58,12 +46,6 @@ DIM = 12
 
 def cosine(a: list[float], b: list[float]) -> float:
     return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-needs_bf16 = pytest.mark.skipif(
-    not native_bf16(),
-    reason="this CPU has no bfloat16 instructions: document batches run on onnxruntime",
-)
 
 
 @pytest.fixture(scope="module")
@@ -179,287 +161,124 @@ def test_onnx_and_torch_agree_on_real_chunks(
     torch_vectors = torch_fp32.encode(texts)
     assert len(real_chunks) > 20
     assert float(np.min(np.sum(onnx_vectors * torch_vectors, axis=1))) >= 0.999
-    assert local.backend == "onnx" and torch_fp32.backend == "torch"
+    assert local.selection.engine == "onnxruntime" and torch_fp32.selection.engine == "torch"
 
 
-def test_auto_backend_embeds_documents_in_bfloat16_close_to_fp32(
+def test_auto_backend_embeds_documents_on_onnxruntime_children(
     local: LocalEmbedder, real_chunks: list[str]
 ) -> None:
-    """`auto` embeds document batches in child processes, one single-threaded child per core
-    (up to four, sixteen on amx.c), each call on a free one; on a CPU with bfloat16
-    instructions in bfloat16 (amx.c with AMX, else torch), at cosine ≥ 0.999 to fp32 on
-    every real chunk. Queries stay in-process, at
-    cosine ≥ 0.999 too: on amx.c where the CPU has AMX and the library builds, else on
-    onnxruntime with this CPU's query graph (`query_variant`)."""
-    auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
+    """On CPU, `auto`'s document batches run in child processes on onnxruntime: the same
+    vectors as the in-process encoder at the same precision (torch never loaded in them)."""
+    auto = LocalEmbedder(
+        MINILM,
+        backend="auto",
+        device="cpu",
+        precision="fp32",
+        cache_dir=MODEL_CACHE_DIR,
+        document_processes=2,
+    )
     auto.load()
-    texts = [*real_chunks, "word " * 400]
-    fp32 = local.encode(texts)
-    documents = auto.encode(texts)
-    assert float(np.min(np.sum(documents * fp32, axis=1))) >= 0.999
-    assert np.allclose(np.linalg.norm(documents, axis=1), 1.0, atol=1e-5)
-    queries = auto.encode(real_chunks[:3], query=True)
-    assert float(np.min(np.sum(queries * fp32[:3], axis=1))) >= 0.999
-    lanes = auto._encoder
-    assert isinstance(lanes, LaneEncoder)
-    if amx.build(MODEL_CACHE_DIR, cpu_flags()) is not None and native_bf16():
-        assert isinstance(lanes._queries, amx.AmxEncoder)
-    else:
-        graph = ensure_onnx(
-            auto.model_dir, MODEL_CACHE_DIR, name=auto.name, variant=query_variant()
-        )
-        alone = OnnxEncoder(graph, auto.model_dir, local_spec(MINILM), 32, lanes="queries")
-        assert np.allclose(queries, alone.encode(real_chunks[:3], query=True), atol=1e-5)
-        assert isinstance(lanes._queries, OnnxEncoder)
-    assert isinstance(lanes._documents, EncoderGroup)
-    members = lanes._documents.members
-    on_amx = isinstance(lanes._queries, amx.AmxEncoder)
-    assert len(members) == document_workers(usable_cores(), most=16 if on_amx else 4)[0]
-    assert all(isinstance(m, ProcessEncoder) for m in members)
-
-
-@needs_bf16
-def test_bfloat16_encoder_fuses_its_dense_blocks_without_changing_its_vectors(
-    real_chunks: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On a CPU with bfloat16 instructions the bfloat16 document encoder runs its dense
-    blocks fused (bias, GELU and residual add inside the multiply; query, key and value in
-    one multiply) and embeds every real chunk as the unfused bfloat16 model does, to within
-    bfloat16 rounding (cosine ≥ 0.9998), padded texts in a batch included."""
-    spec = local_spec(MINILM)
-    fused = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
-    monkeypatch.setattr(fused_module, "_pointwise", None)  # a torch without the kernel
-    plain = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
-    monkeypatch.undo()
-    assert fused.fused and not plain.fused
-    layers = fused._st[0].auto_model.encoder.layer
-    assert all(isinstance(layer.intermediate, fused_module.DenseGelu) for layer in layers)
-    assert all(
-        isinstance(layer.attention.self, fused_module.FusedSelfAttention) for layer in layers
-    )
-    assert not any(
-        isinstance(layer.intermediate, fused_module.DenseGelu)
-        for layer in plain._st[0].auto_model.encoder.layer
-    )
-    texts = [*real_chunks, "word " * 400, ""]
-    cos = np.sum(fused.encode(texts, query=False) * plain.encode(texts, query=False), axis=1)
-    assert float(cos.min()) >= 0.9998
-
-
-@needs_bf16
-def test_bfloat16_batches_are_padded_to_multiples_of_16_tokens_without_changing_vectors(
-    real_chunks: list[str],
-) -> None:
-    """The bfloat16 encoder runs sub-batches of at most 16 texts padded to a multiple of 16
-    tokens (torch's flash attention is faster there) and embeds every real chunk as it would
-    unpadded, to within bfloat16 rounding."""
-    spec = local_spec(MINILM)
-    encoder = TorchEncoder(Path(spec.path()), spec, 32, bf16=True)
-    shapes: list[tuple[int, int]] = []
-    hook = encoder._st[0].register_forward_pre_hook(  # the transformer module, given features
-        lambda _module, args: shapes.append(tuple(args[0]["input_ids"].shape))
-    )
-    texts = [*real_chunks, "word " * 400, "x"]
-    try:
-        padded = encoder.encode(texts, query=False)
-    finally:
-        hook.remove()
-    assert shapes and all(rows <= 16 and width % 16 == 0 for rows, width in shapes), shapes
-    plain = encoder._st.encode(texts, batch_size=16, normalize_embeddings=True)
-    cos = np.sum(padded * plain, axis=1) / np.linalg.norm(plain, axis=1)
-    assert float(cos.min()) >= 0.9999
-
-
-def test_fused_attention_takes_one_mask_row_per_text_only_where_all_rows_agree() -> None:
-    """The fused self-attention's mask is reduced to one row per text once per forward pass
-    (every layer gets the same tensor), and only when the rows are equal, as BERT's padding
-    mask's are; any other mask reaches attention unchanged."""
-    import torch
-
-    valid = torch.tensor([[True, True, False], [True, True, True]])
-    square = valid[:, None, None, :].expand(2, 1, 3, 3).clone()
-    masks = fused_module.PaddingMask()
-    rows = masks(square)
-    assert rows is not None and rows.shape == (2, 1, 1, 3)
-    assert torch.equal(rows[:, 0, 0], valid)
-    assert masks(square) is rows
-    causal = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
-    assert masks(causal) is causal
-    assert masks(None) is None
-
-
-@needs_bf16
-def test_an_attention_of_another_shape_keeps_its_module_and_the_dense_blocks_still_fuse() -> None:
-    """A self-attention that `FusedSelfAttention` does not serve (here: marked as a
-    decoder's, whose cache it would ignore) keeps its own module; the dense blocks around it
-    are fused all the same."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-
-    spec = local_spec(MINILM)
-    st = SentenceTransformer(spec.path(), device="cpu", local_files_only=True).to(torch.bfloat16)
-    layers = st[0].auto_model.encoder.layer
-    for layer in layers:
-        layer.attention.self.is_decoder = True
-    assert fused_module.fuse_sentence_transformer(st)
-    assert all(isinstance(layer.intermediate, fused_module.DenseGelu) for layer in layers)
-    assert not any(
-        isinstance(layer.attention.self, fused_module.FusedSelfAttention) for layer in layers
-    )
-
-
-def test_fusion_is_undone_when_its_check_disagrees_and_refused_in_training() -> None:
-    """`fuse_bert` puts the original modules back when the fused model's probe differs
-    from the unfused one's, and leaves a model in training mode alone."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-
-    spec = local_spec(MINILM)
-    model = SentenceTransformer(spec.path(), device="cpu", local_files_only=True)[0].auto_model
-    model = model.to(torch.bfloat16)
-
-    def modules() -> list[tuple[object, ...]]:
-        return [
-            (layer.intermediate, layer.output, layer.attention.self, layer.attention.output)
-            for layer in model.encoder.layer
-        ]
-
-    before = modules()
-    answers = iter([torch.ones(2, 384), -torch.ones(2, 384)])
-    assert not fused_module.fuse_bert(model, lambda: next(answers))
-    after = modules()
-    assert all(
-        a is b
-        for old, new in zip(before, after, strict=True)
-        for a, b in zip(old, new, strict=True)
-    )
-    model.train()
-    assert not fused_module.fuse_bert(model, lambda: torch.ones(2, 384))
-    assert model.encoder.layer[0].intermediate is before[0][0]
-
-
-def test_auto_backend_without_bfloat16_instructions_embeds_documents_on_onnxruntime_children(
-    local: LocalEmbedder, real_chunks: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Where the CPU has no bfloat16 instructions, `auto`'s document children run onnxruntime
-    fp32 on one thread each: the same vectors as the in-process encoder (torch never loaded
-    in them)."""
-    import services.common.embedders.local as local_module
-
-    monkeypatch.setattr(local_module, "native_bf16", lambda: False)
-    auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR, document_processes=2)
-    auto.load()
-    lanes = auto._encoder
-    assert isinstance(lanes, LaneEncoder) and isinstance(lanes._documents, EncoderGroup)
-    children = lanes._documents.members
+    assert auto._encoders is not None
+    queries, batches = auto._encoders
+    assert isinstance(queries, OnnxEncoder) and isinstance(batches, ProcessEncoder)
+    children = batches.pids()
     assert len(children) == 2
     first, second = (
         auto.encode(real_chunks[: len(real_chunks) // 2]),
         auto.encode(real_chunks[len(real_chunks) // 2 :]),
     )
     assert np.allclose(np.vstack([first, second]), local.encode(real_chunks), atol=1e-5)
-    for child in children:
-        assert isinstance(child, ProcessEncoder) and child._child is not None
-        maps = Path(f"/proc/{child._child.pid}/maps").read_text()
+    for pid in children:
+        maps = Path(f"/proc/{pid}/maps").read_text()
         assert "onnxruntime" in maps and "libtorch" not in maps
+    batches.close()
 
 
 def test_a_process_encoder_restarts_after_its_child_dies(
     local: LocalEmbedder, real_chunks: list[str]
 ) -> None:
-    """The document encoder's child process answers as the encoder itself would; once it
-    died, the next call starts a new child and answers the same. (A call in flight when the
-    child dies fails as transient, so its messages are redelivered.)"""
-    spec = local_spec(MINILM)
+    """The document encoder's child process answers as the encoder itself would, below
+    every other process's priority; once it died, the call finds it gone and fails as
+    transient (its messages are redelivered), and the next call starts a new child that
+    answers the same."""
     # Not started until a batch needs it (a search-only process never starts one).
-    encoder = ProcessEncoder(
-        functools.partial(TorchEncoder, local.model_dir, spec, 32), start=False
-    )
+    encoder = ProcessEncoder(functools.partial(TorchEncoder, local.model_dir, 32), start=False)
     try:
-        assert encoder._child is None
+        assert encoder.pids() == []
         first = encoder.encode(real_chunks[:4], query=False)
         assert np.allclose(first, local.encode(real_chunks[:4]), atol=1e-3)
-        assert encoder._child is not None
+        [pid] = encoder.pids()
         # Below everything else, so searches get the cores first during an ingest.
         own = os.getpriority(os.PRIO_PROCESS, 0)
-        assert os.getpriority(os.PRIO_PROCESS, encoder._child.pid) == min(19, own + NICENESS)
-        assert os.sched_getscheduler(encoder._child.pid) == os.SCHED_IDLE
-        dead = encoder._child
-        dead.kill()
-        dead.wait()
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, own + NICENESS)
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        os.kill(pid, 9)
+        with pytest.raises(Transient):
+            for _ in range(50):  # until the pool has seen its child die
+                encoder.encode(real_chunks[:4], query=False)
         assert np.allclose(encoder.encode(real_chunks[:4], query=False), first, atol=1e-6)
-        assert encoder._child is not None and encoder._child is not dead
+        assert encoder.pids() not in ([], [pid])
     finally:
         encoder.close()
 
 
-def test_query_graph_with_8_bit_weights_stays_close_to_torch_fp32(
+def test_int8_precision_stays_close_to_torch_fp32(
     torch_fp32: LocalEmbedder, real_chunks: list[str]
 ) -> None:
-    """The `w8` graph (8-bit weights in blocks of 32, int8 products) embeds real queries and
-    real chunks at cosine ≥ 0.999 to sentence-transformers on torch fp32, and really holds
-    8-bit weights: each of the six blocks' dense layers outside the fused attention (its
-    output and the two feed-forward layers) is a `MatMulNBits` of 8 bits."""
+    """int8 (onnxruntime's per-channel dynamic quantisation) on real queries and chunks:
+    close to torch fp32 (cosine ≥ 0.95 each, 0.98 on average), and really 8-bit: its
+    matrix products are integer ones."""
     import onnx
 
-    path = ensure_onnx(torch_fp32.model_dir, MODEL_CACHE_DIR, name=torch_fp32.name, variant="w8")
-    w8 = OnnxEncoder(path, torch_fp32.model_dir, local_spec(MINILM), 32, lanes="queries")
+    int8 = LocalEmbedder(MINILM, precision="int8", cache_dir=MODEL_CACHE_DIR)
+    assert int8.selection.precision == "int8"
     queries = [chunk.split(".")[0][:80] for chunk in real_chunks]
     for texts in (queries, real_chunks):
-        cos = np.sum(w8.encode(texts, query=True) * torch_fp32.encode(texts, query=True), axis=1)
-        assert float(cos.min()) >= 0.999
-    nodes = [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
-    assert len(nodes) == 6 * 3
-    assert all(a.i == 8 for n in nodes for a in n.attribute if a.name == "bits")
+        cos = np.sum(int8.encode(texts) * torch_fp32.encode(texts), axis=1)
+        assert float(cos.min()) >= 0.95 and float(cos.mean()) >= 0.98
+    path = ensure_onnx(int8.model_dir, MODEL_CACHE_DIR, name=int8.name, variant="int8")
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert {"MatMulInteger", "DynamicQuantizeLinear"} <= ops
 
 
 @pytest.mark.parametrize(
-    ("backend", "flags", "expected"),
+    ("flags", "kind"),
     [
-        ("auto", {"avx512f", "avx512_vnni"}, "w8"),
-        ("auto", {"avx2", "avx_vnni"}, "w8"),
-        ("auto", {"avx2", "avx512f"}, "fp32"),
-        ("onnx", {"avx512_vnni"}, None),
+        ({"avx2", "avx512f", "avx512_vnni", "amx_int8", "amx_bf16"}, "amx"),
+        ({"avx2", "avx512f", "avx512_vnni"}, "avx512_vnni"),
+        ({"avx2", "avx_vnni"}, "avx_vnni"),
+        ({"avx2", "fma"}, "avx2"),
+        ({"sse4_2"}, "other"),
     ],
 )
-def test_auto_embeds_queries_with_8_bit_weights_only_where_the_cpu_multiplies_int8(
-    backend: str, flags: set[str], expected: str | None, monkeypatch: pytest.MonkeyPatch
+def test_cpu_kinds_pick_a_row_of_the_backend_table(
+    flags: set[str], kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Only a CPU with int8 dot products in hardware gets the 8-bit query graph; `onnx`
-    keeps one fp32 graph for documents and queries."""
-    import services.common.embedders.local as local_module
+    """Each CPU kind has its row; on CPU the engine is onnxruntime, documents in children."""
+    assert cpu.cpu_kind(flags) == kind
+    monkeypatch.setattr(selection, "cpu_kind", lambda: kind)
+    monkeypatch.setattr(selection, "cuda_available", lambda: False)
+    chosen = selection.select("auto", "auto")
+    assert (chosen.engine, chosen.device, chosen.hardware) == ("onnxruntime", "cpu", kind)
+    assert chosen.precision == selection.BACKENDS[kind][1] and chosen.processes >= 1
 
-    monkeypatch.setattr(local_module, "cpu_flags", lambda: flags)
-    embedder = LocalEmbedder(MINILM, backend=backend, cache_dir=MODEL_CACHE_DIR)  # type: ignore[arg-type]
-    assert embedder._query_variant == expected
 
-
-def test_a_failed_8_bit_query_graph_falls_back_to_fp32(
-    local: LocalEmbedder,
-    real_chunks: list[str],
+def test_device_setting_picks_cuda_only_where_torch_sees_a_gpu(
     monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The 8-bit graph only makes queries faster: when its build fails the model still
-    serves, queries on the fp32 graph, and the log names the failure."""
-    import services.common.embedders.local as local_module
-    import services.common.embedders.onnx_export as export_module
-
-    def failing(model_dir: Path, cache_dir: Path, *, name: str, variant: str) -> Path:
-        if variant == "w8":
-            raise RuntimeError("exporting all-MiniLM-L6-v2 to ONNX failed (exit 1): no space")
-        return ensure_onnx(model_dir, cache_dir, name=name, variant="fp32")
-
-    monkeypatch.setattr(local_module, "cpu_flags", lambda: {"avx512_vnni"})
-    monkeypatch.setattr(export_module, "ensure_onnx", failing)
-    auto = LocalEmbedder(MINILM, backend="auto", cache_dir=MODEL_CACHE_DIR)
-    assert auto._query_variant == "w8"
-    with caplog.at_level("WARNING", logger=local_module.__name__):
-        auto.load(documents=False)
-    assert auto._query_variant == "fp32"
-    assert "query_graph_fallback" in caplog.text and "no space" in caplog.text
-    texts = real_chunks[:3]
-    assert np.allclose(auto.encode(texts, query=True), local.encode(texts, query=True), atol=1e-5)
+    """`auto` takes a CUDA GPU where there is one (torch, fp32, documents in this process);
+    `cpu` keeps the CPU; `cuda` without a GPU, or int8 on torch, is refused at start."""
+    monkeypatch.setattr(selection, "cuda_available", lambda: True)
+    gpu = selection.select("auto", "auto")
+    assert (gpu.engine, gpu.device, gpu.precision, gpu.processes) == ("torch", "cuda", "fp32", 0)
+    assert selection.select("auto", "cpu").device == "cpu"
+    assert selection.select("onnx", "auto").engine == "onnxruntime"
+    with pytest.raises(ValueError, match="onnxruntime only"):
+        selection.select("auto", "cuda", "int8")
+    monkeypatch.setattr(selection, "cuda_available", lambda: False)
+    assert selection.select("auto", "auto").device == "cpu"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        selection.select("auto", "cuda")
 
 
 def test_int8_model_stays_close_to_fp32(real_chunks: list[str]) -> None:
@@ -467,7 +286,7 @@ def test_int8_model_stays_close_to_fp32(real_chunks: list[str]) -> None:
     0.95 of fp32 on every real chunk (0.98 on average)."""
     int8 = LocalEmbedder("local/all-MiniLM-L6-v2-int8", backend="torch", cache_dir=MODEL_CACHE_DIR)
     fp32 = LocalEmbedder(MINILM, cache_dir=MODEL_CACHE_DIR)
-    assert int8.backend == "onnx"
+    assert (int8.selection.engine, int8.selection.precision) == ("onnxruntime", "int8")
     cos = np.sum(int8.encode(real_chunks) * fp32.encode(real_chunks), axis=1)
     assert float(cos.min()) >= 0.95 and float(cos.mean()) >= 0.98
     assert model_limits("local/all-MiniLM-L6-v2-int8") == 254
@@ -530,12 +349,12 @@ from pathlib import Path
 if sys.argv[2] != "all":
     os.sched_setaffinity(0, {int(sys.argv[2])})  # as a container limited to one CPU
 from services.common.embedders import LocalEmbedder
-from services.common.embedders.local import usable_physical_cores
+from services.common.embedders.cpu import usable_physical_cores
 e = LocalEmbedder(cache_dir=Path(sys.argv[1]))
 e.load()
 e.encode(["which threads run this query"], query=True)
 e.encode(["and this document"] * 8)
-sessions = [e._encoder._queries, e._encoder._documents]
+sessions = [e._encoders[0]._queries, e._encoders[0]._documents]
 allowed = set()
 for task in Path("/proc/self/task").iterdir():
     for line in (task / "status").read_text().splitlines():
@@ -784,16 +603,13 @@ async def test_query_cache_does_not_keep_failures(server: OpenAIEmbeddingsServer
 async def test_concurrent_queries_share_encodes_and_get_their_own_vectors(
     local: LocalEmbedder,
 ) -> None:
-    """Sixteen concurrent one-text queries are coalesced into fewer encodes (or, on amx.c,
-    each embedded on its caller's thread), and each caller gets the vector of its own text."""
+    """Sixteen concurrent one-text queries are coalesced into fewer encodes, and each caller
+    gets the vector of its own text."""
     texts = [f"how do I configure service number {i}" for i in range(16)]
     alone = [(await local.embed([t], query=True))[0] for t in texts[:3]]
     calls, encoded = local.queries.stats.calls, local.queries.stats.texts
     together = await asyncio.gather(*(local.embed([t], query=True) for t in texts))
-    if local.queries_inline:
-        assert (local.queries.stats.calls, local.queries.stats.texts) == (calls, encoded)
-    else:
-        assert local.queries.stats.calls - calls < len(texts)
-        assert local.queries.stats.texts - encoded == len(texts)
+    assert local.queries.stats.calls - calls < len(texts)
+    assert local.queries.stats.texts - encoded == len(texts)
     for mine, single in zip(together[:3], alone, strict=True):
         assert np.allclose(mine[0], single, atol=1e-4)

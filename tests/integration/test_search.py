@@ -766,6 +766,38 @@ async def test_malformed_search_gets_422_naming_the_problem(stack, corpus, body,
         assert name in problem["detail"], problem["detail"]
 
 
+async def test_rest_search_runs_through_the_route_behind_every_middleware(stack, corpus):
+    """`POST /v1/search` has one path: FastAPI's route, behind the same middleware as every
+    route (a middleware added to the app sees each search, answered or refused), with the
+    route's own validation and problem answers."""
+    _, client = stack
+    app = client._transport.app
+    assert not any(hasattr(app, name) for name in ("fast_search", "routed"))
+    seen: list[tuple[str, int]] = []
+    inner = app.middleware_stack or app.build_middleware_stack()
+
+    async def watching(scope, receive, send):
+        async def send_seen(message):
+            if message["type"] == "http.response.start":
+                seen.append((scope["path"], message["status"]))
+            await send(message)
+
+        await inner(scope, receive, send_seen)
+
+    app.middleware_stack = watching
+    try:
+        body = {"query": FILTER_QUERY, "kb_ids": ["default"], "top_k": 10, "mode": "hybrid"}
+        ok = await client.post("/v1/search", json=body, headers=corpus.auth())
+        assert ok.status_code == 200 and len(ok.json()["hits"]) == len(FILTER_DOCS)
+        refused = await client.post("/v1/search", json={"query": ""}, headers=corpus.auth())
+        assert refused.status_code == 422
+        assert refused.headers["content-type"] == "application/problem+json"
+    finally:
+        app.middleware_stack = inner
+    assert seen == [("/v1/search", 200), ("/v1/search", 422)]
+    assert list(app.openapi()["paths"]["/v1/search"]) == ["post"]
+
+
 async def test_top_k_bounds_are_inclusive(stack, corpus):
     """top_k 1 and 50 are accepted; 50 returns every match of a small KB."""
     _, client = stack

@@ -126,17 +126,16 @@ async def test_calls_run_side_by_side_up_to_the_concurrency() -> None:
 
 
 def test_document_workers_split_the_cores() -> None:
-    """One single-threaded bfloat16 child per core up to four; past that, threads per child;
+    """One single-threaded child per core up to four; past that, threads per child;
     an operator's process count shares the cores among them."""
-    from services.common.embedders.local import document_workers
+    from services.common.embedders.processes import document_workers
 
     assert document_workers(1) == (1, 1)
     assert document_workers(2) == (2, 1)
     assert document_workers(8) == (4, 2)
     assert document_workers(2, processes=1) == (1, 2)
     assert document_workers(16, processes=2) == (2, 8)
-    assert document_workers(8, most=16) == (8, 1)  # amx.c's single-threaded children
-    assert document_workers(32, most=16) == (16, 2)
+    assert document_workers(8, most=16) == (8, 1)
 
 
 async def test_what_is_queued_is_shared_out_among_free_calls() -> None:

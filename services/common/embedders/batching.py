@@ -1,16 +1,8 @@
-"""Coalescing of concurrent embed requests into shared model calls.
-
-Small documents give a model two or three chunks each, and a model call costs much more per
-text at batch 2 than at batch 32. The batcher lets the chunks of concurrent documents ride in
-one call: requests queue first-in first-out, one drainer task fills each call with up to
-`max_texts` texts from the head of the queue (cutting a large request across calls), and
-hands each request back exactly its own vectors. With `concurrency` above one, that many
-calls run at once (one per model worker); each takes what is queued when a worker frees.
-
-A call that fails with texts of several requests, for any reason but a transient one, is
-repeated per request, so one bad input (a provider rejecting a text, say) fails only the
-request it came from.
-"""
+"""Coalescing of concurrent embed requests into shared model calls: a model call costs much
+more per text at batch 2 than at 32, so the chunks of concurrent documents ride in one call
+(first-in first-out, a large request cut across calls, each request given back exactly its
+own vectors). A call that fails with texts of several requests, for any reason but a
+transient one, is repeated per request, so one bad input fails only its own request."""
 
 from __future__ import annotations
 

@@ -4,14 +4,16 @@ bounded cache of query vectors in front of it."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.common.embedders.base import Embedder, is_local
-from services.common.embedders.local import Backend, LocalEmbedder, local_spec
+from services.common.embedders.local import LocalEmbedder, local_spec
 from services.common.embedders.remote import LiteLLMEmbedder, remote_max_tokens
+from services.common.embedders.selection import Backend, Device, Precision
 
 if TYPE_CHECKING:
     from services.common.egress import EgressPolicy
@@ -36,19 +38,25 @@ class EmbedderPool:
         api_key: str | None = None,
         query_cache_size: int = 1024,
         local_backend: Backend = "onnx",
+        local_device: Device = "auto",
+        local_precision: Precision = "auto",
         document_processes: int = 0,
         cache_dir: Path | None = None,
         egress: EgressPolicy | None = None,
     ) -> None:
-        self._batch_size = batch_size
         # The composition root passes the operator's policy; None checks nothing (tests that
         # build embedders on their own local servers).
         self._egress = egress
-        self._max_batch = max_batch
         self._api_key = api_key
-        self._local_backend: Backend = local_backend
-        self._document_processes = document_processes
-        self._cache_dir = cache_dir
+        self._local: dict[str, Any] = dict(
+            backend=local_backend,
+            device=local_device,
+            precision=local_precision,
+            cache_dir=cache_dir,
+            batch_size=batch_size,
+            max_batch=max_batch,
+            document_processes=document_processes,
+        )
         self._embedders: dict[tuple[str, str | None], Embedder] = {}
         self._lock = threading.Lock()
         self.queries = CachedQueryEmbedder(self, size=query_cache_size)
@@ -60,14 +68,7 @@ class EmbedderPool:
             embedder = self._embedders.get(key)
             if embedder is None:
                 if is_local(model):
-                    embedder = LocalEmbedder(
-                        model,
-                        backend=self._local_backend,
-                        cache_dir=self._cache_dir,
-                        batch_size=self._batch_size,
-                        max_batch=self._max_batch,
-                        document_processes=self._document_processes,
-                    )
+                    embedder = LocalEmbedder(model, **self._local)
                 else:
                     embedder = LiteLLMEmbedder(
                         model, api_base=api_base, api_key=self._api_key, egress=self._egress
@@ -87,17 +88,15 @@ _Key = tuple[str, str | None, str]
 
 
 class CachedQueryEmbedder:
-    """Bounded LRU of query vectors keyed by (model, api_base, text).
-
-    Concurrent requests for the same uncached query share one embedding call. `size=0`
-    disables caching (sharing in-flight calls still applies).
-    """
+    """Bounded LRU of query vectors keyed by (model, api_base, text). Concurrent requests for
+    the same uncached query share one embedding call (a caller that goes away leaves it to
+    the others); a failure is not kept. `size=0` disables caching, not the sharing."""
 
     def __init__(self, pool: EmbedderPool, size: int = 1024) -> None:
         self._pool = pool
         self._size = max(0, size)
         self._cache: OrderedDict[_Key, list[float]] = OrderedDict()
-        self._inflight: dict[_Key, asyncio.Future[list[float]]] = {}
+        self._inflight: dict[_Key, asyncio.Task[list[float]]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -106,41 +105,29 @@ class CachedQueryEmbedder:
 
     async def embed(self, model: str, text: str, api_base: str | None = None) -> list[float]:
         key: _Key = (model, None if is_local(model) else api_base, text)
-        while True:
-            cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
-                self.hits += 1
-                return list(cached)
-            pending = self._inflight.get(key)
-            if pending is None:
-                break
-            await asyncio.wait({pending})
-            if pending.cancelled():
-                continue  # the caller that started it was cancelled; try again ourselves
-            error = pending.exception()
-            if error is not None:
-                raise error
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
             self.hits += 1
-            return list(pending.result())
-
-        self.misses += 1
-        future: asyncio.Future[list[float]] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
-        try:
-            [vector] = await self._pool.get(model, api_base).embed([text], query=True)
-        except Exception as err:
-            future.set_exception(err)
-            future.exception()  # retrieved here, so asyncio never logs it as unhandled
-            raise
+            return list(cached)
+        call = self._inflight.get(key)
+        if call is None:
+            self.misses += 1
+            call = self._inflight[key] = asyncio.create_task(self._embed(key, api_base))
+            call.add_done_callback(functools.partial(self._settled, key))
         else:
-            future.set_result(vector)
-            if self._size:
-                self._cache[key] = vector
-                while len(self._cache) > self._size:
-                    self._cache.popitem(last=False)
-        finally:
-            self._inflight.pop(key, None)
-            if not future.done():  # cancelled: waiters retry on their own
-                future.cancel()
-        return list(vector)
+            self.hits += 1
+        return list(await asyncio.shield(call))
+
+    def _settled(self, key: _Key, call: asyncio.Task[list[float]]) -> None:
+        self._inflight.pop(key, None)
+        if not call.cancelled():
+            call.exception()  # retrieved, so asyncio never logs it as unhandled
+
+    async def _embed(self, key: _Key, api_base: str | None) -> list[float]:
+        [vector] = await self._pool.get(key[0], api_base).embed([key[2]], query=True)
+        if self._size:
+            self._cache[key] = vector
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        return vector

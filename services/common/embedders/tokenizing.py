@@ -15,26 +15,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def chunking_tokenizer(model_dir: Path) -> Tokenizer:
-    """The model's tokenizer for chonkie and token counts: it must see the whole text, so no
-    cut at the model's limit and no pad tokens."""
+def model_tokenizer(model_dir: Path, max_length: int | None = None) -> Tokenizer:
+    """The model's own tokenizer, unpadded. With `max_length` (special tokens included) it
+    cuts input as sentence-transformers does, the caller padding each length-sorted
+    sub-batch to its own longest input; without, it sees whole texts, as chunking and token
+    counts need. (The packaged MiniLM file says 128 with fixed padding; its
+    sentence-transformers config says 256 and pads per batch.)"""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
-
-
-def model_input_tokenizer(model_dir: Path, max_seq_length: int) -> Tokenizer:
-    """The model's tokenizer as sentence-transformers applies it: cut at `max_seq_length`
-    tokens, special tokens included. (The packaged file says 128 with fixed padding; the
-    model's sentence-transformers config says 256 and pads per batch.) Padding is left to
-    the caller, which pads each length-sorted sub-batch to its own longest input."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    tok.enable_truncation(max_length=max_seq_length)
+    if max_length:
+        tok.enable_truncation(max_length=max_length)
+    else:
+        tok.no_truncation()
     tok.no_padding()
     return tok
 

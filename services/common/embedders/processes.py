@@ -1,0 +1,103 @@
+"""The document encoder's process pool: document batches embed in child processes that run
+below every other process's CPU priority, so a search never waits for a batch on a busy
+machine (the batch only finishes a little later; docs/benchmarks.md, "Method")."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
+
+from services.common.embedders.engine import Encoder
+from services.common.errors import Transient
+
+# Kept for systems without Linux's SCHED_IDLE, which the children take where it exists.
+NICENESS = 10
+_encoder: Encoder | None = None  # a child's own
+
+
+def document_workers(cores: int, processes: int = 0, *, most: int = 4) -> tuple[int, int]:
+    """(child processes, threads each) on `cores` cores; `processes` above 0 is an operator's
+    choice, the cores shared among them. One single-threaded child per core up to `most`:
+    the threads of one run wait for each other at every operator, so a core taken a moment
+    by the server's other work (chunking, BM25, storing) would stall every thread of a
+    multi-threaded child; beyond that, several threads each, which bounds memory."""
+    processes = processes or max(1, min(cores, most))
+    return processes, max(1, cores // processes)
+
+
+def _start_child(factory: Callable[[], Encoder]) -> None:
+    global _encoder
+    os.nice(NICENESS)
+    if hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    _encoder = factory()
+    _encoder.encode(["warm up"], query=False)
+
+
+def _encode(texts: list[str]) -> np.ndarray:
+    assert _encoder is not None
+    return _encoder.encode(texts, query=False)
+
+
+class ProcessEncoder:
+    """`processes` children (fresh interpreters: spawned, not forked from a threaded server)
+    that each build `factory()`'s encoder; each call goes to a free one. A child that dies
+    fails the calls in flight as transient (their messages are redelivered), and the next
+    call starts the children again."""
+
+    def __init__(
+        self, factory: Callable[[], Encoder], processes: int = 1, *, start: bool = True
+    ) -> None:
+        self._factory, self.processes = factory, processes
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+        if start:
+            self._open()
+
+    def _open(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(
+                    self.processes,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_start_child,
+                    initargs=(self._factory,),
+                )
+                # One call each starts them all now, not at the first batches.
+                calls = [self._pool.submit(os.getpid) for _ in range(self.processes)]
+                try:
+                    for call in calls:
+                        call.result()
+                except BrokenProcessPool as err:
+                    self._pool.shutdown(wait=False, cancel_futures=True)
+                    self._pool = None
+                    raise RuntimeError(f"document encoder failed to start: {err!r}") from err
+            return self._pool
+
+    def pids(self) -> list[int]:
+        return list(getattr(self._pool, "_processes", None) or {})
+
+    def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
+        try:
+            pool = self._open()
+            return pool.submit(_encode, texts).result()
+        except BrokenProcessPool as err:
+            with self._lock:
+                broken, self._pool = self._pool, None
+            if broken is not None:
+                broken.shutdown(wait=False, cancel_futures=True)
+            raise Transient(f"a document encoder process stopped: {err!r}") from err
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None

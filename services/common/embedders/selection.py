@@ -1,0 +1,89 @@
+"""Which engine, device and precision serve the local models on this machine: one table
+(`BACKENDS`), read by `select`, which the operator's settings can override:
+
+    KBMESH_LOCAL_DEVICE     auto (a CUDA GPU where torch sees one, else the CPU) | cpu | cuda
+    KBMESH_LOCAL_PRECISION  auto (the table's) | fp32 | int8 (CPU only)
+    KBMESH_LOCAL_BACKEND    auto (the table's engine, documents in child processes on CPU)
+                            | onnx (onnxruntime in this process) | torch (fp32, the reference)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from services.common.embedders.cpu import cpu_kind, usable_cores, usable_physical_cores
+from services.common.embedders.processes import document_workers
+
+Backend = Literal["auto", "onnx", "torch"]
+Device = Literal["auto", "cpu", "cuda"]
+Precision = Literal["auto", "fp32", "int8"]
+Engine = Literal["onnxruntime", "torch"]
+
+# Hardware kind (`cpu.CPU_KINDS`, or "cuda") → the engine and precision `auto` serves with.
+# int8 (onnxruntime's per-channel dynamic quantisation) only where it was measured to keep
+# hybrid MRR@10 within 0.005 of fp32 on every quality set (docs/benchmarks.md, "Precision");
+# a kind where that was not measured keeps fp32.
+BACKENDS: dict[str, tuple[Engine, Literal["fp32", "int8"]]] = {
+    "cuda": ("torch", "fp32"),
+    "amx": ("onnxruntime", "fp32"),
+    "avx512_vnni": ("onnxruntime", "fp32"),
+    "avx_vnni": ("onnxruntime", "fp32"),
+    "avx2": ("onnxruntime", "fp32"),
+    "other": ("onnxruntime", "fp32"),
+}
+
+
+@dataclass(frozen=True)
+class Selection:
+    engine: Engine
+    device: Literal["cpu", "cuda"]
+    precision: Literal["fp32", "int8"]
+    hardware: str  # the row of `BACKENDS`
+    processes: int  # document child processes; 0: documents in this process
+    threads: int  # of each child, else of this process's sessions
+
+
+def cuda_available() -> bool:
+    """Whether torch can use a CUDA device. Without an NVIDIA driver loaded, answered
+    without importing torch, so a server on a CPU machine never pays for that import."""
+    if not (Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidia0").exists()):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def select(
+    backend: Backend = "auto",
+    device: Device = "auto",
+    precision: Precision = "auto",
+    *,
+    processes: int = 0,
+) -> Selection:
+    """ValueError for a combination that cannot run here (`cuda` without a usable GPU,
+    int8 on torch)."""
+    if device == "cuda" and not cuda_available():
+        raise ValueError("local device cuda: no CUDA device that torch can use")
+    gpu = device == "cuda" or (device == "auto" and backend != "onnx" and cuda_available())
+    hardware = "cuda" if gpu else cpu_kind()
+    engine, table_precision = BACKENDS[hardware]
+    if backend != "auto" and not gpu:
+        engine = "torch" if backend == "torch" else "onnxruntime"
+        table_precision = "fp32"
+    chosen = table_precision if precision == "auto" else precision
+    if engine == "torch" and chosen != "fp32":
+        raise ValueError(f"precision {chosen} runs on onnxruntime only (CPU); torch runs fp32")
+    children = backend == "auto" and not gpu
+    workers, threads = document_workers(usable_cores(), processes) if children else (0, 0)
+    return Selection(
+        engine=engine,
+        device="cuda" if gpu else "cpu",
+        precision=chosen,
+        hardware=hardware,
+        processes=workers,
+        threads=threads or usable_physical_cores(),
+    )
