@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     mcp.add_argument("--toolsets", help="core, compat or core,compat (KBMESH_MCP_TOOLSETS)")
     mcp.add_argument(
+        "--api",
+        metavar="URL",
+        help="relay to the kbmesh REST/MCP server at URL over HTTP (a stack on another "
+        "machine; the key comes from --api-key / KBMESH_API_KEY) instead of joining its NATS",
+    )
+    mcp.add_argument(
         "--api-key",
         default=os.environ.get("KBMESH_API_KEY"),
         help="run as this API key's org and scope (KBMESH_API_KEY); "
@@ -352,6 +358,16 @@ def _freeze_heap() -> None:
 async def _mcp(args: argparse.Namespace) -> None:
     from services.common.settings import Settings
     from services.gateway.tools import tools_for
+
+    if args.api:
+        if args.embedded or args.toolsets:
+            sys.exit(
+                "kbmesh mcp --api: the remote stack runs the tools; drop --embedded/--toolsets"
+            )
+        from services.cli_mcp import relay
+
+        await relay(args.api, args.api_key)
+        return
 
     overrides: dict[str, object] = {}
     if args.data_dir is not None:

@@ -24,7 +24,18 @@ ALLOWED: dict[str, set[str]] = {
     "backup": {"common", "runtime"},
     # `kbmesh status|search|kb`: REST clients too.
     "cli_api": {"cli_ingest"},
-    "cli": {"common", "contracts", "gateway", "runtime", "cli_ingest", "cli_api", "backup"},
+    # `kbmesh mcp --api`: an MCP relay to a remote stack, over HTTP only.
+    "cli_mcp": set(),
+    "cli": {
+        "common",
+        "contracts",
+        "gateway",
+        "runtime",
+        "cli_ingest",
+        "cli_api",
+        "cli_mcp",
+        "backup",
+    },
 }
 
 
