@@ -8,6 +8,7 @@ import contextlib
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -32,14 +33,28 @@ def document_workers(cores: int, processes: int = 0, *, most: int = 4) -> tuple[
     return processes, max(1, cores // processes)
 
 
+def _exit_with(parent: int) -> None:
+    """A server killed outright (`kill -9`) runs no cleanup: without this its children would
+    go on computing batches nobody waits for, beside the server that replaces it."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def _start_child(factory: Callable[[], Encoder]) -> None:
     global _encoder
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     os.nice(NICENESS)
     if hasattr(os, "SCHED_IDLE"):
         with contextlib.suppress(OSError):
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     _encoder = factory()
     _encoder.encode(["warm up"], query=False)
+
+
+def _started() -> int:
+    time.sleep(0.2)
+    return os.getpid()
 
 
 def _encode(texts: list[str]) -> np.ndarray:
@@ -71,8 +86,9 @@ class ProcessEncoder:
                     initializer=_start_child,
                     initargs=(self._factory,),
                 )
-                # One call each starts them all now, not at the first batches.
-                calls = [self._pool.submit(os.getpid) for _ in range(self.processes)]
+                # One call each starts them all now, not at the first batches; each call
+                # lasts a moment, so that every child (its initializer run) takes one.
+                calls = [self._pool.submit(_started) for _ in range(self.processes)]
                 try:
                     for call in calls:
                         call.result()
