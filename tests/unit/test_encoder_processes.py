@@ -63,7 +63,7 @@ def test_children_exit_when_their_server_is_killed() -> None:
         deadline = time.monotonic() + 30
         while any(alive(p) for p in children) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = {p: open(f"/proc/{p}/status").read()[:300] for p in children if alive(p)}
+        left = [p for p in children if alive(p)]
         assert not left, f"children outlived their server: {left}"
     finally:
         server.kill()
