@@ -29,9 +29,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import nats
 from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError, NotFoundError
 
+from services.common import busauth
 from services.common.content import checksum, content_checksum
 from services.common.datadir import CURRENT_FORMAT, read_format
 from services.common.events import STREAM, KbChanged, Subject
@@ -39,7 +41,7 @@ from services.common.layout import layout_object
 from services.common.models import DocStatus, DocumentRecord, KnowledgeBase
 from services.common.registry import Registries, TextStore
 from services.common.settings import Settings
-from services.runtime import build_runtime, start_consuming
+from services.runtime import SERVICES, build_runtime, start_consuming
 
 ARCHIVE_VERSION = 1
 # The index bucket is left out: its entries describe vectors, which restore rebuilds.
@@ -143,9 +145,9 @@ async def backup(js: JetStreamContext, path: Path) -> Manifest:
         objects.update(found)
     buckets["documents"] = documents
     # Uploads accepted but not ingested yet: the bytes their events refer to.
-    for info in await texts.store.list(ignore_deletes=True) if events else []:
-        if info.name not in objects and (data := await texts.get(info.name)) is not None:
-            objects[info.name] = data
+    for name in await _object_names(texts) if events else []:
+        if name not in objects and (data := await texts.get(name)) is not None:
+            objects[name] = data
     manifest.counts = {bucket: len(entries) for bucket, entries in buckets.items()}
     manifest.counts["objects"] = len(objects)
     manifest.counts["pending_events"] = len(events)
@@ -162,6 +164,13 @@ async def backup(js: JetStreamContext, path: Path) -> Manifest:
     tmp.chmod(0o600)
     tmp.replace(path)
     return manifest
+
+
+async def _object_names(texts: TextStore) -> list[str]:
+    try:
+        return [info.name for info in await texts.store.list(ignore_deletes=True)]
+    except NotFoundError:  # nats-py's answer for an empty store
+        return []
 
 
 async def _pending_events(js: JetStreamContext) -> list[dict[str, Any]]:
@@ -252,9 +261,9 @@ async def restore(path: Path, data_dir: Path, *, timeout: float = 3600.0) -> Man
     if read_format(data_dir) is not None:
         raise BackupError(f"{data_dir} is not empty: restore makes a new data dir")
     settings = Settings(data_dir=data_dir, nats_url=None)
-    # Ingest and embed rebuild the index; the gateway is left out (it would add a default
-    # KB of its own beside the restored one).
-    rt = await build_runtime(settings, ("ingest", "embed", "search"), embedded_nats=True)
+    # Ingest and embed rebuild the index. The gateway is wired but never started (started,
+    # it would add a default KB of its own beside the restored one).
+    rt = await build_runtime(settings, SERVICES, embedded_nats=True)
     try:
         await start_consuming(rt)
         reg = rt.registries
@@ -268,8 +277,7 @@ async def restore(path: Path, data_dir: Path, *, timeout: float = 3600.0) -> Man
             kb.cancel_rebuild()
             kbs.append(kb)
             await reg.kbs.put(f"{kb.org_id}.{kb.kb_id}", kb)
-        for key, value in archive.buckets["keys"].items():
-            await reg.keys.kv.put(key, value)
+        await _restore_keys(rt.bus.url or "", data_dir, archive.buckets["keys"])
         for key, value in archive.buckets["prompts"].items():
             await reg.prompts.kv.put(key, value)
         for value in archive.buckets["documents"].values():
@@ -291,6 +299,20 @@ async def restore(path: Path, data_dir: Path, *, timeout: float = 3600.0) -> Man
     finally:
         await rt.close()
     return Manifest(**{k: v for k, v in archive.manifest.items() if k in Manifest.__annotations__})
+
+
+async def _restore_keys(url: str, data_dir: Path, keys: dict[str, bytes]) -> None:
+    """The API keys, written as the operator: no service's NATS user may write them."""
+    if not keys:
+        return
+    creds = busauth.local_credentials(data_dir)["operator"]
+    nc = await nats.connect(url, user=creds.user, password=creds.password)
+    try:
+        kv = await nc.jetstream().key_value(busauth.KEYS_BUCKET)
+        for key, value in keys.items():
+            await kv.put(key, value)
+    finally:
+        await nc.close()
 
 
 async def _indexed(js: JetStreamContext, reg: Registries, timeout: float) -> None:

@@ -12,6 +12,7 @@ import pytest
 from services.backup import BackupError, backup, read_archive, restore
 from services.cli import main
 from tests.conftest import running_stack
+from tests.support.bus import OperatorKeys
 from tests.support.domain import create_kb, uid
 
 FACTS = {
@@ -40,10 +41,13 @@ async def test_a_backup_during_an_ingest_restores_into_a_stack_that_answers_the_
     archive = tmp_path / "stack.tar.gz"
     async with running_stack(tmp_path / "a", embedders=embedders) as (rt, client):
         kb = await create_kb(client, name=f"facts-{uid()}", tag_ids=["facts"])
+        token = await OperatorKeys(rt).create("local", "restore check")
+        client.headers["Authorization"] = f"Bearer {token}"
         prompt = await client.post(
             "/v1/prompts",
             json={"name": f"p-{uid()}", "model": "openai/gpt-4o-mini", "instructions": "Answer."},
         )
+        assert prompt.status_code == 201, prompt.text
         # Uploads sent without waiting: the backup runs while they are extracted and
         # embedded, and while searches keep being answered.
         for name, text in FACTS.items():
@@ -76,14 +80,16 @@ async def test_a_backup_during_an_ingest_restores_into_a_stack_that_answers_the_
 
     await restore(archive, tmp_path / "b")
     async with running_stack(tmp_path / "b", embedders=embedders) as (_rt, client):
+        # The key came along: the restored stack is keyed, and knows it.
+        assert (await client.get("/v1/kbs")).status_code == 401
+        client.headers["Authorization"] = f"Bearer {token}"
         got = (await client.get(f"/v1/kbs/{kb['kb_id']}")).json()
         assert got["name"] == kb["name"] and got["document_count"] == len(FACTS)
         for expected, query in QUERIES.items():
             r = await client.post("/v1/search", json={"query": query, "kb_ids": [kb["kb_id"]]})
             assert r.json()["hits"][0]["document_name"] == expected == before[query]
-        if prompt.status_code == 201:
-            r = await client.get(f"/v1/prompts/{prompt.json()['prompt_id']}")
-            assert r.status_code == 200, r.text
+        r = await client.get(f"/v1/prompts/{prompt.json()['prompt_id']}")
+        assert r.status_code == 200, r.text
 
 
 async def test_restore_refuses_a_data_dir_in_use_and_a_file_that_is_no_backup(
