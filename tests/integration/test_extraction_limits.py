@@ -163,11 +163,13 @@ async def test_a_document_past_the_time_limit_is_stopped_and_the_next_one_reads(
     from services.common.limits import LimitSettings
     from services.ingest.sandbox import ExtractionFailed, Extractor
 
-    limits = {**LIMITS, "extract_seconds": 1, "extract_memory_mb": 4096}  # time runs out first
+    # Time runs out first: 16 million paragraphs keep kreuzberg busy well past 0.3 s on every
+    # machine measured, even idle; the next document, a few bytes of markdown, is quick.
+    limits = {**LIMITS, "extract_seconds": 0.3, "extract_memory_mb": 4096}
     extractor = Extractor(LimitSettings(**limits))
     try:
         with pytest.raises(ExtractionFailed, match="KBMESH_LIMITS__EXTRACT_SECONDS"):
-            await extractor.extract(docx_bomb(8_000_000), None, "empty.docx")
+            await extractor.extract(docx_bomb(16_000_000), None, "empty.docx")
         read = await extractor.extract(b"# Fine\n\nStill read.", None, "fine.md")
         assert read.text.startswith("# Fine") and read.layout.format == "markdown"
     finally:
