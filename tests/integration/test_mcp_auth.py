@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import running_stack
+from tests.support.bus import OperatorKeys
 from tests.support.corpus import DOCS, PARAPHRASES
 from tests.support.mcp_client import failed, http_session, ok, serve_http
 
@@ -23,7 +24,7 @@ async def stack(tmp_path_factory, embedders):
         running_stack(
             tmp_path_factory.mktemp("mcp-auth"), embedders=embedders, mcp_toolsets="core,compat"
         ) as (rt, client),
-        serve_http(rt) as (base, app),
+        serve_http(rt) as (base, _app),
     ):
         async with http_session(base) as session:
             kbs, docs = {}, {}
@@ -46,7 +47,7 @@ async def stack(tmp_path_factory, embedders):
                     )
                 )
                 kbs[label], docs[label] = kb, doc
-        keys = app.state.keys
+        keys = OperatorKeys(rt)
         admin = await keys.create(rt.settings.default_org, "admin")
         scoped = await keys.create(
             rt.settings.default_org, "agent", kb_ids=[kbs["mine"]["kb_id"]], read_only=True

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import running_stack
+from tests.support.bus import OperatorKeys
 from tests.support.domain import create_kb, object_count, registry_counts, settled, uid
 from tests.support.mcp_client import failed, http_session, serve_http
 from tests.support.openai_embeddings import OpenAIEmbeddingsServer
@@ -37,7 +38,7 @@ async def stack(tmp_path_factory, embedders):
         running_stack(
             tmp_path_factory.mktemp("hardening"), embedders=embedders, kb_limit=KB_LIMIT
         ) as (rt, client),
-        serve_http(rt) as (base, app),
+        serve_http(rt) as (base, _app),
     ):
         mine, theirs = await create_kb(client, name="mine"), await create_kb(client, name="theirs")
         docs = {}
@@ -52,7 +53,7 @@ async def stack(tmp_path_factory, embedders):
             )
             assert r.json()["status"] == "complete", r.text
             docs[label] = r.json()
-        keys = app.state.keys
+        keys = OperatorKeys(rt)
         writer = await keys.create(rt.settings.default_org, "writer", kb_ids=[mine["kb_id"]])
         admin = await keys.create(rt.settings.default_org, "admin")
         # With keys, every request needs one: the org-wide key unless a test says otherwise.

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import running_stack
+from tests.support.bus import OperatorKeys
 from tests.support.domain import create_kb, registry_counts, uid
 from tests.support.mcp_client import serve_http
 
@@ -29,10 +30,10 @@ async def stack(tmp_path_factory, embedders):
             rt,
             client,
         ),
-        serve_http(rt) as (base, app),
+        serve_http(rt) as (base, _app),
     ):
         mine = await create_kb(client, name="mine")
-        keys = app.state.keys
+        keys = OperatorKeys(rt)
         admin = await keys.create(rt.settings.default_org, "admin")
         scoped = await keys.create(rt.settings.default_org, "scoped", kb_ids=[mine["kb_id"]])
         client.headers["Authorization"] = f"Bearer {admin}"
