@@ -16,6 +16,7 @@ import nats
 import pytest
 
 from services.common.audit import AUDIT_STREAM
+from services.common.busauth import inbox_prefix
 from services.common.events import DocUploaded, Subject
 from services.gateway.auth import Principal, hash_key, key_id
 from services.gateway.schemas import UploadBody
@@ -104,7 +105,12 @@ async def test_an_upstream_publishers_document_is_written_by_the_bus(stack):
     event = DocUploaded(
         org_id=stack.org, document_id=document_id, name="upstream.txt", content="tide tables"
     )
-    nc = await nats.connect(bus_url(stack.rt.bus.url, stack.rt.settings.data_dir, "gateway"))
+    # A raw client inside kbmesh's account (as the gateway's user: its replies arrive under
+    # its own inbox prefix) that states no writer.
+    nc = await nats.connect(
+        bus_url(stack.rt.bus.url, stack.rt.settings.data_dir, "gateway"),
+        inbox_prefix=inbox_prefix("gateway"),
+    )
     try:
         await nc.jetstream().publish(
             Subject.DOC_UPLOADED,
