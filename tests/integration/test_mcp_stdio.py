@@ -70,47 +70,6 @@ async def test_stdio_against_a_running_stack(stack, tmp_path):
     assert "mcp_stdio_ready" in (tmp_path / "stderr.log").read_text()
 
 
-async def test_stdio_relays_to_a_stack_reached_over_http_only(stack, tmp_path):
-    """`kbmesh mcp --api URL` (no NATS, no data directory: a stack on another machine) serves
-    the stack's own tools over stdio: the same list, uploads and searches that REST sees,
-    the stack's structured errors, and the key's scope."""
-    rt, client = stack
-    async with serve_http(rt) as (base, _app):
-        env = {"KBMESH_DATA_DIR": str(tmp_path / "nothing-here")}
-        async with stdio_session(["--api", base], env) as s:
-            assert {t.name for t in (await s.list_tools()).tools} == {
-                t.name for t in await _remote_tools(base)
-            }
-            up = ok(
-                await s.call_tool(
-                    "kb_upload", {"name": "relay.md", "content": DOCS["volcanoes.md"]}
-                )
-            )
-            assert up["status"] == "complete"
-            assert (await client.get(f"/v1/documents/{up['document_id']}")).status_code == 200
-            hits = ok(await s.call_tool("kb_search", {"query": PARAPHRASES["volcanoes.md"]}))
-            assert up["document_id"] in {h["document_id"] for h in hits["hits"]}
-            failed(await s.call_tool("kb_search", {"query": ""}), "ValidationError")
-
-        kb = (await client.post("/v1/kbs", json={"name": "relay-scope"})).json()
-        key = await OperatorKeys(rt).create(
-            rt.settings.default_org, "relay", kb_ids=[kb["kb_id"]], read_only=True
-        )
-        async with stdio_session(["--api", base], {**env, "KBMESH_API_KEY": key}) as s:
-            listed = ok(await s.call_tool("kb_list", {}))
-            assert [k["kb_id"] for k in listed["items"]] == [kb["kb_id"]]
-            failed(
-                await s.call_tool("kb_upload", {"kb": kb["kb_id"], "name": "a", "content": "x"}),
-                "Forbidden",
-            )
-    assert not (tmp_path / "nothing-here").exists()
-
-
-async def _remote_tools(base: str) -> list:
-    async with http_session(base) as session:
-        return (await session.list_tools()).tools
-
-
 async def test_stdio_api_key_confines_the_process(stack, tmp_path):
     """`kbmesh mcp` with KBMESH_API_KEY runs as that key: a KB-scoped read-only key lists only
     its KB and cannot upload."""
@@ -127,6 +86,51 @@ async def test_stdio_api_key_confines_the_process(stack, tmp_path):
             await s.call_tool("kb_upload", {"kb": kb["kb_id"], "name": "a", "content": "x"}),
             "Forbidden",
         )
+
+
+async def test_stdio_relays_to_a_stack_reached_over_http_only(stack, tmp_path):
+    """`kbmesh mcp --api URL` (no NATS, no data directory: a stack on another machine) serves
+    the stack's own tools over stdio with the key it is given: the same list, uploads and
+    searches that REST sees, the stack's structured errors, and the key's scope."""
+    rt, client = stack
+    keys = OperatorKeys(rt)
+    admin = await keys.create(rt.settings.default_org, "relay admin")
+    auth = {"Authorization": f"Bearer {admin}"}
+    async with serve_http(rt) as (base, _app):
+        env = {"KBMESH_DATA_DIR": str(tmp_path / "nothing-here"), "KBMESH_API_KEY": admin}
+        async with stdio_session(["--api", base], env) as s:
+            assert {t.name for t in (await s.list_tools()).tools} == {
+                t.name for t in await _remote_tools(base, admin)
+            }
+            up = ok(
+                await s.call_tool(
+                    "kb_upload", {"name": "relay.md", "content": DOCS["volcanoes.md"]}
+                )
+            )
+            assert up["status"] == "complete"
+            r = await client.get(f"/v1/documents/{up['document_id']}", headers=auth)
+            assert r.status_code == 200, r.text
+            hits = ok(await s.call_tool("kb_search", {"query": PARAPHRASES["volcanoes.md"]}))
+            assert up["document_id"] in {h["document_id"] for h in hits["hits"]}
+            failed(await s.call_tool("kb_search", {"query": ""}), "ValidationError")
+
+        kb = (await client.post("/v1/kbs", json={"name": "relay-scope"}, headers=auth)).json()
+        scoped = await keys.create(
+            rt.settings.default_org, "relay", kb_ids=[kb["kb_id"]], read_only=True
+        )
+        async with stdio_session(["--api", base], {**env, "KBMESH_API_KEY": scoped}) as s:
+            listed = ok(await s.call_tool("kb_list", {}))
+            assert [k["kb_id"] for k in listed["items"]] == [kb["kb_id"]]
+            failed(
+                await s.call_tool("kb_upload", {"kb": kb["kb_id"], "name": "a", "content": "x"}),
+                "Forbidden",
+            )
+    assert not (tmp_path / "nothing-here").exists()
+
+
+async def _remote_tools(base: str, key: str) -> list:
+    async with http_session(base, key) as session:
+        return (await session.list_tools()).tools
 
 
 async def test_stdio_embedded_runs_the_whole_stack(tmp_path):
