@@ -31,7 +31,7 @@ LIMITS = {
     "extract_expansion_ratio": 10**6,
     "extract_expanded_bytes": 4 * 1024**3,
 }
-SAMPLES = 40
+SAMPLES = 80
 
 
 @pytest.fixture(scope="module")

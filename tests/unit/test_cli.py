@@ -17,9 +17,9 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 
 
 def test_an_abbreviated_option_is_refused_not_guessed(capsys: pytest.CaptureFixture[str]) -> None:
-    """`kbmesh mcp --api URL` once ran as `--api-key URL`: an unknown option is an error that
-    names it, in subcommands too."""
+    """`kbmesh mcp --api URL` once ran as `--api-key URL`: a prefix of an option is an error
+    that names it, in subcommands too (here `--embed` for `--embedded`)."""
     with pytest.raises(SystemExit) as stop:
-        main(["mcp", "--api", "http://127.0.0.1:8080"])
+        main(["mcp", "--embed"])
     assert stop.value.code == 2
-    assert "unrecognized arguments: --api" in capsys.readouterr().err
+    assert "unrecognized arguments: --embed" in capsys.readouterr().err
