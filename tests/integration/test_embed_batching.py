@@ -89,7 +89,6 @@ async def test_a_poisoned_document_fails_alone_and_its_batch_mates_are_indexed(
     only the poisoned one fails (dead letter, status failed) and the other six are
     complete with all their chunks."""
     provider.reset()
-    provider.delay(0.3)  # a busy provider: messages pile up while a call is out
     provider.reject_inputs_containing("tides")
     try:
         # The provider listens on loopback: allowed explicitly, as for a self-hosted model.
@@ -102,9 +101,24 @@ async def test_a_poisoned_document_fails_alone_and_its_batch_mates_are_indexed(
             )
             remote = rt.embedders.get(REMOTE, provider.base_url)
             texts = {f"{t}.md": text_of(t, paragraphs=1) for t in TOPICS}
-            # The poisoned one last, so that it joins documents already waiting for a call.
-            names = sorted(texts, key=lambda n: n == "tides.md")
-            ids = {n: await post_document(client, kb["kb_id"], n, texts[n]) for n in names}
+            # A stalled provider holds the first document's call; the other six, the poisoned
+            # one among them, queue behind it and go out together once it answers.
+            first, *rest = sorted(texts, key=lambda n: n == "tides.md")
+            waiting = sum(len(expected_chunks(rt, kb, texts[n], n)) for n in rest)
+
+            async def first_call_held() -> bool:
+                return provider.held == 1
+
+            async def all_queued() -> bool:
+                return remote.documents.queued == waiting
+
+            provider.hold()
+            ids = {first: await post_document(client, kb["kb_id"], first, texts[first])}
+            await wait_until(first_call_held, what="the first call at the provider")
+            for name in rest:
+                ids[name] = await post_document(client, kb["kb_id"], name, texts[name])
+            await wait_until(all_queued, what="the other documents' chunks queued")
+            provider.release()
             await settled(rt, timeout=120)
 
             async def statuses() -> dict[str, str] | None:

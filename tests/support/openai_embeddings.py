@@ -45,6 +45,7 @@ class _Script:
     delay_seconds: float = 0.0
     rejected: list[list[str]] = field(default_factory=list)
     requests: int = 0
+    held: int = 0  # requests waiting at a closed gate
     batches: list[list[str]] = field(default_factory=list)
     models: list[str] = field(default_factory=list)
 
@@ -66,6 +67,8 @@ class OpenAIEmbeddingsServer:
         self.dim = dim
         self._lock = threading.Lock()
         self._script = _Script()
+        self._gate = threading.Event()
+        self._gate.set()
         self._socket: socket.socket | None = None
         self._port: int | None = None
         self._server: _Server | None = None
@@ -107,6 +110,19 @@ class OpenAIEmbeddingsServer:
         with self._lock:
             self._script.delay_seconds = seconds
 
+    def hold(self) -> None:
+        """Keep every request waiting until `release`, as a stalled provider does."""
+        self._gate.clear()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    @property
+    def held(self) -> int:
+        """Requests now waiting for `release`."""
+        with self._lock:
+            return self._script.held
+
     @property
     def rejected(self) -> list[list[str]]:
         """Inputs of each request refused for a poisoned input."""
@@ -114,6 +130,7 @@ class OpenAIEmbeddingsServer:
             return [list(b) for b in self._script.rejected]
 
     def reset(self) -> None:
+        self._gate.set()
         with self._lock:
             self._script = _Script()
 
@@ -157,6 +174,12 @@ class OpenAIEmbeddingsServer:
                 poison, delay = self._script.poison, self._script.delay_seconds
             if delay:
                 await asyncio.sleep(delay)
+            if not self._gate.is_set():
+                with self._lock:
+                    self._script.held += 1
+                await asyncio.to_thread(self._gate.wait)
+                with self._lock:
+                    self._script.held -= 1
             if poison is not None and any(poison in text for text in inputs):
                 with self._lock:
                     self._script.rejected.append(inputs)

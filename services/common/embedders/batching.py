@@ -101,12 +101,12 @@ class Batcher:
         return await request.future
 
     async def _drain(self) -> None:
-        if self._linger and self._queued() < self._max:
+        if self._linger and self.queued < self._max:
             await asyncio.sleep(self._linger)
         while self._pending:
             await self._slots.acquire()
             free = self._concurrency - len(self._calls)  # this one's slot included
-            group = self._take(math.ceil(self._queued() / max(1, free)))
+            group = self._take(math.ceil(self.queued / max(1, free)))
             if not group:
                 self._slots.release()
                 continue
@@ -120,7 +120,9 @@ class Batcher:
         finally:
             self._slots.release()
 
-    def _queued(self) -> int:
+    @property
+    def queued(self) -> int:
+        """Texts waiting for a call."""
         return sum(s.end - s.start for s in self._pending)
 
     def _take(self, share: int) -> list[_Slice]:
