@@ -35,7 +35,9 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """Every command and option of `kbmesh` (the docs' client configurations are checked
+    against it)."""
     parser = _Parser(prog="kbmesh", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -200,7 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         help="an upstream publisher bound to ORG (repeat); its password: NATS_PASSWORD_<NAME>",
     )
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.command not in ("contracts", "mock", "bus"):
         # Everything kbmesh writes in its data directory (NATS store, shards, credentials,
         # model exports) is its owner's only.
