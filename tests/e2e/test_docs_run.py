@@ -129,7 +129,7 @@ def script_for(path: Path, port: int) -> str:
         text = ADDRESS.sub(f"127.0.0.1:{port}", block.text)
         lines.append(f"echo '>>> {block.where}' >&2")
         if block.lang == "python":
-            lines += [f'"{sys.executable}" - <<\'PYTHON_BLOCK\'', text + "PYTHON_BLOCK"]
+            lines += [f"\"{sys.executable}\" - <<'PYTHON_BLOCK'", text + "PYTHON_BLOCK"]
         elif block.mark == "stream":
             # The stream runs until curl's time limit (exit 28) and must have sent an event.
             lines += [
@@ -166,7 +166,9 @@ async def test_the_docs_shell_and_python_blocks_run(doc: Path, tmp_path: Path, r
     """The file's blocks, run in order against a fresh `kbmesh up`, all succeed."""
     port = free_port()
     data = tmp_path / "data"
-    up = Proc(["up", "--data-dir", str(data), "--port", str(port)], tmp_path / "up.log", kbmesh_env())
+    up = Proc(
+        ["up", "--data-dir", str(data), "--port", str(port)], tmp_path / "up.log", kbmesh_env()
+    )
     try:
         await asyncio.to_thread(wait_ready, f"http://127.0.0.1:{port}", up)
         script = reader / "docs.sh"
