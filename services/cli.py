@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """Every command and option of `kbmesh` (the docs' client configurations are checked
     against it)."""
     parser = _Parser(prog="kbmesh", description=__doc__)
@@ -206,7 +206,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command not in ("contracts", "mock", "bus"):
         # Everything kbmesh writes in its data directory (NATS store, shards, credentials,
         # model exports) is its owner's only.

@@ -95,7 +95,7 @@ def test_every_block_not_run_says_why():
 def test_client_configurations_parse_and_name_real_commands():
     """Each JSON block parses; each kbmesh command line in an MCP client configuration is
     one kbmesh's parser accepts, and each URL is the MCP endpoint."""
-    from services.cli import parser
+    from services.cli import build_parser
 
     checked = 0
     for block in all_blocks():
@@ -105,7 +105,7 @@ def test_client_configurations_parse_and_name_real_commands():
         servers = config.get("mcpServers") or config.get("servers") or {}
         for name, server in servers.items():
             if str(server.get("command", "")).endswith("kbmesh"):
-                args = parser().parse_args(server["args"])
+                args = build_parser().parse_args(server["args"])
                 assert args.command == "mcp", (block.where, name)
                 checked += 1
             urls = [server.get("url", "")] + [a for a in server.get("args", []) if "://" in a]
