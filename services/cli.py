@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     mock = sub.add_parser(
         "mock", help="serve the contract examples (REST, /api/v1/tools, MCP); no NATS, no model"
     )
-    mock.add_argument("--port", type=int, default=8080)
-    mock.add_argument("--host", default="127.0.0.1")
+    mock.add_argument("--port", type=int, default=8080, help="default 8080")
+    mock.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     mock.add_argument("--toolsets", default="core,compat", help="core, compat or core,compat")
 
     contracts = sub.add_parser("contracts", help="the JSON Schemas and examples in contracts/")
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     dlq = sub.add_parser("dlq", help="dead letters: list them, replay them, discard them")
     dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
     dlq_list = dlq_sub.add_parser("list", help="one JSON line per dead letter, oldest first")
-    dlq_list.add_argument("--limit", type=int, default=100)
+    dlq_list.add_argument("--limit", type=int, default=100, help="at most this many (100)")
     dlq_replay = dlq_sub.add_parser(
         "replay", help="republish to the original subject and remove the dead letter"
     )
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--all", action="store_true", help="every dead letter (of --subject)")
     for p in (dlq_list, dlq_replay, dlq_discard):
         p.add_argument("--subject", help="only dead letters of this original subject")
-        p.add_argument("--data-dir", type=Path)
+        p.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
 
     backup = sub.add_parser(
         "backup",
@@ -162,14 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("--org", help="default: the default org (KBMESH_DEFAULT_ORG)")
     audit.add_argument("--writer", help="an API key's id or name, a publisher, local, bus")
-    audit.add_argument("--kind", choices=["document", "kb", "key"])
-    audit.add_argument("--action", choices=["uploaded", "changed", "deleted", "created"])
-    audit.add_argument("--document", dest="document_id")
-    audit.add_argument("--kb", dest="kb_id")
+    audit.add_argument("--kind", choices=["document", "kb", "key"], help="what changed")
+    audit.add_argument(
+        "--action", choices=["uploaded", "changed", "deleted", "created"], help="how it changed"
+    )
+    audit.add_argument("--document", dest="document_id", help="entries about this document")
+    audit.add_argument("--kb", dest="kb_id", help="entries about this KB id")
     audit.add_argument("--since", type=_timestamp, help="ISO 8601, e.g. 2026-11-26T22:00Z")
     audit.add_argument("--until", type=_timestamp, help="ISO 8601")
-    audit.add_argument("--limit", type=int, default=100)
-    audit.add_argument("--data-dir", type=Path)
+    audit.add_argument("--limit", type=int, default=100, help="at most this many, 1-1000 (100)")
+    audit.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
     publishers = sub.add_parser(
         "publishers", help="NATS credentials for upstream systems, each bound to one org"
     )
@@ -183,9 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     pub_revoke = publishers_sub.add_parser(
         "revoke", help="remove a publisher; its open connections are closed"
     )
-    pub_revoke.add_argument("name", metavar="NAME")
+    pub_revoke.add_argument("name", metavar="NAME", help="the publisher to remove")
     for p in publishers_sub.choices.values():
-        p.add_argument("--data-dir", type=Path)
+        p.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
 
     bus = sub.add_parser("bus", help="NATS users and permissions for deployments")
     bus_sub = bus.add_subparsers(dest="bus_command", required=True)

@@ -23,3 +23,23 @@ def test_an_abbreviated_option_is_refused_not_guessed(capsys: pytest.CaptureFixt
         main(["mcp", "--embed"])
     assert stop.value.code == 2
     assert "unrecognized arguments: --embed" in capsys.readouterr().err
+
+
+def test_every_command_and_option_says_what_it_does():
+    """`--help` describes every subcommand's every option and argument."""
+    import argparse
+
+    from services.cli import build_parser
+
+    silent: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not action.help:
+                silent.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "kbmesh")
+    assert silent == []
