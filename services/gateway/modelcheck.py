@@ -7,7 +7,7 @@ from __future__ import annotations
 from services.common.egress import EgressPolicy
 from services.common.embedders import LiteLLMEmbedder, is_local, model_limits
 from services.common.errors import Forbidden, InvalidInput, Transient
-from services.common.llm import check_destination
+from services.common.modelcalls import check_destination
 
 PROBE_TIMEOUT_SECONDS = 15.0
 

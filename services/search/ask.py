@@ -5,7 +5,7 @@ citations.
 
 Every search the model makes goes through `SearchService.search` with the request's KBs, org
 and key scope, so the model can never see more than its caller could. The model sits behind
-`ChatModel` (services/common/llm.py), the one place outbound model calls are made.
+`ChatModel` (services/search/llm.py), the one place outbound model calls are made.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from services.common.answers import (
     schema_validator,
 )
 from services.common.errors import BadModelOutput, Conflict, InvalidInput, NotFound, Transient
-from services.common.llm import ChatModel, ChatReply, LiteLLMChat, PolicySource, ToolCall
 from services.common.models import DocStatus, DocumentRecord, KnowledgeBase
 from services.common.queries import MetadataCondition, SearchFilters, SearchHit, SearchRequest
 from services.common.registry import Registries
 from services.common.settings import AskSettings
 from services.common.telemetry import tracer
+from services.search.llm import ChatModel, ChatReply, LiteLLMChat, PolicySource, ToolCall
 from services.search.service import SearchService
 
 log = logging.getLogger("kbmesh.ask")

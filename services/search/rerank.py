@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from services.common.egress import EgressPolicy, egress_scope, refusal_in
 from services.common.errors import KbmeshError
-from services.common.llm import check_destination, http_client, import_litellm
+from services.common.modelcalls import check_destination, http_client, import_litellm
 
 _WHAT = "call the rerank model at"
 

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from services.common.egress import EgressPolicy, EgressRefused, EgressTransport, egress_scope
 from services.common.embedders import LiteLLMEmbedder
 from services.common.errors import Forbidden, InvalidInput
-from services.common.llm import LiteLLMChat
+from services.search.llm import LiteLLMChat
 from services.search.rerank import LiteLLMReranker, RerankFailed
 from tests.conftest import running_stack
 from tests.support.asgi import serve_app

@@ -87,7 +87,7 @@ async def test_a_private_api_base_is_refused_before_any_call():
     refused unless the operator allows it."""
     from services.common.egress import EgressPolicy
     from services.common.errors import Forbidden
-    from services.common.llm import LiteLLMChat
+    from services.search.llm import LiteLLMChat
 
     def chat(policy: EgressPolicy) -> LiteLLMChat:
         return LiteLLMChat(

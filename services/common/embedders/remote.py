@@ -3,7 +3,6 @@ Ollama, TEI/vLLM via `api_base`), with our own retry policy and cross-document b
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -15,14 +14,13 @@ from services.common.embedders.base import MODEL_FIELD, QUERY_MAX_TEXTS, normali
 from services.common.embedders.batching import Batcher
 from services.common.embedders.tokenizing import tiktoken_tokenizer
 from services.common.errors import InvalidInput, Transient
-from services.common.llm import (
+from services.common.modelcalls import (
     NO_SDK_RETRIES,
+    call_model,
     check_destination,
     http_client,
     import_litellm,
     import_litellm_off_loop,
-    is_retryable,
-    raise_refusal,
 )
 
 log = logging.getLogger(__name__)
@@ -131,50 +129,30 @@ class LiteLLMEmbedder:
         )
         field = "api_base" if self.api_base else MODEL_FIELD
         client = http_client(self._model, self.api_base)
-        for attempt in range(1, self._tries + 1):
-            try:
-                with egress_scope(policy, field=field, what=_WHAT):
-                    response = await litellm.aembedding(
-                        model=self._model,
-                        input=batch,
-                        api_base=self.api_base,
-                        api_key=self._api_key,
-                        timeout=self._timeout,
-                        # One retry policy, ours: the OpenAI SDK would otherwise retry too.
-                        max_retries=NO_SDK_RETRIES,
-                        **client,
-                    )
-            except Exception as err:
-                raise_refusal(err)
-                retryable = is_retryable(err, litellm)
-                if retryable is None:
-                    raise
-                # The provider's own words stay in the log: a response body is whatever the
-                # server at `api_base` chose to send, and must not reach API clients.
-                if not retryable:
-                    log.warning("embed_rejected model=%s error=%r", self._model, str(err)[:500])
-                    raise InvalidInput(
-                        f"{self._model} rejected the embedding request ({_summary(err)})",
-                        field=MODEL_FIELD,
-                    ) from err
-                if attempt == self._tries:
-                    log.warning("embed_unavailable model=%s error=%r", self._model, str(err)[:500])
-                    raise Transient(
-                        f"{self._model} unavailable after {attempt} tries ({_summary(err)})",
-                        field=MODEL_FIELD,
-                    ) from err
-                delay = self._backoff * 2 ** (attempt - 1)
-                log.warning(
-                    "embed_retry model=%s attempt=%d delay=%.2f error=%r",
-                    self._model,
-                    attempt,
-                    delay,
-                    str(err)[:200],
+
+        async def call() -> Any:
+            with egress_scope(policy, field=field, what=_WHAT):
+                return await litellm.aembedding(
+                    model=self._model,
+                    input=batch,
+                    api_base=self.api_base,
+                    api_key=self._api_key,
+                    timeout=self._timeout,
+                    max_retries=NO_SDK_RETRIES,  # one retry policy, ours
+                    **client,
                 )
-                await asyncio.sleep(delay)
-            else:
-                return self._vectors(response, len(batch))
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        response = await call_model(
+            call,
+            model=self._model,
+            tries=self._tries,
+            backoff_seconds=self._backoff,
+            litellm=litellm,
+            kind="embed",
+            rejected="the embedding request",
+            field=MODEL_FIELD,
+        )
+        return self._vectors(response, len(batch))
 
     def _vectors(self, response: Any, expected: int) -> list[list[float]]:
         items = sorted(

@@ -12,7 +12,7 @@ from services.common.egress import egress_policy
 from services.common.errors import Conflict, InvalidInput, NotFound
 from services.common.events import Subject
 from services.common.ids import is_id, new_id
-from services.common.llm import check_destination
+from services.common.modelcalls import check_destination
 from services.common.models import utcnow
 from services.common.registry import Registries
 from services.common.settings import Settings

@@ -18,7 +18,7 @@ from services.common.embedders import model_limits
 from services.common.errors import Conflict, InvalidInput, NotFound
 from services.common.events import KbChanged, Subject
 from services.common.ids import new_kb_id
-from services.common.llm import check_destination
+from services.common.modelcalls import check_destination
 from services.common.models import (
     CHUNK_SIZE_RANGE,
     KB_TAG_PREFIX,
