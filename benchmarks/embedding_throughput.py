@@ -16,10 +16,10 @@ import time
 import httpx
 
 from benchmarks.common import kbmesh_up, stdlib_documents
+from services.common.domain.models import KnowledgeBase
 from services.common.embedders import LocalEmbedder
 from services.common.embedders.cpu import cpu_kind, cpu_model
 from services.common.embedders.selection import select
-from services.common.models import KnowledgeBase
 from services.embed.chunking import chunk_text
 from services.embed.service import TITLE_TOKEN_BUDGET
 

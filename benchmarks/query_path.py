@@ -36,10 +36,10 @@ import httpx
 import nats
 
 from benchmarks.common import kbmesh_up_at, pct, stdlib_documents
-from services.common.busauth import inbox_prefix, recorded_credentials
 from services.common.embedders import LocalEmbedder
-from services.common.events import Subject
-from services.common.queries import SearchRequest
+from services.common.infra.busauth import inbox_prefix, recorded_credentials
+from services.common.messages.events import Subject
+from services.common.messages.queries import SearchRequest
 
 MODEL = "local/all-MiniLM-L6-v2"
 

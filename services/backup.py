@@ -33,13 +33,13 @@ import nats
 from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError, NotFoundError
 
-from services.common import busauth
-from services.common.content import checksum, content_checksum
-from services.common.datadir import CURRENT_FORMAT, read_format
-from services.common.events import STREAM, KbChanged, Subject
-from services.common.layout import layout_object
-from services.common.models import DocStatus, DocumentRecord, KnowledgeBase
-from services.common.registry import Registries, TextStore
+from services.common.domain.content import checksum, content_checksum
+from services.common.domain.layout import layout_object
+from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase
+from services.common.infra import busauth
+from services.common.infra.datadir import CURRENT_FORMAT, read_format
+from services.common.infra.registry import Registries, TextStore
+from services.common.messages.events import STREAM, KbChanged, Subject
 from services.common.settings import Settings
 from services.runtime import SERVICES, build_runtime, start_consuming
 
@@ -101,7 +101,8 @@ async def _document(
         objects: dict[str, bytes] = {}
         text = await texts.get(record.text_object)
         original = await texts.get(_original(record))
-        # Headings and pages of the text, when its format has them (services/common/layout.py).
+        # Headings and pages of the text, when its format has them
+        # (services/common/domain/layout.py).
         layout = await texts.get(layout_object(record.org_id, record.document_id))
         consistent = True
         if record.status == DocStatus.ready:

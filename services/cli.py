@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.common.bus import Bus
+    from services.common.infra.bus import Bus
     from services.common.settings import Settings
 
 # Nothing downloads at run time: the model ships in a package, litellm's cost map too.
@@ -471,8 +471,8 @@ def _stdout_to_stderr() -> Iterator[None]:
 async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
     """A bus for one-off commands: KBMESH_NATS_URL, else the URL a running `kbmesh up`
     recorded in its data directory, else the data directory's store opened directly."""
-    from services.common.bus import Bus
-    from services.common.telemetry import configure_telemetry
+    from services.common.infra.bus import Bus
+    from services.common.infra.telemetry import configure_telemetry
     from services.runtime import start_private_nats
 
     nats_server = None
@@ -527,7 +527,7 @@ async def _backup_or_restore(args: argparse.Namespace) -> int:
 
 def _use_recorded_user(settings: Settings, role: str) -> None:
     """Connect as `role` with the credentials a `kbmesh up` on the data directory made."""
-    from services.common.busauth import recorded_credentials
+    from services.common.infra.busauth import recorded_credentials
 
     found = recorded_credentials(settings.data_dir, role)
     if found is not None:
@@ -535,9 +535,9 @@ def _use_recorded_user(settings: Settings, role: str) -> None:
 
 
 def _bus_config(publishers: list[str]) -> int:
-    from services.common.busauth import Publisher, deploy_conf
-    from services.common.errors import InvalidInput
-    from services.common.ids import check_id
+    from services.common.domain.errors import InvalidInput
+    from services.common.domain.ids import check_id
+    from services.common.infra.busauth import Publisher, deploy_conf
 
     chosen = []
     for spec in publishers:
@@ -554,9 +554,9 @@ def _bus_config(publishers: list[str]) -> int:
 def _publishers(args: argparse.Namespace) -> int:
     import json
 
-    from services.common import busauth
-    from services.common.errors import InvalidInput
-    from services.common.natsproc import reload_running
+    from services.common.domain.errors import InvalidInput
+    from services.common.infra import busauth
+    from services.common.infra.natsproc import reload_running
 
     data_dir = _settings(args).data_dir
     if args.publishers_command == "list":
@@ -604,10 +604,10 @@ def _publishers(args: argparse.Namespace) -> int:
 async def _keys(args: argparse.Namespace) -> int:
     import json
 
-    from services.common.audit import sink as audit_sink
-    from services.common.errors import KbmeshError
-    from services.common.ids import check_id
-    from services.common.registry import Registries
+    from services.common.domain.errors import KbmeshError
+    from services.common.domain.ids import check_id
+    from services.common.infra.audit import sink as audit_sink
+    from services.common.infra.registry import Registries
     from services.gateway.auth import KeyResolver, key_id
 
     settings = _settings(args)
@@ -645,8 +645,8 @@ def _timestamp(raw: str) -> datetime:
 
 
 async def _audit(args: argparse.Namespace) -> None:
-    from services.common.audit import AuditQuery, read_audit
-    from services.common.ids import check_id
+    from services.common.domain.ids import check_id
+    from services.common.infra.audit import AuditQuery, read_audit
 
     settings = _settings(args)
     org = args.org or settings.default_org
@@ -669,7 +669,12 @@ async def _audit(args: argparse.Namespace) -> None:
 async def _dlq(args: argparse.Namespace) -> int:
     import json
 
-    from services.common.deadletters import discard, get_dead_letter, list_dead_letters, replay
+    from services.common.infra.deadletters import (
+        discard,
+        get_dead_letter,
+        list_dead_letters,
+        replay,
+    )
 
     async with _cli_bus(_settings(args)) as bus:
         if args.dlq_command == "list":

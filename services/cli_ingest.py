@@ -36,7 +36,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from services.common.formats import FORMATS, GZIP_TYPE
+from services.common.domain.formats import FORMATS, GZIP_TYPE
 
 
 def default_api() -> str:

@@ -24,7 +24,7 @@ os.environ.setdefault(
     str(Path(tempfile.gettempdir()) / f"kbmesh-test-models-{os.getuid()}"),
 )
 
-from services.common.natsproc import NatsServer
+from services.common.infra.natsproc import NatsServer
 
 MODEL_CACHE_DIR = Path(os.environ["KBMESH_MODEL_CACHE_DIR"])
 
@@ -34,10 +34,10 @@ def model_cache() -> Path:
     """Build the ONNX exports once before any test needs them (fp32, and the precision
     `auto` uses on this machine), so that no `kbmesh up` under test spends its readiness
     timeout exporting (a no-op once the cache holds them)."""
+    from services.common.domain.models import DEFAULT_MODEL
     from services.common.embedders import LocalEmbedder
     from services.common.embedders.onnx_export import ensure_onnx
     from services.common.embedders.selection import select
-    from services.common.settings import DEFAULT_MODEL
 
     model = LocalEmbedder(DEFAULT_MODEL, cache_dir=MODEL_CACHE_DIR)
     auto = select("auto", "cpu").precision

@@ -1,1 +1,3 @@
-"""What every service imports: events, settings, bus wiring, registries, store, embedders."""
+"""What every service imports, by role: `domain` (vocabulary and rules), `messages` (what
+travels on the bus), `infra` (bus, registries, store, model calls), `embedders` (local and
+LiteLLM embedding models) and `settings`."""

@@ -8,12 +8,9 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.common.ids import check_id
-from services.common.limits import LimitSettings
-
-DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
-# The models that ship inside the package (their specs: services/common/embedders/local.py).
-BUNDLED_MODELS = (DEFAULT_MODEL, "local/all-MiniLM-L6-v2-int8")
+from services.common.domain.ids import check_id
+from services.common.domain.limits import LimitSettings
+from services.common.domain.models import DEFAULT_MODEL
 
 
 class BusSettings(BaseModel):

@@ -15,7 +15,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from services.common.answers import (
+from services.common.domain.ids import point_id
+from services.common.domain.models import DEFAULT_MODEL, Chunker, KBStatus, RevisionWriter, Writer
+from services.common.infra.audit import AuditEntry
+from services.common.messages.answers import (
     AskQuery,
     AskResponse,
     AskTask,
@@ -23,8 +26,7 @@ from services.common.answers import (
     SearchMade,
     Usage,
 )
-from services.common.audit import AuditEntry
-from services.common.events import (
+from services.common.messages.events import (
     DocDeleted,
     DocFailed,
     DocIndexed,
@@ -37,17 +39,14 @@ from services.common.events import (
     Subject,
     TagsChanged,
 )
-from services.common.ids import point_id
-from services.common.models import Chunker, KBStatus, RevisionWriter, Writer
-from services.common.queries import (
+from services.common.messages.queries import (
     ChunkResponse,
+    Mode,
     SearchFilters,
     SearchHit,
     SearchQuery,
     SearchResponse,
 )
-from services.common.settings import DEFAULT_MODEL
-from services.common.store.base import Mode
 from services.gateway.schemas import (
     Ack,
     AuditList,

@@ -29,7 +29,7 @@ from fastapi import FastAPI
 from jsonschema import Draft202012Validator
 from pydantic import BaseModel
 
-from services.common.events import EVENT_MODELS, Event
+from services.common.messages.events import EVENT_MODELS, Event
 from services.contracts.examples import (
     EVENT_EXAMPLES,
     REST_EXAMPLES,
@@ -37,7 +37,7 @@ from services.contracts.examples import (
     RestExample,
     ToolExample,
 )
-from services.gateway.api.problems import (
+from services.gateway.problems import (
     TOOLS_PATH,
     ProblemFieldError,
 )
@@ -196,7 +196,7 @@ def schema_only_app() -> FastAPI:
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     """The app's OpenAPI document (its error answers as they are on the wire:
-    services/gateway/api/problems.py)."""
+    services/gateway/problems.py)."""
     return copy.deepcopy(app.openapi())
 
 

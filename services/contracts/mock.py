@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.common.errors import InvalidInput, KbmeshError, NotFound
+from services.common.domain.errors import InvalidInput, KbmeshError, NotFound
 from services.common.settings import Settings
 from services.contracts.examples import RestExample, ToolExample
 from services.contracts.export import (
@@ -40,10 +40,10 @@ from services.contracts.export import (
     schema_errors,
     validator,
 )
-from services.gateway.api.problems import TOOLS_PATH, ProblemFieldError, problem
 from services.gateway.api.tools import tool_arguments
 from services.gateway.auth import Principal
 from services.gateway.mcp import KbmeshMCP, MountRoot, call_result
+from services.gateway.problems import TOOLS_PATH, ProblemFieldError, problem
 from services.gateway.tools import (
     TOOLSETS,
     ToolOutcome,

@@ -22,8 +22,8 @@ from typing import cast
 from chonkie import RecursiveChunker, RecursiveRules, SentenceChunker, TokenChunker
 from chonkie.tokenizer import AutoTokenizer, CharacterTokenizer, TokenizerProtocol
 
-from services.common.layout import Layout
-from services.common.models import Chunker, KnowledgeBase
+from services.common.domain.layout import Layout
+from services.common.domain.models import Chunker, KnowledgeBase
 
 # chonkie's default levels (paragraphs, sentences, pauses, words) without the last one, which
 # splits a still-too-long word by decoding token ids: lossy for WordPiece (lowercased,

@@ -11,13 +11,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from services.common import bm25, metrics
-from services.common.embedders import EmbedderPool
-from services.common.errors import Conflict, NotFound, Transient
-from services.common.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish, Subject
-from services.common.ids import point_id
-from services.common.layout import Layout, layout_object
-from services.common.models import (
+from services.common.domain.errors import Conflict, NotFound, Transient
+from services.common.domain.ids import point_id
+from services.common.domain.layout import Layout, layout_object
+from services.common.domain.models import (
     DocStatus,
     DocumentRecord,
     IndexEntry,
@@ -26,10 +23,20 @@ from services.common.models import (
     split_tags,
     utcnow,
 )
-from services.common.registry import Registries
-from services.common.store import ChunkPoint, Match, SparseVector, VectorStore
-from services.common.store.base import Filter
-from services.common.telemetry import tracer
+from services.common.embedders import EmbedderPool
+from services.common.infra import bm25, metrics
+from services.common.infra.registry import Registries
+from services.common.infra.store import ChunkPoint, Match, SparseVector, VectorStore
+from services.common.infra.store.base import Filter
+from services.common.infra.telemetry import tracer
+from services.common.messages.events import (
+    DocIndexed,
+    KbChanged,
+    KbIndex,
+    KbRemove,
+    Publish,
+    Subject,
+)
 from services.embed.chunking import Chunk, chunk_document
 
 log = logging.getLogger("kbmesh.embed")

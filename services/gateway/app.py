@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.common.bus import BUS_UNAVAILABLE
-from services.common.errors import KbmeshError
+from services.common.domain.errors import KbmeshError
+from services.common.infra.bus import BUS_UNAVAILABLE
 from services.gateway.api import (
     answers,
     audit,
@@ -30,7 +30,13 @@ from services.gateway.api import (
     tools,
 )
 from services.gateway.api import types as formats
-from services.gateway.api.problems import (
+from services.gateway.apidocs import mount_api_docs
+from services.gateway.auth import KeyResolver
+from services.gateway.bodyguard import JsonBodyGuard
+from services.gateway.console import mount_console
+from services.gateway.guard import BrowserGuard, HostGuard, HostRule, KeyGate
+from services.gateway.mcp import KbmeshMCP, MountRoot
+from services.gateway.problems import (
     ProblemFieldError,
     bus_problem,
     error_problem,
@@ -38,12 +44,6 @@ from services.gateway.api.problems import (
     openapi_document,
     problem,
 )
-from services.gateway.apidocs import mount_api_docs
-from services.gateway.auth import KeyResolver
-from services.gateway.bodyguard import JsonBodyGuard
-from services.gateway.console import mount_console
-from services.gateway.guard import BrowserGuard, HostGuard, HostRule, KeyGate
-from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.service import GatewayService
 
 _tracer = trace.get_tracer("kbmesh.gateway")

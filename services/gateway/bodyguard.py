@@ -17,7 +17,7 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from services.gateway.api.problems import problem
+from services.gateway.problems import problem
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -2,7 +2,7 @@
 bytes become an ordinary upload.
 
 URL: http(s) only. Every address the host resolves to must be allowed by the egress policy
-(`services.common.egress`: public, or allow-listed by the operator); the connection then goes
+(`services.common.infra.egress`: public, or allow-listed by the operator); the connection then goes
 to the vetted address (no second DNS lookup to rebind), redirects are re-checked hop by hop,
 the size limit is enforced while streaming, and the whole fetch has a deadline
 (`KBMESH_LIMITS__FETCH_TOTAL_SECONDS`). Path: only regular files under `KBMESH_UPLOAD_ROOT`
@@ -24,9 +24,9 @@ from urllib.parse import unquote
 
 import httpx
 
-from services.common.content import DOCX_TYPE, PDF_TYPE
-from services.common.egress import IPAddress, egress_policy, parse_http_url
-from services.common.errors import Forbidden, InvalidInput, NotFound, TooLarge
+from services.common.domain.content import DOCX_TYPE, PDF_TYPE
+from services.common.domain.errors import Forbidden, InvalidInput, NotFound, TooLarge
+from services.common.infra.egress import IPAddress, egress_policy, parse_http_url
 from services.common.settings import Settings
 
 MAX_REDIRECTS = 5

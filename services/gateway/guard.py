@@ -25,11 +25,11 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.common.bus import BUS_UNAVAILABLE, unavailable
-from services.common.errors import KbmeshError
+from services.common.domain.errors import KbmeshError
+from services.common.infra.bus import BUS_UNAVAILABLE, unavailable
 from services.common.settings import Settings
-from services.gateway.api.problems import RETRY_AFTER, TOOLS_PATH, problem
 from services.gateway.auth import KeyResolver, Principal, Unauthorized
+from services.gateway.problems import RETRY_AFTER, TOOLS_PATH, problem
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 # The Host that Starlette's and httpx's in-process test clients send.

@@ -25,12 +25,12 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.common.bus import BUS_UNAVAILABLE, unavailable
-from services.common.errors import KbmeshError, NotFound
+from services.common.domain.errors import KbmeshError, NotFound
+from services.common.infra.bus import BUS_UNAVAILABLE, unavailable
 from services.common.settings import Settings
-from services.gateway.api.problems import RETRY_AFTER
 from services.gateway.auth import KeyResolver, Principal, Unauthorized
 from services.gateway.guard import resolved_principal
+from services.gateway.problems import RETRY_AFTER
 from services.gateway.service import GatewayService
 from services.gateway.tools import ToolOutcome, ToolSpec, error_outcome, run_tool, tools_for
 

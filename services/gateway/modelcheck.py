@@ -4,10 +4,10 @@ field on the request that set it, not a failure of every later search and upload
 
 from __future__ import annotations
 
-from services.common.egress import EgressPolicy
+from services.common.domain.errors import Forbidden, InvalidInput, Transient
 from services.common.embedders import LiteLLMEmbedder, is_local, model_limits
-from services.common.errors import Forbidden, InvalidInput, Transient
-from services.common.modelcalls import check_destination
+from services.common.infra.egress import EgressPolicy
+from services.common.infra.modelcalls import check_destination
 
 PROBE_TIMEOUT_SECONDS = 15.0
 

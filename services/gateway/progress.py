@@ -17,14 +17,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import BaseModel, ValidationError
 
-from services.common.events import DocFailed, DocIndexed, KbChanged, Subject
-from services.common.models import (
+from services.common.domain.models import (
     DocStatus,
     DocumentRecord,
     IndexEntry,
     KBStatus,
     KnowledgeBase,
 )
+from services.common.messages.events import DocFailed, DocIndexed, KbChanged, Subject
 from services.gateway.schemas import KbProgress, ReindexProgress
 
 # The KV bucket of KB records: every write is a message on `$KV.kbs.<org>.<kb>`.

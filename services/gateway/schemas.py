@@ -7,14 +7,13 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.common.answers import AskOptions
-from services.common.audit import AuditEntry
-from services.common.content import SUPPORTED
-from services.common.formats import FORMATS, readable_types
-from services.common.ids import ID_PATTERN
-from services.common.limits import MAX_KB_TAGS, KbTag, PlainText
-from services.common.models import (
+from services.common.domain.content import SUPPORTED
+from services.common.domain.formats import FORMATS, readable_types
+from services.common.domain.ids import ID_PATTERN
+from services.common.domain.limits import MAX_KB_TAGS, KbTag, PlainText
+from services.common.domain.models import (
     CHUNK_SIZE_RANGE,
+    DEFAULT_MODEL,
     DEFAULT_SOURCE,
     MAX_NEIGHBORS,
     Chunker,
@@ -22,7 +21,8 @@ from services.common.models import (
     RevisionWriter,
     Writer,
 )
-from services.common.settings import DEFAULT_MODEL
+from services.common.infra.audit import AuditEntry
+from services.common.messages.answers import AskOptions
 
 T = TypeVar("T")
 
@@ -476,7 +476,7 @@ class TypesView(BaseModel):
 
 
 def types_view() -> TypesView:
-    """What `GET /v1/types` answers: every format of services/common/formats.py."""
+    """What `GET /v1/types` answers: every format of services/common/domain/formats.py."""
     return TypesView(
         formats=[
             FormatView(

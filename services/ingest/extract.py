@@ -15,8 +15,8 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 
-from services.common.errors import InvalidInput, TooLarge
-from services.common.formats import (
+from services.common.domain.errors import InvalidInput, TooLarge
+from services.common.domain.formats import (
     GENERIC_TYPES,
     GZIP_TYPE,
     Format,
@@ -26,7 +26,7 @@ from services.common.formats import (
     is_gzip_name,
     readable_types,
 )
-from services.common.layout import Layout
+from services.common.domain.layout import Layout
 
 SETTING = "KBMESH_LIMITS__"
 # A page marker kreuzberg writes between slides; plain letters survive its markdown escaping.

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from faststream.nats import NatsRouter
 
-from services.common import metrics
-from services.common.bus import Bus, consume
-from services.common.content import STAGING_PREFIX
-from services.common.errors import KbmeshError
-from services.common.events import (
+from services.common.domain.content import STAGING_PREFIX
+from services.common.domain.errors import KbmeshError
+from services.common.domain.models import DocStatus
+from services.common.infra import metrics
+from services.common.infra.bus import Bus, consume
+from services.common.messages.events import (
     DocDeleted,
     DocFailed,
     DocUploaded,
@@ -17,7 +18,6 @@ from services.common.events import (
     Subject,
     TagsChanged,
 )
-from services.common.models import DocStatus
 from services.ingest.service import IngestService
 
 
@@ -82,7 +82,7 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
         on_failure=upload_failed,
         upstream=True,
     )
-    # Upstream systems publish these four too (services/common/busauth.py).
+    # Upstream systems publish these four too (services/common/infra/busauth.py).
     consume(router, bus, Subject.OCR_DONE, "ingest-ocr-done", on_ocr, upstream=True)
     consume(router, bus, Subject.TAGS_CHANGED, "ingest-tags-changed", on_tags, upstream=True)
     consume(router, bus, Subject.DOC_DELETED, "ingest-doc-deleted", on_delete, upstream=True)

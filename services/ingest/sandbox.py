@@ -19,8 +19,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from pebble import ProcessExpired, ProcessPool
 
-from services.common.errors import InvalidInput
-from services.common.limits import LimitSettings
+from services.common.domain.errors import InvalidInput
+from services.common.domain.limits import LimitSettings
 from services.ingest.extract import Bounds, Extracted, extract
 
 log = logging.getLogger("kbmesh.ingest")

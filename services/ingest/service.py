@@ -10,17 +10,38 @@ from typing import TypeVar
 
 from nats.js.errors import APIError
 
-from services.common import metrics
-from services.common.audit import AuditAction, AuditEntry, AuditSink
-from services.common.busauth import CURRENT_PUBLISHER
-from services.common.content import (
+from services.common.domain.content import (
     check_size,
     checksum,
     content_checksum,
     decode_content,
 )
-from services.common.errors import Conflict, InvalidInput, NotFound, Transient
-from services.common.events import (
+from services.common.domain.errors import Conflict, InvalidInput, NotFound, Transient
+from services.common.domain.ids import check_id, new_id
+from services.common.domain.layout import Layout, layout_object
+from services.common.domain.limits import (
+    check_document_fields,
+    check_extracted_text,
+    check_labels,
+    check_metadata,
+    check_text,
+)
+from services.common.domain.models import (
+    DocStatus,
+    DocumentRecord,
+    KnowledgeBase,
+    Writer,
+    id_unavailable,
+    join_tags,
+    kb_tag,
+    split_tags,
+    utcnow,
+)
+from services.common.infra import metrics
+from services.common.infra.audit import AuditAction, AuditEntry, AuditSink
+from services.common.infra.busauth import CURRENT_PUBLISHER
+from services.common.infra.registry import Registries
+from services.common.messages.events import (
     DocDeleted,
     DocFailed,
     DocUploaded,
@@ -32,27 +53,6 @@ from services.common.events import (
     Subject,
     TagsChanged,
 )
-from services.common.ids import check_id, new_id
-from services.common.layout import Layout, layout_object
-from services.common.limits import (
-    check_document_fields,
-    check_extracted_text,
-    check_labels,
-    check_metadata,
-    check_text,
-)
-from services.common.models import (
-    DocStatus,
-    DocumentRecord,
-    KnowledgeBase,
-    Writer,
-    id_unavailable,
-    join_tags,
-    kb_tag,
-    split_tags,
-    utcnow,
-)
-from services.common.registry import Registries
 from services.common.settings import Settings
 from services.ingest.extract import NeedsOcr
 from services.ingest.sandbox import Extractor

@@ -21,7 +21,17 @@ from typing import Any
 from jsonschema.protocols import Validator
 from pydantic import ValidationError
 
-from services.common.answers import (
+from services.common.domain.errors import (
+    BadModelOutput,
+    Conflict,
+    InvalidInput,
+    NotFound,
+    Transient,
+)
+from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase
+from services.common.infra.registry import Registries
+from services.common.infra.telemetry import tracer
+from services.common.messages.answers import (
     TOOL_DESCRIPTION,
     TOOL_NAME,
     AskRequest,
@@ -34,12 +44,13 @@ from services.common.answers import (
     Usage,
     schema_validator,
 )
-from services.common.errors import BadModelOutput, Conflict, InvalidInput, NotFound, Transient
-from services.common.models import DocStatus, DocumentRecord, KnowledgeBase
-from services.common.queries import MetadataCondition, SearchFilters, SearchHit, SearchRequest
-from services.common.registry import Registries
+from services.common.messages.queries import (
+    MetadataCondition,
+    SearchFilters,
+    SearchHit,
+    SearchRequest,
+)
 from services.common.settings import AskSettings
-from services.common.telemetry import tracer
 from services.search.llm import ChatModel, ChatReply, LiteLLMChat, PolicySource, ToolCall
 from services.search.service import SearchService
 

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from services.common.queries import Budget, OmittedHit, SearchHit
+from services.common.messages.queries import Budget, OmittedHit, SearchHit
 
 Counter = Callable[[str], int]
 
@@ -90,7 +90,7 @@ _encoding: Any = None
 def count_tokens(text: str) -> int:
     global _encoding
     if _encoding is None:
-        from services.common.modelcalls import import_litellm
+        from services.common.infra.modelcalls import import_litellm
 
         _encoding = import_litellm().encoding
     return len(_encoding.encode(text, disallowed_special=()))

@@ -3,8 +3,7 @@ and the org condition is always there."""
 
 from __future__ import annotations
 
-from services.common.queries import MetadataCondition, SearchFilters
-from services.common.store import (
+from services.common.infra.store import (
     Condition,
     DateRange,
     Filter,
@@ -13,6 +12,7 @@ from services.common.store import (
     MatchSubstring,
     Range,
 )
+from services.common.messages.queries import MetadataCondition, SearchFilters
 
 
 def build_filter(org_id: str, filters: SearchFilters | None) -> Filter:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Literal, NamedTuple
 
-from services.common.queries import SearchHit
+from services.common.messages.queries import SearchHit
 
 DocKey = tuple[str, str]  # (kb_id, document_id)
 ChunkKey = tuple[str, str]  # (kb_id, chunk_id)

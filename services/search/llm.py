@@ -1,5 +1,5 @@
 """Chat models through LiteLLM: what the answer loop (`services.search.ask`) calls. Egress,
-provider errors and retries are those of every model call (`services.common.modelcalls`)."""
+provider errors and retries are those of every model call (`services.common.infra.modelcalls`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from services.common.egress import EgressPolicy, egress_scope
-from services.common.errors import InvalidInput
-from services.common.modelcalls import (
+from services.common.domain.errors import InvalidInput
+from services.common.infra.egress import EgressPolicy, egress_scope
+from services.common.infra.modelcalls import (
     MODEL_FIELD,
     NO_SDK_RETRIES,
     PolicySource,

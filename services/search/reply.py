@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from services.common.queries import SearchHit
+from services.common.messages.queries import SearchHit
 
 # Room for the reply envelope, headers and JSON escaping of what is measured.
 MARGIN_BYTES = 8 * 1024

@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from services.common.egress import EgressPolicy, egress_scope, refusal_in
-from services.common.errors import KbmeshError
-from services.common.modelcalls import check_destination, http_client, import_litellm
+from services.common.domain.errors import KbmeshError
+from services.common.infra.egress import EgressPolicy, egress_scope, refusal_in
+from services.common.infra.modelcalls import check_destination, http_client, import_litellm
 
 _WHAT = "call the rerank model at"
 

@@ -12,23 +12,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from services.common import bm25
+from services.common.domain.errors import Forbidden, InvalidInput, KbmeshError, NotFound
+from services.common.domain.ids import point_id
+from services.common.domain.models import KnowledgeBase
 from services.common.embedders import EmbedderPool, is_local
-from services.common.errors import Forbidden, InvalidInput, KbmeshError, NotFound
-from services.common.ids import point_id
-from services.common.models import KnowledgeBase
-from services.common.queries import (
-    ChunkRequest,
-    ChunkResponse,
-    KbFailure,
-    MatchType,
-    SearchHit,
-    SearchRequest,
-    SearchResponse,
-)
-from services.common.registry import Registries
-from services.common.settings import SearchSettings
-from services.common.store import (
+from services.common.infra import bm25
+from services.common.infra.registry import Registries
+from services.common.infra.store import (
     Filter,
     HasIds,
     Hit,
@@ -37,8 +27,18 @@ from services.common.store import (
     SparseVector,
     VectorStore,
 )
-from services.common.store.base import lead_filter
-from services.common.telemetry import tracer
+from services.common.infra.store.base import lead_filter
+from services.common.infra.telemetry import tracer
+from services.common.messages.queries import (
+    ChunkRequest,
+    ChunkResponse,
+    KbFailure,
+    MatchType,
+    SearchHit,
+    SearchRequest,
+    SearchResponse,
+)
+from services.common.settings import SearchSettings
 from services.search.budget import load_counter, pack
 from services.search.documents import DocumentIds
 from services.search.filters import build_filter

@@ -11,7 +11,7 @@ import uuid
 import pytest
 from playwright.async_api import expect
 
-from services.common.events import DocUploaded, OcrDone
+from services.common.messages.events import DocUploaded, OcrDone
 from tests.browser.conftest import shoot
 
 XSS = "<img src=x onerror=alert(1)>"

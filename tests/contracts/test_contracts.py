@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.common.events import EVENT_MODELS
+from services.common.messages.events import EVENT_MODELS
 from services.contracts.export import CALL_TOOL, Contracts, build, drift, schema_errors
 from services.gateway.tools import TOOLS
 from tests.support.contracts import errors

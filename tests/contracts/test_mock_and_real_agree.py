@@ -158,7 +158,7 @@ async def _delete_prompt(w: World) -> httpx.Response:
 
 async def _dead_letter(w: World) -> int:
     """An upstream upload naming a KB that does not exist: dead-lettered at once."""
-    from services.common.events import DocUploaded
+    from services.common.messages.events import DocUploaded
 
     event = DocUploaded(org_id="local", name="early.md", content="x", kb_id=uid("missing"))
     nc = await nats.connect(w.nats_url)

@@ -19,9 +19,9 @@ import nats
 import nats.errors
 import pytest
 
-from services.common.busauth import recorded_credentials
-from services.common.events import DocUploaded
-from services.common.models import Writer
+from services.common.domain.models import Writer
+from services.common.infra.busauth import recorded_credentials
+from services.common.messages.events import DocUploaded
 from tests.support.procs import (
     KBMESH,
     ROOT,

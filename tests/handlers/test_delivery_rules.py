@@ -1,4 +1,4 @@
-"""The delivery rules every subscriber gets from `consume` (services/common/bus.py), tested at
+"""The delivery rules every subscriber gets from `consume` (services/common/infra/bus.py), tested at
 the handler level with FastStream's `TestNatsBroker` over a real nats-server (JetStream pull
 consumers need one: their acks, redeliveries and delivery counts are the server's):
 
@@ -26,11 +26,11 @@ import pytest
 from faststream.nats import NatsRouter, TestNatsBroker
 from opentelemetry import trace
 
-from services.common.bus import CURRENT_PUBLISHER, Bus, consume
-from services.common.busauth import Publisher, upstream_subject
-from services.common.errors import InvalidInput
-from services.common.events import DLQ_STREAM, STREAM, DocDeleted, Subject, dlq_subject
-from services.common.natsproc import NatsServer
+from services.common.domain.errors import InvalidInput
+from services.common.infra.bus import CURRENT_PUBLISHER, Bus, consume
+from services.common.infra.busauth import Publisher, upstream_subject
+from services.common.infra.natsproc import NatsServer
+from services.common.messages.events import DLQ_STREAM, STREAM, DocDeleted, Subject, dlq_subject
 from services.common.settings import BusSettings, Settings
 from tests.support.domain import wait_until
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from services.common.content import SUPPORTED
+from services.common.domain.content import SUPPORTED
 from tests.conftest import running_stack
 from tests.support.bus import bus_env
 from tests.support.mcp_client import (

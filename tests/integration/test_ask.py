@@ -16,8 +16,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.common.answers import AskRequest
-from services.common.events import Subject
+from services.common.messages.answers import AskRequest
+from services.common.messages.events import Subject
 from tests.conftest import running_stack
 from tests.support.asgi import serve_app
 from tests.support.bus import OperatorKeys

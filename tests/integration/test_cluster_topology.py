@@ -7,7 +7,7 @@ import asyncio
 
 import nats
 
-from services.common.bus import KV_BUCKETS, OBJECT_STORE, declare_topology
+from services.common.infra.bus import KV_BUCKETS, OBJECT_STORE, declare_topology
 from services.common.settings import BusSettings
 from tests.support.cluster import NatsCluster, jetstream_ready
 from tests.support.domain import wait_until

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.datadir import (
+from services.common.infra.datadir import (
     CURRENT_FORMAT,
     FORMAT_FILE,
     DataDirError,

@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from services.common.deadletters import list_dead_letters, replay
-from services.common.events import DocUploaded
+from services.common.infra.deadletters import list_dead_letters, replay
+from services.common.messages.events import DocUploaded
 from tests.conftest import running_stack
 from tests.support.bus import bus_env
 from tests.support.domain import wait_until

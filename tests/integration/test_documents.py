@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from services.common.events import DocUploaded, OcrDone, Subject, TagsChanged
+from services.common.messages.events import DocUploaded, OcrDone, Subject, TagsChanged
 from tests.conftest import running_stack
 from tests.support.domain import (
     LONG_DOCS,

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.common.egress import EgressPolicy
+from services.common.domain.errors import Forbidden, InvalidInput, Transient
+from services.common.domain.models import BUNDLED_MODELS, KnowledgeBase
 from services.common.embedders import (
     CachedQueryEmbedder,
     Embedder,
@@ -32,9 +33,7 @@ from services.common.embedders.engine import OnnxEncoder, TorchEncoder
 from services.common.embedders.local import LOCAL_MODELS
 from services.common.embedders.onnx_export import ensure_onnx
 from services.common.embedders.processes import NICENESS, ProcessEncoder
-from services.common.errors import Forbidden, InvalidInput, Transient
-from services.common.models import KnowledgeBase
-from services.common.settings import BUNDLED_MODELS
+from services.common.infra.egress import EgressPolicy
 from services.embed.chunking import chunk_text
 from tests.conftest import MODEL_CACHE_DIR
 from tests.support.openai_embeddings import OpenAIEmbeddingsServer, fake_embedding, unit

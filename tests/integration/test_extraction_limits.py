@@ -160,7 +160,7 @@ async def test_searches_keep_their_latency_and_the_server_its_memory_during_a_bo
 async def test_a_document_past_the_time_limit_is_stopped_and_the_next_one_reads():
     """The reader of a document that takes too long is killed with its process; the pool
     replaces it, and the next document is read."""
-    from services.common.limits import LimitSettings
+    from services.common.domain.limits import LimitSettings
     from services.ingest.sandbox import ExtractionFailed, Extractor
 
     # Time runs out first: 16 million paragraphs keep kreuzberg busy well past 0.3 s on every

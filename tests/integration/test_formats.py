@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.common.queries import SearchResponse
+from services.common.messages.queries import SearchResponse
 from services.gateway.tools.rendering import render_search
 from tests.conftest import running_stack
 from tests.fixtures.formats.make_fixtures import FIXTURES

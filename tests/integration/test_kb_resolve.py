@@ -11,9 +11,9 @@ import nats
 import pytest
 from nats.js.api import KeyValueConfig
 
-from services.common.models import KnowledgeBase
-from services.common.natsproc import NatsServer
-from services.common.registry import KbRegistry
+from services.common.domain.models import KnowledgeBase
+from services.common.infra.natsproc import NatsServer
+from services.common.infra.registry import KbRegistry
 
 
 def kb(kb_id: str, name: str, description: str = "") -> KnowledgeBase:

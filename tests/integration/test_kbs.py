@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.common.events import OcrDone, Subject
+from services.common.messages.events import OcrDone, Subject
 from tests.conftest import running_stack
 from tests.support.domain import (
     LONG_DOCS,

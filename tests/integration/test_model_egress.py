@@ -21,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.common.egress import EgressPolicy, EgressRefused, EgressTransport, egress_scope
+from services.common.domain.errors import Forbidden, InvalidInput
 from services.common.embedders import LiteLLMEmbedder
-from services.common.errors import Forbidden, InvalidInput
+from services.common.infra.egress import EgressPolicy, EgressRefused, EgressTransport, egress_scope
 from services.search.llm import LiteLLMChat
 from services.search.rerank import LiteLLMReranker, RerankFailed
 from tests.conftest import running_stack

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import InvalidInput, NotFound
-from services.common.store import (
+from services.common.domain.errors import InvalidInput, NotFound
+from services.common.infra.store import (
     ChunkPoint,
     DateRange,
     Filter,
@@ -35,9 +35,9 @@ from services.common.store import (
     TermStats,
     VectorStore,
 )
-from services.common.store.base import idf
-from services.common.store.edge import EdgeStore
-from services.common.store.server import ServerStore
+from services.common.infra.store.base import idf
+from services.common.infra.store.edge import EdgeStore
+from services.common.infra.store.server import ServerStore
 
 DIM = 8
 _POINT_NS = uuid.UUID("0b9f8a51-3c0e-4d51-9f3e-6f2f4f1f7a20")
@@ -389,7 +389,7 @@ async def test_edge_point_ids_stay_exact_when_its_id_memo_fills(
 ) -> None:
     """Edge remembers the string of each point id it hands out; when that memo is full it
     starts over, and every id is still the point's own."""
-    from services.common.store import edge
+    from services.common.infra.store import edge
 
     monkeypatch.setattr(edge, "_ID_STRINGS", {})
     monkeypatch.setattr(edge, "_ID_STRINGS_MAX", 2)
@@ -668,8 +668,8 @@ async def test_edge_data_survives_close_and_reopen(tmp_path: Path) -> None:
 _KILLED_WRITER = """
 import asyncio, os, signal, sys
 from pathlib import Path
-from services.common.store import ChunkPoint, Filter, Match, SparseVector
-from services.common.store.edge import EdgeStore
+from services.common.infra.store import ChunkPoint, Filter, Match, SparseVector
+from services.common.infra.store.edge import EdgeStore
 
 async def main() -> None:
     root, name, dim = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from services.common.events import DocUploaded, KbIndex, Subject, TagsChanged
+from services.common.messages.events import DocUploaded, KbIndex, Subject, TagsChanged
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys
 from tests.support.domain import (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import nats
 
-from services.common.natsproc import free_port, nats_server_binary, wait_for_port
+from services.common.infra.natsproc import free_port, nats_server_binary, wait_for_port
 
 
 class ClusterNode:

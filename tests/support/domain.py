@@ -11,10 +11,9 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from services.common.events import STREAM
-from services.common.models import KnowledgeBase
-from services.common.settings import DEFAULT_MODEL
-from services.common.store import Filter, Match
+from services.common.domain.models import DEFAULT_MODEL, KnowledgeBase
+from services.common.infra.store import Filter, Match
+from services.common.messages.events import STREAM
 from services.embed.chunking import chunk_text
 from services.embed.service import TITLE_TOKEN_BUDGET
 

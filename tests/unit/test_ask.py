@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import ValidationError
 
-from services.common.answers import AskQuery, ToolSearchArgs, schema_validator
-from services.common.queries import SearchFilters
+from services.common.messages.answers import AskQuery, ToolSearchArgs, schema_validator
+from services.common.messages.queries import SearchFilters
 from services.search.ask import _TOOL, _filters, _parse
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -85,8 +85,8 @@ def test_ask_requests_are_validated():
 async def test_a_private_api_base_is_refused_before_any_call():
     """The chat model vets a client-chosen api_base with the egress policy: loopback is
     refused unless the operator allows it."""
-    from services.common.egress import EgressPolicy
-    from services.common.errors import Forbidden
+    from services.common.domain.errors import Forbidden
+    from services.common.infra.egress import EgressPolicy
     from services.search.llm import LiteLLMChat
 
     def chat(policy: EgressPolicy) -> LiteLLMChat:
@@ -103,8 +103,8 @@ async def test_a_private_api_base_is_refused_before_any_call():
 
 def test_citations_name_the_section_and_page_of_what_they_cite():
     """A cited chunk's heading path and pages travel into the citation and its text."""
-    from services.common.answers import AskResponse, Usage
-    from services.common.queries import SearchHit
+    from services.common.messages.answers import AskResponse, Usage
+    from services.common.messages.queries import SearchHit
     from services.gateway.tools.rendering import render_answer
     from services.search.ask import _citations
 

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
+from services.common.domain.errors import InvalidInput, Transient
 from services.common.embedders import Batcher
-from services.common.errors import InvalidInput, Transient
 
 
 class Model:

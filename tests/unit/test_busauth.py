@@ -1,4 +1,4 @@
-"""The bus permission model (services/common/busauth.py) read as nats-server reads it: who
+"""The bus permission model (services/common/infra/busauth.py) read as nats-server reads it: who
 may publish and subscribe to what, the key store's single writer, publishers bound to one
 org, and the data directory's credential files."""
 
@@ -8,8 +8,9 @@ import stat
 
 import pytest
 
-from services.common import busauth
-from services.common.busauth import (
+from services.common.domain.errors import InvalidInput
+from services.common.infra import busauth
+from services.common.infra.busauth import (
     ACCOUNT,
     ROLES,
     SERVICE_ROLES,
@@ -21,7 +22,6 @@ from services.common.busauth import (
     server_accounts,
     upstream_subject,
 )
-from services.common.errors import InvalidInput
 from tests.support.bus import matches
 
 

@@ -8,8 +8,8 @@ from itertools import pairwise
 
 import pytest
 
+from services.common.domain.models import Chunker, KnowledgeBase
 from services.common.embedders import LiteLLMEmbedder, LocalEmbedder
-from services.common.models import Chunker, KnowledgeBase
 from services.embed.chunking import MAX_CHARS_PER_TOKEN, Chunk, chunk_text
 
 MINILM_MAX = 254

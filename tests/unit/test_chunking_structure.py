@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.domain.layout import Layout
+from services.common.domain.models import Chunker, KnowledgeBase
 from services.common.embedders import LocalEmbedder
-from services.common.layout import Layout
-from services.common.models import Chunker, KnowledgeBase
 from services.embed.chunking import chunk_document, chunk_text
 
 MINILM_MAX = 254

@@ -23,8 +23,8 @@ from urllib.parse import urlparse
 import pytest
 from pydantic import BaseModel
 
-from services.common import busauth
-from services.common.events import DLQ_STREAM, STREAM
+from services.common.infra import busauth
+from services.common.messages.events import DLQ_STREAM, STREAM
 from services.common.settings import Settings
 from services.runtime import SERVICES, check_services
 from tests.support.bus import matches
@@ -271,7 +271,7 @@ def test_kbmesh_variables_in_deploy_are_real_settings() -> None:
     """Every KBMESH_* name anywhere in deploy/ or the Dockerfile (values, keys and commented
     examples alike) is a field of services.common.settings.Settings, nested ones with `__`,
     so no deployment sets a variable that kbmesh silently ignores. (The stream name
-    KBMESH_DLQ is no variable and is told apart by services.common.events.)"""
+    KBMESH_DLQ is no variable and is told apart by services.common.messages.events.)"""
     known = setting_env_names()
     assert {"KBMESH_NATS_URL", "KBMESH_BUS__MAX_DELIVER", "KBMESH_SEARCH__HNSW_EF"} <= known
     files = [DOCKERFILE, *(p for p in DEPLOY.rglob("*") if p.is_file())]
@@ -490,7 +490,7 @@ def test_operations_guide_lists_every_setting_and_docs_name_only_real_ones() -> 
             assert f'"{name}"' in cli, f"{doc} names {name}, which nothing reads"
 
 
-# ---- NATS: no anonymous access, one user per service (services/common/busauth.py) --------
+# ---- NATS: no anonymous access, one user per service (services/common/infra/busauth.py) --------
 
 NATS_CONF = DEPLOY / "nats"
 NATS_VALUES = KUBERNETES / "helm" / "nats-values.yaml"

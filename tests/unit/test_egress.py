@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.egress import EgressPolicy
-from services.common.errors import Forbidden, InvalidInput
+from services.common.domain.errors import Forbidden, InvalidInput
+from services.common.infra.egress import EgressPolicy
 
 REFUSED = [
     "http://127.0.0.1:8000/v1",

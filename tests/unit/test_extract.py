@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import InvalidInput, TooLarge
+from services.common.domain.errors import InvalidInput, TooLarge
 from services.ingest.extract import Bounds, NeedsOcr, extract, gunzip
 from tests.fixtures.formats.make_fixtures import FIXTURES
 

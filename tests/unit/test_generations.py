@@ -3,7 +3,7 @@ cancelling returns to the serving one and its settings; numbers are never reused
 
 from __future__ import annotations
 
-from services.common.models import KBStatus, KnowledgeBase
+from services.common.domain.models import KBStatus, KnowledgeBase
 
 
 def kb(**fields: object) -> KnowledgeBase:

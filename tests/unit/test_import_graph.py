@@ -1,6 +1,7 @@
-"""The import graph runs one way: cli → runtime → services → common. Read from the source
-(every import statement, including those inside functions and under TYPE_CHECKING), so a
-lazy import cannot hide an edge."""
+"""The import graph runs one way: cli → runtime → services → common, and inside common
+embedders → infra → messages → domain (settings between domain and infra). Read from the
+source (every import statement, including those inside functions and under TYPE_CHECKING),
+so a lazy import cannot hide an edge."""
 
 from __future__ import annotations
 
@@ -39,6 +40,20 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 
+# The packages of services/common/ by role, and what each may import of common besides itself.
+COMMON = ROOT / "common"
+COMMON_ALLOWED: dict[str, set[str]] = {
+    # Vocabulary and rules: KBs, documents, ids, errors, limits, accepted content.
+    "domain": set(),
+    "settings": {"domain"},
+    # What travels on the bus (not the published contracts/, which are exported from it).
+    "messages": {"domain"},
+    # Bus, credentials, registries, store, model calls, egress, metrics, audit, nats-server.
+    "infra": {"domain", "messages", "settings"},
+    "embedders": {"domain", "infra"},
+}
+
+
 def part_of(path: Path) -> str:
     rel = path.relative_to(ROOT)
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
@@ -73,6 +88,44 @@ def test_module_imports_only_what_its_layer_may(path: Path) -> None:
     assert not foreign, f"services/{path.relative_to(ROOT)} ({part}) imports {sorted(foreign)}"
 
 
+def common_parts(path: Path) -> set[str]:
+    """The packages of services/common/ that a module imports."""
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+            if node.module == "services.common":
+                names = [f"services.common.{a.name}" for a in node.names]
+        for name in names:
+            segments = name.split(".")
+            if segments[:2] == ["services", "common"] and len(segments) > 2:
+                parts.add(segments[2])
+    return parts
+
+
+COMMON_MODULES = sorted(p for p in COMMON.rglob("*.py") if p != COMMON / "__init__.py")
+
+
+@pytest.mark.parametrize("path", COMMON_MODULES, ids=lambda p: str(p.relative_to(COMMON)))
+def test_common_module_imports_only_what_its_role_may(path: Path) -> None:
+    rel = path.relative_to(COMMON)
+    role = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+    assert role in COMMON_ALLOWED, f"{path}: common/ holds role packages; put it in one"
+    foreign = common_parts(path) - COMMON_ALLOWED[role] - {role}
+    assert not foreign, f"services/common/{rel} ({role}) imports {sorted(foreign)}"
+
+
+def test_common_holds_role_packages_only() -> None:
+    """Nothing new lands loose in common/: each module sits in the package of its role."""
+    loose = {p.name for p in COMMON.glob("*.py")} - {"__init__.py", "settings.py"}
+    assert not loose
+    packages = {p.name for p in COMMON.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(COMMON_ALLOWED) - {"settings"}
+
+
 def test_the_rules_cover_the_stated_layering() -> None:
     """The gateway imports no other service package nor the runtime; nothing under common
     imports a service; no service imports the runtime or the CLI."""
@@ -91,7 +144,7 @@ def test_no_gateway_module_imports_the_launcher() -> None:
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
         }
-        assert "services.common.natsproc" not in modules, path
+        assert "services.common.infra.natsproc" not in modules, path
 
 
 def test_the_checker_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
@@ -102,3 +155,59 @@ def test_the_checker_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None
         "def f():\n    import services.search.service\n    from services import embed\n"
     )
     assert imported_parts(module) == {"runtime", "search", "embed"}
+
+
+def module_imports(path: Path) -> list[ast.ImportFrom]:
+    return [
+        n
+        for n in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("services")
+    ]
+
+
+def test_no_module_takes_another_modules_private_names() -> None:
+    taken = [
+        f"{path.relative_to(ROOT)}: {node.module}.{alias.name}"
+        for path in MODULES
+        for node in module_imports(path)
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert taken == []
+
+
+def test_no_import_circle_inside_the_gateway() -> None:
+    """Among the gateway's modules the imports form no circle (tools/, api/, mcp, guard)."""
+    gateway = ROOT / "gateway"
+    name_of = {
+        p: ".".join(("services", *p.relative_to(ROOT).with_suffix("").parts)).removesuffix(
+            ".__init__"
+        )
+        for p in gateway.rglob("*.py")
+    }
+    edges = {
+        name: {
+            node.module
+            for node in module_imports(path)
+            if node.module in name_of.values() and node.module != name
+        }
+        for path, name in name_of.items()
+    }
+    # A package's __init__ importing its own modules is how it exports them, not a circle.
+    for name in edges:
+        edges[name] = {m for m in edges[name] if not m.startswith(name + ".")}
+
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError(" → ".join([*path, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*path, node])
+        state[node] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [])

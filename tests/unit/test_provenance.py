@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from services.common.audit import AuditEntry, AuditQuery
-from services.common.events import DocUploaded, TagsChanged
-from services.common.models import WRITER_HISTORY, DocumentRecord, Writer, utcnow
+from services.common.domain.models import WRITER_HISTORY, DocumentRecord, Writer, utcnow
+from services.common.infra.audit import AuditEntry, AuditQuery
+from services.common.messages.events import DocUploaded, TagsChanged
 from services.ingest.service import writer_for_bus_event
 
 KEY = Writer(kind="key", key_id="3f9a1c0b7d2e", name="hr-sync")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.queries import SearchHit
+from services.common.messages.queries import SearchHit
 from services.search.budget import pack
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from services.common import metrics
-from services.common.ids import point_id
-from services.common.store import ChunkPoint, SparseVector
-from services.common.store.edge import EdgeStore
+from services.common.domain.ids import point_id
+from services.common.infra import metrics
+from services.common.infra.store import ChunkPoint, SparseVector
+from services.common.infra.store.edge import EdgeStore
 from services.search.documents import DocumentIds
 
 KB = "kb-1"

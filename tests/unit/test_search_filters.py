@@ -1,4 +1,4 @@
-"""Search filters: validation of what callers send (services/common/queries.py) and its
+"""Search filters: validation of what callers send (services/common/messages/queries.py) and its
 translation into the store's filter tree (services/search/filters.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import ValidationError
 
-from services.common.queries import MetadataCondition, SearchFilters, SearchQuery
-from services.common.store import DateRange, Filter, Match, MatchAny, MatchSubstring, Range
+from services.common.infra.store import DateRange, Filter, Match, MatchAny, MatchSubstring, Range
+from services.common.messages.queries import MetadataCondition, SearchFilters, SearchQuery
 from services.search.filters import build_filter
 
 

@@ -3,7 +3,7 @@ coalescing, on hand-made hits."""
 
 from __future__ import annotations
 
-from services.common.queries import SearchHit
+from services.common.messages.queries import SearchHit
 from services.search.fusion import (
     Candidate,
     CandidateList,

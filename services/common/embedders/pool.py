@@ -16,7 +16,7 @@ from services.common.embedders.remote import LiteLLMEmbedder, remote_max_tokens
 from services.common.embedders.selection import Backend, Device, Precision
 
 if TYPE_CHECKING:
-    from services.common.egress import EgressPolicy
+    from services.common.infra.egress import EgressPolicy
 
 
 def model_limits(model: str) -> int:

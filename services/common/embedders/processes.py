@@ -15,8 +15,8 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
+from services.common.domain.errors import Transient
 from services.common.embedders.engine import Encoder
-from services.common.errors import Transient
 
 # Kept for systems without Linux's SCHED_IDLE, which the children take where it exists.
 NICENESS = 10

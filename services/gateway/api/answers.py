@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from services.common.answers import AskQuery, AskResponse, AskTask
+from services.common.messages.answers import AskQuery, AskResponse, AskTask
 from services.gateway.api.deps import Answerer, Caller
 from services.gateway.api.routing import StrictBodyRoute
 from services.gateway.schemas import (

@@ -6,8 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
-from services.common import metrics
-from services.common.errors import Forbidden
+from services.common.domain.errors import Forbidden
+from services.common.infra import metrics
 from services.gateway.api.deps import Caller, Gateway, Kbs, Keys
 from services.gateway.progress import event_stream
 from services.gateway.schemas import Ack, KbProgress

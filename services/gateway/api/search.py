@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from services.common.queries import ChunkResponse, SearchQuery, SearchResponse
+from services.common.messages.queries import ChunkResponse, SearchQuery, SearchResponse
 from services.gateway.api.deps import Caller, Searcher
 from services.gateway.api.routing import StrictBodyRoute
 

@@ -10,11 +10,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from services.common.bus import BUS_UNAVAILABLE, unavailable
-from services.common.errors import InvalidInput, KbmeshError, NotFound
+from services.common.domain.errors import InvalidInput, KbmeshError, NotFound
+from services.common.infra.bus import BUS_UNAVAILABLE, unavailable
 from services.gateway.api.deps import get_principal
-from services.gateway.api.problems import RETRY_AFTER
 from services.gateway.mcp import KbmeshMCP
+from services.gateway.problems import RETRY_AFTER
 from services.gateway.tools import ToolErrorResult, error_outcome, run_tool
 
 

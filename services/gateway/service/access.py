@@ -8,9 +8,9 @@ exists."""
 
 from __future__ import annotations
 
-from services.common.errors import Forbidden, NotFound
-from services.common.ids import is_id
-from services.common.models import KB_TAG_PREFIX, DocumentRecord, KnowledgeBase
+from services.common.domain.errors import Forbidden, NotFound
+from services.common.domain.ids import is_id
+from services.common.domain.models import KB_TAG_PREFIX, DocumentRecord, KnowledgeBase
 from services.gateway.auth import Principal
 
 

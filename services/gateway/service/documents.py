@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from services.common.bus import Bus
-from services.common.content import (
+from services.common.domain.content import (
     HTML_TYPES,
     TEXT_TYPES,
     decode_content,
@@ -20,11 +19,10 @@ from services.common.content import (
     normalise_mime,
     staging_name,
 )
-from services.common.errors import Conflict, InvalidInput, NotFound, error_class
-from services.common.events import DocDeleted, DocFailed, DocUploaded, Subject, TagsChanged
-from services.common.ids import new_id
-from services.common.limits import check_document_fields, check_labels, check_metadata
-from services.common.models import (
+from services.common.domain.errors import Conflict, InvalidInput, NotFound, error_class
+from services.common.domain.ids import new_id
+from services.common.domain.limits import check_document_fields, check_labels, check_metadata
+from services.common.domain.models import (
     COLLECTION_PREFIX,
     DocStatus,
     DocumentRecord,
@@ -33,7 +31,9 @@ from services.common.models import (
     join_tags,
     split_tags,
 )
-from services.common.registry import Registries
+from services.common.infra.bus import Bus
+from services.common.infra.registry import Registries
+from services.common.messages.events import DocDeleted, DocFailed, DocUploaded, Subject, TagsChanged
 from services.common.settings import Settings
 from services.gateway.auth import Principal
 from services.gateway.fetch import fetch_url, read_path

@@ -10,16 +10,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from services.common.audit import AuditAction, AuditEntry
-from services.common.audit import sink as audit_sink
-from services.common.bus import Bus
-from services.common.egress import egress_policy
-from services.common.embedders import model_limits
-from services.common.errors import Conflict, InvalidInput, NotFound
-from services.common.events import KbChanged, Subject
-from services.common.ids import new_kb_id
-from services.common.modelcalls import check_destination
-from services.common.models import (
+from services.common.domain.errors import Conflict, InvalidInput, NotFound
+from services.common.domain.ids import new_kb_id
+from services.common.domain.models import (
+    BUNDLED_MODELS,
     CHUNK_SIZE_RANGE,
     KB_TAG_PREFIX,
     MAX_NEIGHBORS,
@@ -31,9 +25,16 @@ from services.common.models import (
     split_tags,
     utcnow,
 )
-from services.common.queries import TOP_K_MAX
-from services.common.registry import Registries
-from services.common.settings import BUNDLED_MODELS, Settings
+from services.common.embedders import model_limits
+from services.common.infra.audit import AuditAction, AuditEntry
+from services.common.infra.audit import sink as audit_sink
+from services.common.infra.bus import Bus
+from services.common.infra.egress import egress_policy
+from services.common.infra.modelcalls import check_destination
+from services.common.infra.registry import Registries
+from services.common.messages.events import KbChanged, Subject
+from services.common.messages.queries import TOP_K_MAX
+from services.common.settings import Settings
 from services.gateway.auth import Principal
 from services.gateway.modelcheck import check_model
 from services.gateway.progress import kb_progress

@@ -8,10 +8,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from services.common.bus import Bus
-from services.common.errors import Transient, error_class
-from services.common.events import Subject
-from services.common.queries import (
+from services.common.domain.errors import Transient, error_class
+from services.common.infra.bus import Bus
+from services.common.infra.replies import result_json
+from services.common.messages.events import Subject
+from services.common.messages.queries import (
     ChunkRequest,
     ChunkResponse,
     RemoteError,
@@ -19,7 +20,6 @@ from services.common.queries import (
     SearchRequest,
     SearchResponse,
 )
-from services.common.replies import result_json
 from services.common.settings import Settings
 from services.gateway.auth import Principal
 from services.gateway.service.access import visible_tags

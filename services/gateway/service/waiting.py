@@ -16,9 +16,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
-from services.common.events import DocFailed, DocIndexed, Event, Subject
-from services.common.models import DocumentRecord
-from services.common.registry import Registries
+from services.common.domain.models import DocumentRecord
+from services.common.infra.registry import Registries
+from services.common.messages.events import DocFailed, DocIndexed, Event, Subject
 
 Events = asyncio.Queue[DocIndexed | DocFailed]
 # A wait with no notification for this long reads the registries instead.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from services.common.answers import AskOptions, AskQuery, AskResponse, AskTask
+from services.common.messages.answers import AskOptions, AskQuery, AskResponse, AskTask
 from services.gateway.auth import Principal
 from services.gateway.service import GatewayService
 from services.gateway.tools.registry import tool

@@ -24,17 +24,16 @@ from pydantic import (
     model_validator,
 )
 
-from services.common.content import HTML_TYPES, TEXT_TYPES, normalise_mime
-from services.common.errors import InvalidInput, NotFound
-from services.common.ids import UUID_PATTERN, point_id
-from services.common.models import DEFAULT_SOURCE
-from services.common.queries import MatchType, SearchFilters, SearchHit, SearchQuery
+from services.common.domain.content import HTML_TYPES, TEXT_TYPES, normalise_mime
+from services.common.domain.errors import InvalidInput, NotFound
+from services.common.domain.ids import UUID_PATTERN, point_id
+from services.common.domain.models import DEFAULT_SOURCE
+from services.common.messages.queries import MatchType, SearchFilters, SearchHit, SearchQuery
 from services.gateway.auth import Principal
 from services.gateway.schemas import MIME_TYPES, UploadBody
 from services.gateway.service import GatewayService
-from services.gateway.tools.core import DeleteOutput, _delete_output
+from services.gateway.tools.core import DeleteOutput, delete_output
 from services.gateway.tools.registry import tool
-from services.gateway.tools.rendering import render_docs, render_knowledge
 
 
 async def _project(service: GatewayService, p: Principal, project_id: str) -> str:
@@ -73,6 +72,34 @@ class DocResult(BaseModel):
 
 class SearchDocsOutput(BaseModel):
     results: list[DocResult] = Field(description="best match first")
+
+
+# The text an LLM reads beside the structured results (tools/rendering.py for core tools).
+
+
+def render_docs(out: SearchDocsOutput) -> str:
+    if not out.results:
+        return "No matching documents found."
+    return "\n\n".join(
+        f"{i}. {r.documentTitle} (chunk {r.chunkIndex}, score {r.score:.3f})\n{r.content}"
+        for i, r in enumerate(out.results, 1)
+    )
+
+
+def render_knowledge(out: SearchKnowledgeBaseOutput) -> str:
+    if not out.results:
+        return f'No results for "{out.query}".'
+    lines, n = [], 0
+    for r in out.results:
+        if r.is_matched:
+            n += 1
+            lines.append(
+                f"{n}. {r.source} (chunk {r.chunk_index}, relevance "
+                f"{(r.relevance or 0):.3f})\n{r.content}"
+            )
+        else:
+            lines.append(f"   (context, chunk {r.chunk_index} of {r.source})\n{r.content}")
+    return "\n\n".join(lines)
 
 
 @tool(
@@ -225,7 +252,7 @@ async def delete_document(
             title=None,
             message=f"no document matches {ref!r}; nothing was deleted",
         )
-    return _delete_output(await service.documents.delete(p, record.document_id), ref)
+    return delete_output(await service.documents.delete(p, record.document_id), ref)
 
 
 # ---- compat: manageKnowledge ----------------------------------------------------------------

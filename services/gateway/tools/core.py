@@ -12,9 +12,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.common.ids import UUID_PATTERN
-from services.common.queries import ChunkResponse, SearchFilters, SearchQuery, SearchResponse
-from services.common.store.base import Mode
+from services.common.domain.ids import UUID_PATTERN
+from services.common.messages.queries import (
+    ChunkResponse,
+    Mode,
+    SearchFilters,
+    SearchQuery,
+    SearchResponse,
+)
 from services.gateway.auth import Principal
 from services.gateway.schemas import (
     Ack,
@@ -220,7 +225,7 @@ class DeleteOutput(BaseModel):
     message: str
 
 
-def _delete_output(result: DeleteResult, ref: str) -> DeleteOutput:
+def delete_output(result: DeleteResult, ref: str) -> DeleteOutput:
     if result.deleted_count:
         message = f"deleted document {result.title!r} ({result.document_id})"
     else:
@@ -238,7 +243,7 @@ def _delete_output(result: DeleteResult, ref: str) -> DeleteOutput:
 async def kb_delete(service: GatewayService, p: Principal, inp: DocumentRef) -> DeleteOutput:
     """Delete a document by id from every knowledge base; once this returns, no search returns
     it. An unknown id is not an error: it returns deleted_count 0."""
-    return _delete_output(await service.documents.delete(p, inp.document_id), inp.document_id)
+    return delete_output(await service.documents.delete(p, inp.document_id), inp.document_id)
 
 
 class SourceRef(BaseModel):

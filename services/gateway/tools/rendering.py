@@ -4,13 +4,9 @@ results travel as structured content too)."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
-from services.common.answers import AskResponse
-from services.common.queries import ChunkResponse, SearchHit, SearchResponse, place_text
-
-if TYPE_CHECKING:
-    from services.gateway.tools.compat import SearchDocsOutput, SearchKnowledgeBaseOutput
+from services.common.messages.answers import AskResponse
+from services.common.messages.queries import ChunkResponse, SearchHit, SearchResponse, place_text
 
 
 def _hit_header(hit: SearchHit) -> str:
@@ -65,31 +61,6 @@ def render_chunk(resp: ChunkResponse) -> str:
         marker = ">>" if h.chunk_id == resp.chunk.chunk_id else "  "
         lines.append(f"\n{marker} chunk {h.chunk_index + 1}:\n{h.content}")
     return "\n".join(lines)
-
-
-def render_docs(out: SearchDocsOutput) -> str:
-    if not out.results:
-        return "No matching documents found."
-    return "\n\n".join(
-        f"{i}. {r.documentTitle} (chunk {r.chunkIndex}, score {r.score:.3f})\n{r.content}"
-        for i, r in enumerate(out.results, 1)
-    )
-
-
-def render_knowledge(out: SearchKnowledgeBaseOutput) -> str:
-    if not out.results:
-        return f'No results for "{out.query}".'
-    lines, n = [], 0
-    for r in out.results:
-        if r.is_matched:
-            n += 1
-            lines.append(
-                f"{n}. {r.source} (chunk {r.chunk_index}, relevance "
-                f"{(r.relevance or 0):.3f})\n{r.content}"
-            )
-        else:
-            lines.append(f"   (context, chunk {r.chunk_index} of {r.source})\n{r.content}")
-    return "\n\n".join(lines)
 
 
 def render_answer(resp: AskResponse) -> str:

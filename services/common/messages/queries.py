@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime, time
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -18,8 +19,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from services.common.store.base import Mode
 
 # Metadata keys are plain names: no dots, so a caller can never address another payload path.
 # The most hits one search returns.
@@ -46,6 +45,13 @@ def _end_of_day(value: Any) -> Any:
 
 Since = Annotated[datetime, AfterValidator(_utc)]
 Until = Annotated[datetime, BeforeValidator(_end_of_day), AfterValidator(_utc)]
+
+
+# How a search ranks: dense vectors, BM25 keywords, or both fused.
+class Mode(StrEnum):
+    hybrid = "hybrid"
+    dense = "dense"
+    keyword = "keyword"
 
 
 class MetadataCondition(BaseModel):

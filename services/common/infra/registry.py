@@ -22,10 +22,10 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TEMPLATE, ObjectStore
 from pydantic import BaseModel
 
-from services.common.answers import Prompt
-from services.common.errors import Conflict, Transient
-from services.common.ids import is_id, uuid_forms
-from services.common.models import DocumentRecord, IndexEntry, KnowledgeBase
+from services.common.domain.errors import Conflict, Transient
+from services.common.domain.ids import is_id, uuid_forms
+from services.common.domain.models import DocumentRecord, IndexEntry, KnowledgeBase
+from services.common.messages.answers import Prompt
 
 M = TypeVar("M", bound=BaseModel)
 CAS_ATTEMPTS = 20

@@ -21,8 +21,8 @@ from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import Field
 
-from services.common.events import Event
-from services.common.models import Writer
+from services.common.domain.models import Writer
+from services.common.messages.events import Event
 from services.common.settings import AuditSettings
 
 AUDIT_STREAM = "KBMESH_AUDIT"

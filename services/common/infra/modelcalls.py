@@ -1,7 +1,7 @@
 """Outbound model calls through LiteLLM, for every model kbmesh calls (embedding, chat,
 rerank): one egress path, one classification of provider errors and one retry policy.
 
-Every request LiteLLM sends goes through the egress transport (`services.common.egress`): the
+Every request LiteLLM sends goes through the egress transport (`services.common.infra.egress`): the
 OpenAI SDK's client (`litellm.aclient_session`), LiteLLM's module-level client, and a client
 handed to each call of LiteLLM's own HTTP handlers (`http_client`). None of them follows
 redirects.
@@ -33,13 +33,13 @@ from tenacity import (
     wait_exponential,
 )
 
-from services.common.egress import (
+from services.common.domain.errors import InvalidInput, KbmeshError, Transient
+from services.common.infra.egress import (
     EgressPolicy,
     EgressTransport,
     Unreachable,
     refusal_in,
 )
-from services.common.errors import InvalidInput, KbmeshError, Transient
 
 log = logging.getLogger("kbmesh.models")
 T = TypeVar("T")
@@ -214,8 +214,8 @@ async def call_model(
     """`call()` under the one retry policy for provider calls: transient errors (connection,
     timeout, 408/429/5xx) are tried `tries` times with exponential backoff, then `Transient`;
     a request the provider refuses is `InvalidInput` at once ("{model} rejected {rejected}");
-    an egress refusal is raised as it is, never retried. Errors name `field`; `kind` names the log lines
-    (`embed_retry`, `chat_rejected`, ...); the provider's own words stay in the log."""
+    an egress refusal is raised as it is, never retried. Errors name `field`; `kind` names
+    the log lines (`embed_retry`, `chat_rejected`, ...); the provider's words stay in the log."""
 
     def transient(err: BaseException) -> bool:
         return (

@@ -12,9 +12,9 @@ from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.common.limits import PlainText
-from services.common.models import utcnow
-from services.common.queries import SearchFilters, SearchHit, Since, Until
+from services.common.domain.limits import PlainText
+from services.common.domain.models import utcnow
+from services.common.messages.queries import SearchFilters, SearchHit, Since, Until
 
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_ITERATIONS = 10

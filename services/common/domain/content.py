@@ -7,8 +7,15 @@ import base64
 import binascii
 import hashlib
 
-from services.common.errors import InvalidInput, TooLarge
-from services.common.formats import FORMATS, GENERIC_TYPES, GZIP_TYPE, by_mime, by_name, clean_mime
+from services.common.domain.errors import InvalidInput, TooLarge
+from services.common.domain.formats import (
+    FORMATS,
+    GENERIC_TYPES,
+    GZIP_TYPE,
+    by_mime,
+    by_name,
+    clean_mime,
+)
 
 
 def decode_content(content: str, encoding: str, max_bytes: int) -> bytes:

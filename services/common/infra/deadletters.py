@@ -13,7 +13,7 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from services.common.events import DLQ_PREFIX, DLQ_STREAM, STREAM
+from services.common.messages.events import DLQ_PREFIX, DLQ_STREAM, STREAM
 
 KBMESH_HEADERS = (
     "Kbmesh-Original-Subject",

@@ -14,8 +14,8 @@ from typing import Any
 from qdrant_client import AsyncQdrantClient, models
 from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
 
-from services.common.errors import InvalidInput, NotFound, Transient
-from services.common.store.base import (
+from services.common.domain.errors import InvalidInput, NotFound, Transient
+from services.common.infra.store.base import (
     DENSE,
     PAYLOAD_INDEXES,
     SPARSE,

@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 import numpy as np
 import qdrant_edge as qe
 
-from services.common.errors import InvalidInput, NotFound, Transient
-from services.common.store.base import (
+from services.common.domain.errors import InvalidInput, NotFound, Transient
+from services.common.infra.store.base import (
     DENSE,
     PAYLOAD_INDEXES,
     SPARSE,

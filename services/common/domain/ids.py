@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import uuid
 
-from services.common.errors import InvalidInput
+from services.common.domain.errors import InvalidInput
 
 # NATS KV keys allow [-/_=.a-zA-Z0-9]; ids become key segments, so they stay inside that set.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"

@@ -11,10 +11,10 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from enum import StrEnum
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from services.common.errors import InvalidInput
+from services.common.domain.errors import InvalidInput
+from services.common.messages.queries import Mode
 
 DENSE = "dense"
 SPARSE = "bm25"
@@ -109,12 +109,6 @@ class Filter:
 
     def and_(self, *conditions: Condition) -> Filter:
         return Filter(must=self.must + conditions, must_not=self.must_not)
-
-
-class Mode(StrEnum):
-    hybrid = "hybrid"
-    dense = "dense"
-    keyword = "keyword"
 
 
 @dataclass(frozen=True)

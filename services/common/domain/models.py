@@ -9,8 +9,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from services.common.errors import Conflict
-from services.common.settings import BUNDLED_MODELS, DEFAULT_MODEL
+from services.common.domain.errors import Conflict
+
+DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
+# The models that ship inside the package (their specs: services/common/embedders/local.py).
+BUNDLED_MODELS = (DEFAULT_MODEL, "local/all-MiniLM-L6-v2-int8")
 
 # KB settings the chunker and search accept (the request models publish the same bounds).
 CHUNK_SIZE_RANGE = (50, 2000)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from services.common.errors import Forbidden, InvalidInput
+from services.common.domain.errors import Forbidden, InvalidInput
 from services.common.settings import Settings
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

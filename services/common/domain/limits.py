@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, Field
 
-from services.common.errors import InvalidInput, TooLarge
+from services.common.domain.errors import InvalidInput, TooLarge
 
 SETTING = "KBMESH_LIMITS__"
 

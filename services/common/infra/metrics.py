@@ -21,8 +21,8 @@ from prometheus_client import (
     start_http_server,
 )
 
-from services.common.events import DLQ_STREAM, STREAM
-from services.common.models import utcnow
+from services.common.domain.models import utcnow
+from services.common.messages.events import DLQ_STREAM, STREAM
 
 log = logging.getLogger("kbmesh.metrics")
 # Seconds between bus gauge refreshes in processes without a gateway (scrapes refresh too).

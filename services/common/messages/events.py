@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.common.content import STAGING_PREFIX
-from services.common.ids import new_id
-from services.common.models import DEFAULT_SOURCE, Writer, utcnow
+from services.common.domain.content import STAGING_PREFIX
+from services.common.domain.ids import new_id
+from services.common.domain.models import DEFAULT_SOURCE, Writer, utcnow
 
 
 class Subject(StrEnum):

@@ -35,9 +35,10 @@ from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableErr
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
 
-from services.common import replies
-from services.common.audit import declare_audit_stream
-from services.common.busauth import (
+from services.common.domain.errors import InvalidInput, KbmeshError, Transient
+from services.common.infra import replies
+from services.common.infra.audit import declare_audit_stream
+from services.common.infra.busauth import (
     CURRENT_PUBLISHER,
     KEYS_BUCKET,
     UPSTREAM_STATUS,
@@ -47,8 +48,7 @@ from services.common.busauth import (
     status_subject,
     upstream_filter,
 )
-from services.common.errors import InvalidInput, KbmeshError, Transient
-from services.common.events import (
+from services.common.messages.events import (
     DLQ_STREAM,
     EVENT_MODELS,
     STREAM,
@@ -275,7 +275,7 @@ async def declare_topology(
         except TimeoutError:
             if bucket != KEYS_BUCKET:
                 raise
-            # Only the operator's user may change the key bucket (services/common/busauth.py):
+            # Only the operator's user may change the key bucket (services/common/infra/busauth.py):
             # a service leaves it as it is, and the next `kbmesh keys` applies the change.
             log.warning("stream_replicas_unchanged stream=KV_%s reason=operator_only", bucket)
             continue
