@@ -67,7 +67,7 @@ def main() -> None:
     docs = stdlib_documents(args.docs)
     precision = args.precision or select("auto", "cpu").precision
     torch = LocalEmbedder(MODEL, backend="torch", device="cpu")
-    engine = LocalEmbedder(MODEL, precision=precision)
+    engine = LocalEmbedder(MODEL, backend="onnx", precision=precision)
     torch.load()
     engine.load()
     texts = pipeline_chunks(engine, docs)

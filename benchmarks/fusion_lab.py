@@ -37,7 +37,7 @@ Lists = dict[str, list[Entry]]  # "dense", "keyword", "lead_dense", "lead_keywor
 async def collect(shards: Path, collections: list[str], beir: Path, out: Path) -> None:
     _, queries, qrels = load_beir(beir)
     store = EdgeStore(shards)
-    embedder = LocalEmbedder()
+    embedder = LocalEmbedder(backend="onnx")
     texts = list(queries.values())
     vectors = await embedder.embed(texts)
     rows = []

@@ -57,7 +57,7 @@ def queries_from(docs: list[tuple[str, str]], count: int) -> list[str]:
 async def run(
     base: str, data: Path, kb_id: str, queries: list[str], blocks: bool
 ) -> dict[str, list[float]]:
-    onnx = LocalEmbedder(MODEL)
+    onnx = LocalEmbedder(MODEL, backend="onnx")
     onnx.load()
     torch = LocalEmbedder(MODEL, backend="torch", device="cpu")
     torch.load()

@@ -60,7 +60,7 @@ def texts_and_queries() -> tuple[list[tuple[str, str]], list[str]]:
 
 async def build_points(kb_id: str, n_chunks: int, n_real: int) -> list[ChunkPoint]:
     docs, _ = texts_and_queries()
-    embedder = EmbedderPool().get("local/all-MiniLM-L6-v2")
+    embedder = EmbedderPool(local_backend="onnx").get("local/all-MiniLM-L6-v2")
     kb = KnowledgeBase(org_id="local", kb_id=kb_id, name="latency")
     chunks: list[tuple[str, str]] = []
     for title, text in docs:

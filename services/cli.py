@@ -15,6 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common.settings import ClientSettings
+
 if TYPE_CHECKING:
     from services.common.infra.bus import Bus
     from services.common.settings import Settings
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mcp.add_argument(
         "--api-key",
-        default=os.environ.get("KBMESH_API_KEY"),
+        default=ClientSettings().api_key,
         help="run as this API key's org and scope (KBMESH_API_KEY); "
         "default: the default org, unscoped",
     )
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         # model exports) is its owner's only.
         os.umask(0o077)
     logging.basicConfig(
-        level=os.environ.get("KBMESH_LOG_LEVEL", "INFO"),
+        level=ClientSettings().log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     for noisy in ("httpx", "LiteLLM", "litellm", "sentence_transformers", "kbmesh.faststream"):
@@ -490,7 +492,13 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
             url = nats_server.url
         if not settings.nats.user:
             _use_recorded_user(settings, "operator")
-    bus = Bus(settings, url, configure_telemetry("kbmesh-cli"))
+    bus = Bus(
+        url,
+        configure_telemetry("kbmesh-cli"),
+        rules=settings.bus,
+        auth=settings.nats,
+        audit=settings.audit,
+    )
     try:
         await bus.connect()
         yield bus

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import httpx
 
 from services.cli_ingest import default_api
+from services.common.settings import ClientSettings
 
 EXIT_ERROR = 1
 MODES = ("hybrid", "dense", "keyword")
@@ -104,7 +104,7 @@ def _common(p: argparse.ArgumentParser, run: Callable[[Api, argparse.Namespace],
 
 def run(args: argparse.Namespace) -> int:
     """Entry point from the CLI: returns the exit status."""
-    api = Api(args.api, os.environ.get("KBMESH_API_KEY") or None)
+    api = Api(args.api, ClientSettings().api_key or None)
     try:
         result = args.api_run(api, args)
     except ApiFailure as err:

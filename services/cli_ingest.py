@@ -37,13 +37,12 @@ from typing import Any, TextIO
 import httpx
 
 from services.common.domain.formats import FORMATS, GZIP_TYPE
+from services.common.settings import ClientSettings
 
 
 def default_api() -> str:
     """KBMESH_API_URL, else the local stack on KBMESH_PORT (8080), as `kbmesh up` serves it."""
-    return os.environ.get("KBMESH_API_URL") or (
-        f"http://127.0.0.1:{os.environ.get('KBMESH_PORT') or 8080}"
-    )
+    return ClientSettings().api
 
 
 PAGE = 500
@@ -159,7 +158,7 @@ class Options:
             sync=args.sync,
             concurrency=args.concurrency,
             api=args.api.rstrip("/"),
-            api_key=os.environ.get("KBMESH_API_KEY") or None,
+            api_key=ClientSettings().api_key or None,
             create_kb=bool(getattr(args, "create_kb", False)),
         )
 

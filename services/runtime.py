@@ -145,7 +145,9 @@ async def build_runtime(
         nats_server.supervise()
         url = nats_server.url
         credentials = busauth.local_credentials(settings.data_dir)[busauth.role_for(chosen)]
-    bus = Bus(settings, url, provider, credentials)
+    bus = Bus(
+        url, provider, credentials, rules=settings.bus, auth=settings.nats, audit=settings.audit
+    )
     try:
         await bus.connect()
         registries = await Registries.open(bus.js)

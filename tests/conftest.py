@@ -39,7 +39,7 @@ def model_cache() -> Path:
     from services.common.embedders.onnx_export import ensure_onnx
     from services.common.embedders.selection import select
 
-    model = LocalEmbedder(DEFAULT_MODEL, cache_dir=MODEL_CACHE_DIR)
+    model = LocalEmbedder(DEFAULT_MODEL, backend="onnx", cache_dir=MODEL_CACHE_DIR)
     auto = select("auto", "cpu").precision
     ensure_onnx(model.model_dir, MODEL_CACHE_DIR, name=model.name, variant=auto)
     return ensure_onnx(model.model_dir, MODEL_CACHE_DIR, name=model.name, variant="fp32")
@@ -57,7 +57,7 @@ def embedders():
     """One model load for the whole session (the pool is stateless apart from caches)."""
     from services.common.embedders import EmbedderPool
 
-    return EmbedderPool(query_cache_size=256, cache_dir=MODEL_CACHE_DIR)
+    return EmbedderPool(query_cache_size=256, cache_dir=MODEL_CACHE_DIR, local_backend="onnx")
 
 
 @contextlib.asynccontextmanager

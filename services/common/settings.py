@@ -1,4 +1,7 @@
-"""One settings object for every service, read from `KBMESH_*` environment variables."""
+"""Every `KBMESH_*` environment variable is read here: `Settings` for the services and
+`ClientSettings` for kbmesh's own REST clients (`kbmesh ingest|search|status|kb`). Each
+setting has one default, defined here (docs/operations.md lists them all, and a test holds
+the two together); components take the group they use."""
 
 from __future__ import annotations
 
@@ -11,6 +14,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from services.common.domain.ids import check_id
 from services.common.domain.limits import LimitSettings
 from services.common.domain.models import DEFAULT_MODEL
+
+# Defaults that library callers of the embedders share with the services.
+LocalBackend = Literal["auto", "onnx", "torch"]
+LocalDevice = Literal["auto", "cpu", "cuda"]
+LocalPrecision = Literal["auto", "fp32", "int8"]
+LOCAL_BACKEND: LocalBackend = "auto"
+EMBED_BATCH_SIZE = 32
+EMBED_MAX_BATCH = 64
+PORT = 8080
 
 
 class BusSettings(BaseModel):
@@ -183,7 +195,7 @@ class Settings(BaseSettings):
         "index build (the process pauses ~1-2.5 s per 1,000 of them); 0: never",
     )
     host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
+    port: int = Field(PORT, ge=0, le=65535)
     metrics_port: int | None = Field(
         None,
         ge=1,
@@ -201,25 +213,27 @@ class Settings(BaseSettings):
         256 * 1024, ge=1, description="larger uploads travel via the object store"
     )
     wait_timeout_seconds: float = Field(120.0, gt=0)
-    embed_batch_size: int = Field(32, ge=1, description="texts per local model run")
+    embed_batch_size: int = Field(EMBED_BATCH_SIZE, ge=1, description="texts per local model run")
     embed_max_batch: int = Field(
-        64, ge=1, description="chunks of concurrent documents embedded together, at most"
+        EMBED_MAX_BATCH,
+        ge=1,
+        description="chunks of concurrent documents embedded together, at most",
     )
     embed_concurrency: int = Field(
         16,
         ge=1,
         description="kb.index messages worked at once; their chunks share embedding batches",
     )
-    local_backend: Literal["auto", "onnx", "torch"] = Field(
-        "auto",
+    local_backend: LocalBackend = Field(
+        LOCAL_BACKEND,
         description="engine for local/... models: auto (services/common/embedders/selection.py: "
         "onnxruntime on CPU with document batches in child processes, torch on a CUDA GPU), "
         "onnx (onnxruntime, one process) or torch (fp32, the reference)",
     )
-    local_device: Literal["auto", "cpu", "cuda"] = Field(
+    local_device: LocalDevice = Field(
         "auto", description="where local models run: auto (a CUDA GPU if torch sees one), cpu, cuda"
     )
-    local_precision: Literal["auto", "fp32", "int8"] = Field(
+    local_precision: LocalPrecision = Field(
         "auto", description="local models' precision on CPU: auto (chosen per CPU kind), fp32, int8"
     )
     local_document_processes: int = Field(
@@ -271,3 +285,23 @@ class Settings(BaseSettings):
     @property
     def toolsets(self) -> list[str]:
         return [t.strip() for t in self.mcp_toolsets.split(",") if t.strip()]
+
+
+class ClientSettings(BaseSettings):
+    """What kbmesh's own clients read: the REST API they talk to and its key (`kbmesh ingest`,
+    `search`, `status`, `kb`; the key also confines `kbmesh mcp`), and every command's log
+    level."""
+
+    model_config = SettingsConfigDict(env_prefix="KBMESH_", extra="ignore")
+
+    api_url: str | None = Field(
+        None, description="kbmesh REST API; unset: the local stack on `port`"
+    )
+    api_key: str | None = Field(None, description="API key sent as `Authorization: Bearer`")
+    port: int = Field(PORT, ge=0, le=65535)
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
+
+    @property
+    def api(self) -> str:
+        """`api_url`, else the local stack on `port`, as `kbmesh up` serves it."""
+        return self.api_url or f"http://127.0.0.1:{self.port}"

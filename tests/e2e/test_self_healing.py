@@ -18,7 +18,7 @@ PARAGRAPH = (
     "Section {i}.{j}: the reactor coolant loop number {i} carries heat from the core to the "
     "steam generator, where feedwater boils and drives turbine stage {j}. "
 )
-DOCUMENTS = 16
+DOCUMENTS = 8
 
 
 def test_work_accepted_before_a_crash_resumes_within_seconds(tmp_path):
@@ -39,7 +39,7 @@ def test_work_accepted_before_a_crash_resumes_within_seconds(tmp_path):
             wait_ready(base, first)
             # Enough work that the crash lands mid-way even on a fast, quiet machine.
             for i in range(DOCUMENTS):
-                text = "".join(PARAGRAPH.format(i=i, j=j) for j in range(120))
+                text = "".join(PARAGRAPH.format(i=i, j=j) for j in range(80))
                 r = client.post(
                     "/v1/kbs/default/documents", json={"name": f"doc-{i}.txt", "content": text}
                 )

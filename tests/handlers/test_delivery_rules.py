@@ -56,7 +56,7 @@ async def subscribed(
     """`handler` behind `consume` on a durable of its own, started by TestNatsBroker against
     the real server; yields the bus and the durable's name."""
     settings = Settings(bus=BusSettings(max_deliver=3, backoff_seconds=[0.05, 0.1]))
-    bus = Bus(settings, nats_url, trace.get_tracer_provider())
+    bus = Bus(nats_url, trace.get_tracer_provider(), rules=settings.bus)
     durable = f"test-{uuid.uuid4().hex[:8]}"
     router = NatsRouter()
     consume(router, bus, SUBJECT, durable, handler, on_failure=on_failure, upstream=upstream)

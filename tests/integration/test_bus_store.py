@@ -37,7 +37,6 @@ async def test_a_key_bucket_fed_from_elsewhere_is_refused(tmp_path):
     from opentelemetry import trace
 
     from services.common.infra.bus import Bus
-    from services.common.settings import Settings
 
     with NatsServer(tmp_path / "nats") as server:
         nc = await nats.connect(server.url)
@@ -53,7 +52,7 @@ async def test_a_key_bucket_fed_from_elsewhere_is_refused(tmp_path):
             )
         )
         await nc.close()
-        bus = Bus(Settings(data_dir=tmp_path), server.url, trace.get_tracer_provider())
+        bus = Bus(server.url, trace.get_tracer_provider())
         with pytest.raises(RuntimeError, match="API-key bucket"):
             await bus.connect()
         await bus.close()

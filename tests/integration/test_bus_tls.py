@@ -94,7 +94,7 @@ async def test_a_service_connects_over_tls_with_its_user(tmp_path):
             data_dir=tmp_path,
             nats={"user": gateway.user, "password": gateway.password, "tls_ca_file": ca},
         )
-        bus = Bus(settings, url, trace.get_tracer_provider())
+        bus = Bus(url, trace.get_tracer_provider(), auth=settings.nats)
         await bus.connect()
         try:
             registries = await Registries.open(bus.js)

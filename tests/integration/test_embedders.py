@@ -49,7 +49,7 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def local() -> LocalEmbedder:
-    embedder = LocalEmbedder(MINILM, cache_dir=MODEL_CACHE_DIR)
+    embedder = LocalEmbedder(MINILM, backend="onnx", cache_dir=MODEL_CACHE_DIR)
     embedder.load()
     return embedder
 
@@ -66,7 +66,7 @@ def real_chunks(local: LocalEmbedder) -> list[str]:
         for text in texts
         for c in chunk_text(text, kb, local.tokenizer(), max_tokens=local.max_tokens)
     ]
-    return chunks[:96]
+    return chunks[:40]
 
 
 @pytest.fixture
@@ -229,7 +229,7 @@ def test_int8_precision_stays_close_to_torch_fp32(
     matrix products are integer ones."""
     import onnx
 
-    int8 = LocalEmbedder(MINILM, precision="int8", cache_dir=MODEL_CACHE_DIR)
+    int8 = LocalEmbedder(MINILM, backend="onnx", precision="int8", cache_dir=MODEL_CACHE_DIR)
     assert int8.selection.precision == "int8"
     queries = [chunk.split(".")[0][:80] for chunk in real_chunks]
     for texts in (queries, real_chunks):
@@ -284,7 +284,7 @@ def test_int8_model_stays_close_to_fp32(real_chunks: list[str]) -> None:
     """The opt-in per-channel int8 model is its own id, ONNX only, and stays within cosine
     0.95 of fp32 on every real chunk (0.98 on average)."""
     int8 = LocalEmbedder("local/all-MiniLM-L6-v2-int8", backend="torch", cache_dir=MODEL_CACHE_DIR)
-    fp32 = LocalEmbedder(MINILM, cache_dir=MODEL_CACHE_DIR)
+    fp32 = LocalEmbedder(MINILM, backend="onnx", cache_dir=MODEL_CACHE_DIR)
     assert (int8.selection.engine, int8.selection.precision) == ("onnxruntime", "int8")
     cos = np.sum(int8.encode(real_chunks) * fp32.encode(real_chunks), axis=1)
     assert float(cos.min()) >= 0.95 and float(cos.mean()) >= 0.98
@@ -319,7 +319,7 @@ def test_model_cache_is_built_offline_and_reused_across_restarts(tmp_path: Path)
     cache = tmp_path / "models"
     start = (
         "import sys; from pathlib import Path; from services.common.embedders import "
-        "LocalEmbedder; e = LocalEmbedder(cache_dir=Path(sys.argv[1])); e.load(); "
+        "LocalEmbedder; e = LocalEmbedder(backend='onnx', cache_dir=Path(sys.argv[1])); e.load(); "
         "print(e.encode(['a restart test'])[0][:4].tolist())"
     )
     root = Path(__file__).resolve().parents[2]
@@ -349,7 +349,7 @@ if sys.argv[2] != "all":
     os.sched_setaffinity(0, {int(sys.argv[2])})  # as a container limited to one CPU
 from services.common.embedders import LocalEmbedder
 from services.common.embedders.cpu import usable_physical_cores
-e = LocalEmbedder(cache_dir=Path(sys.argv[1]))
+e = LocalEmbedder(backend="onnx", cache_dir=Path(sys.argv[1]))
 e.load()
 e.encode(["which threads run this query"], query=True)
 e.encode(["and this document"] * 8)

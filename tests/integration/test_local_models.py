@@ -81,7 +81,9 @@ async def test_a_second_model_serves_with_shapes_from_its_config(
     and documents (one past the 64-token cut) embed within cosine 0.999 of torch fp32."""
     config = ModelConfig.read(tiny_bert)
     assert (config.dim, config.layers, config.max_seq_length, config.pooling) == (48, 3, 64, "cls")
-    model = LocalEmbedder("local/tiny-bert", model_dir=tiny_bert, cache_dir=tmp_path)
+    model = LocalEmbedder(
+        "local/tiny-bert", model_dir=tiny_bert, backend="onnx", cache_dir=tmp_path
+    )
     assert (model.dim, model.max_tokens, model.model) == (48, 62, "local/tiny-bert")
     reference = TorchEncoder(tiny_bert)
     for texts, query in ((QUERIES, True), (DOCUMENTS, False)):

@@ -149,10 +149,10 @@ async def test_search_replicas_share_the_load(stack, kbs):
     counting("first", first)
     counting("second", second)
     bus = Bus(
-        rt.settings,
         rt.bus.url,
         trace.get_tracer_provider(),
         credentials(rt.settings.data_dir, "search"),
+        rules=rt.settings.bus,
     )
     bus.responders += create_responders(second)
     try:

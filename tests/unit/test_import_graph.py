@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     # Backup reads the bus; restore runs ingest and embed over a new data dir.
     "backup": {"common", "runtime"},
     # `kbmesh status|search|kb`: REST clients too.
-    "cli_api": {"cli_ingest"},
+    "cli_api": {"cli_ingest", "common"},
     # `kbmesh mcp --api`: an MCP relay to a remote stack, over HTTP only.
     "cli_mcp": set(),
     "cli": {
@@ -50,7 +50,7 @@ COMMON_ALLOWED: dict[str, set[str]] = {
     "messages": {"domain"},
     # Bus, credentials, registries, store, model calls, egress, metrics, audit, nats-server.
     "infra": {"domain", "messages", "settings"},
-    "embedders": {"domain", "infra"},
+    "embedders": {"domain", "infra", "settings"},
 }
 
 

@@ -27,6 +27,7 @@ from services.common.embedders.processes import ProcessEncoder
 from services.common.embedders.selection import Backend, Device, Precision, select
 from services.common.embedders.tokenizing import model_tokenizer
 from services.common.infra import metrics
+from services.common.settings import EMBED_BATCH_SIZE, EMBED_MAX_BATCH, LOCAL_BACKEND, Settings
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -81,9 +82,9 @@ def local_spec(model: str) -> LocalModelSpec:
 def default_cache_dir() -> Path:
     """Where exports go when no directory is passed in (a library user, a benchmark):
     `KBMESH_MODEL_CACHE_DIR`, else the user's cache directory."""
-    configured = os.environ.get("KBMESH_MODEL_CACHE_DIR")
+    configured = Settings().model_cache_dir
     if configured:
-        return Path(configured)
+        return configured
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kbmesh" / "models"
 
@@ -97,12 +98,12 @@ class LocalEmbedder:
         model: str = "local/all-MiniLM-L6-v2",
         *,
         model_dir: Path | None = None,
-        backend: Backend = "onnx",
+        backend: Backend = LOCAL_BACKEND,
         device: Device = "auto",
         precision: Precision = "auto",
         cache_dir: Path | None = None,
-        batch_size: int = 32,
-        max_batch: int = 64,
+        batch_size: int = EMBED_BATCH_SIZE,
+        max_batch: int = EMBED_MAX_BATCH,
         linger_seconds: float = 0.005,
         document_processes: int = 0,
     ) -> None:

@@ -14,6 +14,7 @@ from services.common.embedders.base import Embedder, is_local
 from services.common.embedders.local import LocalEmbedder, local_spec
 from services.common.embedders.remote import LiteLLMEmbedder, remote_max_tokens
 from services.common.embedders.selection import Backend, Device, Precision
+from services.common.settings import EMBED_BATCH_SIZE, EMBED_MAX_BATCH, LOCAL_BACKEND
 
 if TYPE_CHECKING:
     from services.common.infra.egress import EgressPolicy
@@ -33,11 +34,11 @@ class EmbedderPool:
     def __init__(
         self,
         *,
-        batch_size: int = 32,
-        max_batch: int = 64,
+        batch_size: int = EMBED_BATCH_SIZE,
+        max_batch: int = EMBED_MAX_BATCH,
         api_key: str | None = None,
         query_cache_size: int = 1024,
-        local_backend: Backend = "onnx",
+        local_backend: Backend = LOCAL_BACKEND,
         local_device: Device = "auto",
         local_precision: Precision = "auto",
         document_processes: int = 0,

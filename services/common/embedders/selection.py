@@ -15,10 +15,11 @@ from typing import Literal
 
 from services.common.embedders.cpu import cpu_kind, usable_cores, usable_physical_cores
 from services.common.embedders.processes import document_workers
+from services.common.settings import LOCAL_BACKEND
+from services.common.settings import LocalBackend as Backend
+from services.common.settings import LocalDevice as Device
+from services.common.settings import LocalPrecision as Precision
 
-Backend = Literal["auto", "onnx", "torch"]
-Device = Literal["auto", "cpu", "cuda"]
-Precision = Literal["auto", "fp32", "int8"]
 Engine = Literal["onnxruntime", "torch"]
 
 # Hardware kind (`cpu.CPU_KINDS`, or "cuda") → the engine and precision `auto` serves with.
@@ -58,7 +59,7 @@ def cuda_available() -> bool:
 
 
 def select(
-    backend: Backend = "auto",
+    backend: Backend = LOCAL_BACKEND,
     device: Device = "auto",
     precision: Precision = "auto",
     *,

@@ -56,7 +56,7 @@ from services.common.messages.events import (
     Event,
     dlq_subject,
 )
-from services.common.settings import AuditSettings, BusSettings, NatsAuthSettings, Settings
+from services.common.settings import AuditSettings, BusSettings, NatsAuthSettings
 
 log = logging.getLogger("kbmesh.bus")
 
@@ -113,17 +113,23 @@ class Bus:
 
     def __init__(
         self,
-        settings: Settings,
         url: str,
         tracer_provider: TracerProvider,
         credentials: Credentials | None = None,
+        *,
+        rules: BusSettings | None = None,
+        auth: NatsAuthSettings | None = None,
+        audit: AuditSettings | None = None,
     ) -> None:
-        self.settings = settings
+        # Delivery rules (redelivery, dead letters, retention), the NATS user and TLS, and
+        # the audit stream's retention: the settings groups the bus reads, and no other.
+        self.rules = rules or BusSettings()
+        self._audit = audit or AuditSettings()
         self.url = url
         # A comma-separated list seeds the connection to a cluster; the client learns the other
         # members from the servers themselves and reconnects to any of them.
         self.servers = [u.strip() for u in url.split(",") if u.strip()]
-        auth = settings.nats
+        auth = auth or NatsAuthSettings()
         if credentials is None and auth.user:
             credentials = Credentials(auth.user, auth.password or "")
         self.user = credentials.user if credentials else None
@@ -171,7 +177,7 @@ class Bus:
         attempt = 0
         while True:
             try:
-                await declare_topology(self._js, self.settings.bus, self.settings.audit)
+                await declare_topology(self._js, self.rules, self._audit)
                 break
             except BUS_UNAVAILABLE as err:
                 # A cluster that is still electing its JetStream leader, or a server that
@@ -353,7 +359,7 @@ def consume(
     dead-lettered unread; while `handler` runs, `CURRENT_PUBLISHER` names the publisher.
     """
     model = EVENT_MODELS[subject]
-    settings = bus.settings.bus
+    settings = bus.rules
 
     async def _on_message(msg: NatsMessage) -> None:
         raw = msg.raw_message

@@ -41,7 +41,7 @@ class GatewayService:
         self.waiting = Waiting(registries, settings.wait_timeout_seconds)
         self.kbs = KnowledgeBases(bus, registries, settings)
         self.documents = Documents(bus, registries, settings, self.kbs, self.waiting)
-        self.search = Search(bus, settings, self.kbs)
+        self.search = Search(bus, self.kbs, timeout_seconds=settings.search.timeout_seconds)
         self.progress = ProgressFeed()
         self.answers = Answers(bus, registries, settings, self.kbs)
         self.dead_letters = DeadLetters(bus)

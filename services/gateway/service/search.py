@@ -20,17 +20,16 @@ from services.common.messages.queries import (
     SearchRequest,
     SearchResponse,
 )
-from services.common.settings import Settings
 from services.gateway.auth import Principal
 from services.gateway.service.access import visible_tags
 from services.gateway.service.kbs import KnowledgeBases
 
 
 class Search:
-    def __init__(self, bus: Bus, settings: Settings, kbs: KnowledgeBases) -> None:
+    def __init__(self, bus: Bus, kbs: KnowledgeBases, *, timeout_seconds: float) -> None:
         self.bus = bus
-        self.settings = settings
         self.kbs = kbs
+        self._timeout = timeout_seconds  # the wait for a search replica's reply
 
     async def query(self, p: Principal, query: SearchQuery) -> SearchResponse:
         body = await self._request(Subject.SEARCH_QUERY, await self._search_request(p, query))
@@ -46,7 +45,7 @@ class Search:
         if p.kb_ids is not None:
             return (await self.query(p, query)).model_dump_json().encode()
         request = await self._search_request(p, query)
-        timeout = self.settings.search.timeout_seconds
+        timeout = self._timeout
         reply = await ask(self.bus, Subject.SEARCH_QUERY, request, timeout)
         body = result_json(reply)
         return body if body is not None else json.dumps(result(reply)).encode()
@@ -72,7 +71,7 @@ class Search:
         return ChunkResponse.model_validate(await self._request(Subject.SEARCH_CHUNK, request))
 
     async def _request(self, subject: str, request: BaseModel) -> dict[str, Any]:
-        return await request_reply(self.bus, subject, request, self.settings.search.timeout_seconds)
+        return await request_reply(self.bus, subject, request, self._timeout)
 
 
 async def request_reply(

@@ -1,0 +1,102 @@
+"""One settings path: every `KBMESH_*` variable is read by the settings classes, each has one
+default, and docs/operations.md names every one with that default (the docs cannot drift
+from the code, and no setting is undocumented)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_settings import BaseSettings
+
+from services.common.settings import ClientSettings, Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
+READS = re.compile(r"""(environ\.get|getenv|environ\[)\(?\s*["']KBMESH_""")
+
+
+def variables(model: type[BaseSettings]) -> dict[str, Any]:
+    """Each environment variable of a settings class, with its default."""
+    prefix = str(model.model_config.get("env_prefix", "")).upper()
+    found: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            for sub, subfield in kind.model_fields.items():
+                found[f"{prefix}{name}__{sub}".upper()] = subfield.get_default(
+                    call_default_factory=True
+                )
+        else:
+            found[f"{prefix}{name}".upper()] = field.get_default(call_default_factory=True)
+    return found
+
+
+SETTINGS = {**variables(Settings), **variables(ClientSettings)}
+
+
+def documented_defaults() -> dict[str, str]:
+    """`KBMESH_*` → the default cell of its row, from the tables headed `variable | default`."""
+    rows: dict[str, str] = {}
+    for table in re.findall(r"^\| variable \| default \|.*?(?=^[^|])", OPERATIONS, re.S | re.M):
+        for line in table.splitlines()[2:]:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if m := re.fullmatch(r"`(KBMESH_[A-Z0-9_]+)`", cells[0]):
+                rows[m.group(1)] = cells[1]
+    return rows
+
+
+def matches(cell: str, default: Any) -> bool:
+    if cell.startswith("unset"):
+        return default is None
+    shown = re.match(r"`([^`]*)`", cell)
+    if shown is None:
+        return False
+    text = shown.group(1)
+    if default is None:  # derived at run time from another setting, e.g. `<data dir>/models`
+        return text.startswith("<")
+    if isinstance(default, bool):
+        return text == str(default).lower()
+    if isinstance(default, int | float):
+        return float(text) == float(default)
+    if isinstance(default, list):
+        return bool(json.loads(text) == default)
+    return text == str(default)
+
+
+def test_no_module_reads_a_kbmesh_variable_past_the_settings_classes():
+    readers = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "services").rglob("*.py")
+        if path.name != "settings.py" and READS.search(path.read_text())
+    ]
+    assert readers == []
+
+
+def test_every_setting_is_documented_with_its_default():
+    rows = documented_defaults()
+    named = set(re.findall(r"`(KBMESH_[A-Z0-9_]+)`", OPERATIONS))
+    assert set(SETTINGS) - named == set(), "settings docs/operations.md does not name"
+    wrong = {
+        name: (cell, SETTINGS[name])
+        for name, cell in rows.items()
+        if name in SETTINGS and not matches(cell, SETTINGS[name])
+    }
+    assert wrong == {}
+
+
+def test_every_documented_variable_is_a_setting():
+    documented = set(documented_defaults()) | set(
+        re.findall(r"\| `(KBMESH_[A-Z0-9_]+)` \| [^|]+ \|$", OPERATIONS, re.M)
+    )
+    limits = set(re.findall(r"`(KBMESH_LIMITS__[A-Z0-9_]+)`", OPERATIONS))
+    assert (documented | limits) - set(SETTINGS) == set()
+
+
+def test_the_shipped_client_deadlines_close_a_stalled_request_within_half_a_minute():
+    """The e2e attack test runs with short deadlines; these are the ones `kbmesh up` ships."""
+    http = Settings().http
+    assert http.header_timeout_seconds + http.body_timeout_seconds <= 30
