@@ -6,6 +6,7 @@ so a lazy import cannot hide an edge."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,19 @@ def test_no_import_circle_inside_the_gateway() -> None:
     for name in sorted(edges):
         if name not in state:
             visit(name, [])
+
+
+def test_the_architecture_page_names_only_what_exists_and_every_package() -> None:
+    """docs/architecture.md matches the code: each path it names under services/ exists,
+    and its package table has a row for each package of services/common/ and each service."""
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`(services/[\w/.]+?)`", page))
+    assert named, "the page names no paths"
+    missing = sorted(p for p in named if not (ROOT.parent / p).exists())
+    assert missing == []
+    table = page[page.index("## Packages and what each may import") :]
+    rows = set(re.findall(r"^\| (.+?) \|", table, re.M))
+    in_rows = {path for row in rows for path in re.findall(r"`(services/[\w/.]+?)`", row)}
+    packages = {f"services/common/{role}/" for role in COMMON_ALLOWED if role != "settings"}
+    packages |= {f"services/{name}/" for name in SERVICES}
+    assert packages <= in_rows, sorted(packages - in_rows)
