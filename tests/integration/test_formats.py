@@ -19,9 +19,8 @@ from services.common.messages.queries import SearchResponse
 from services.gateway.tools.rendering import render_search
 from tests.conftest import running_stack
 from tests.fixtures.formats.make_fixtures import FIXTURES
-from tests.integration.test_ingest_cli import kbmesh_ingest
 from tests.support.domain import create_kb, uid
-from tests.support.mcp_client import serve_http
+from tests.support.mcp_client import kbmesh_ingest, serve_http
 
 FORMATS = Path(__file__).parent.parent / "fixtures" / "formats"
 

@@ -6,8 +6,6 @@ work."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import running_stack
 from tests.support.asgi import serve_app
 from tests.support.domain import create_kb, uid
-from tests.support.mcp_client import OFFLINE_ENV, REPO, kbmesh_command, serve_http
+from tests.support.mcp_client import kbmesh_ingest, serve_http
 
 TREE = {
     "README.md": "# Handbook\n\nHow the platform team runs the knowledge base.",
@@ -64,25 +62,6 @@ def make_tree(root: Path) -> None:
     (root / "scratch.tmp").write_text("ignored")
     (root / ".private").mkdir()
     (root / ".private" / "secret.md").write_text("# hidden folders are skipped")
-
-
-async def kbmesh_ingest(base: str, *args: str | Path) -> tuple[int, list[str]]:
-    """Run `kbmesh ingest` in its own process; returns its exit status and output lines."""
-    proc = await asyncio.create_subprocess_exec(
-        *kbmesh_command(),
-        "ingest",
-        *map(str, args),
-        "--api",
-        base,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        cwd=REPO,
-        env={**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO)},
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout=300)
-    lines = out.decode().strip().splitlines()
-    assert proc.returncode is not None
-    return proc.returncode, lines
 
 
 async def metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:

@@ -198,3 +198,22 @@ async def ts_call_tool(
     assert proc.returncode == 0, err.decode()[-2000:]
     outcome: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     return outcome
+
+
+async def kbmesh_ingest(base: str, *args: str | Path) -> tuple[int, list[str]]:
+    """Run `kbmesh ingest` in its own process; returns its exit status and output lines."""
+    proc = await asyncio.create_subprocess_exec(
+        *kbmesh_command(),
+        "ingest",
+        *map(str, args),
+        "--api",
+        base,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO)},
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout=300)
+    lines = out.decode().strip().splitlines()
+    assert proc.returncode is not None
+    return proc.returncode, lines

@@ -228,3 +228,22 @@ def test_the_architecture_page_names_only_what_exists_and_every_package() -> Non
     packages = {f"services/common/{role}/" for role in COMMON_ALLOWED if role != "settings"}
     packages |= {f"services/{name}/" for name in SERVICES}
     assert packages <= in_rows, sorted(packages - in_rows)
+
+
+def test_test_modules_share_helpers_through_support_and_conftest_only() -> None:
+    """A test module imports no other test module: shared fixtures live in conftest.py and
+    helpers in tests/support/."""
+    tests = ROOT.parent / "tests"
+    taken = []
+    for path in tests.rglob("test_*.py"):
+        own = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                leaf = node.module.rsplit(".", 1)[-1]
+                if (
+                    node.module.startswith("tests.")
+                    and leaf.startswith("test_")
+                    and node.module != own
+                ):
+                    taken.append(f"{path.relative_to(tests)}: {node.module}")
+    assert taken == []
