@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from services.common.infra import busauth
 from services.common.messages.events import DLQ_STREAM, STREAM
-from services.common.settings import Settings
+from services.common.settings import ClientSettings, Settings
 from services.runtime import SERVICES, check_services
 from tests.support.bus import matches
 
@@ -475,11 +475,11 @@ def test_compose_mounts_and_observability_wiring_resolve() -> None:
 def test_operations_guide_lists_every_setting_and_docs_name_only_real_ones() -> None:
     """docs/operations.md has a row for every KBMESH_* setting, and every KBMESH_* name in
     the operations and architecture docs is a setting, a stream, or a variable the CLI
-    itself reads (services/cli.py), so the docs cannot drift from the code unnoticed."""
+    (services/cli.py) sets for its children, so the docs cannot drift from the code."""
     docs = {
         name: (ROOT / "docs" / name).read_text() for name in ("operations.md", "architecture.md")
     }
-    known = setting_env_names()
+    known = setting_env_names() | setting_env_names(ClientSettings)
     # Groups (KBMESH_BUS) also take JSON, but each leaf needs its own row.
     leaves = {name for name in known if not any(o.startswith(name + "__") for o in known)}
     missing = {name for name in leaves if f"`{name}`" not in docs["operations.md"]}

@@ -3,7 +3,6 @@ Ollama, TEI/vLLM via `api_base`), with our own retry policy and cross-document b
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -23,8 +22,6 @@ from services.common.infra.modelcalls import (
     import_litellm_off_loop,
 )
 
-log = logging.getLogger(__name__)
-
 _WHAT = "call the embedding model at"
 # LiteLLM's usual limit for OpenAI embedding models; used when the model is not in its map.
 DEFAULT_REMOTE_MAX_TOKENS = 8191
@@ -39,13 +36,6 @@ def remote_max_tokens(model: str) -> int:
         return DEFAULT_REMOTE_MAX_TOKENS
     limit = info.get("max_input_tokens") or info.get("max_tokens")
     return int(limit) if limit else DEFAULT_REMOTE_MAX_TOKENS
-
-
-def _summary(err: Exception) -> str:
-    """What a provider error may tell a client: its HTTP status and kind, not its body."""
-    status = getattr(err, "status_code", None)
-    kind = type(err).__name__
-    return f"HTTP {status}, {kind}" if isinstance(status, int) else kind
 
 
 class LiteLLMEmbedder:
