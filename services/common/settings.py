@@ -23,6 +23,11 @@ LOCAL_BACKEND: LocalBackend = "auto"
 EMBED_BATCH_SIZE = 32
 EMBED_MAX_BATCH = 64
 PORT = 8080
+QUERY_CACHE_SIZE = 1024
+# One provider call (embedding, chat): its timeout, and tries with backoff on transient errors.
+MODEL_TIMEOUT_SECONDS = 60.0
+MODEL_TRIES = 3
+MODEL_BACKOFF_SECONDS = 0.5
 
 
 class BusSettings(BaseModel):
@@ -73,7 +78,9 @@ class SearchSettings(BaseModel):
     # still leaves time to answer in fused order.
     rerank_timeout_seconds: float = Field(5.0, gt=0)
     hnsw_ef: int = Field(128, ge=8, description="HNSW search breadth (recall vs latency)")
-    query_cache_size: int = Field(1024, ge=0, description="LRU size for query embeddings")
+    query_cache_size: int = Field(
+        QUERY_CACHE_SIZE, ge=0, description="LRU size for query embeddings"
+    )
     document_cache_points: int = Field(
         200_000,
         ge=0,
@@ -132,9 +139,13 @@ class AskSettings(BaseModel):
         description="budget of one whole answer (every model call and search); the gateway "
         "waits this long plus a margin for the reply",
     )
-    model_timeout_seconds: float = Field(60.0, gt=0, description="one model call")
-    tries: int = Field(3, ge=1, le=10, description="tries per model call on transient errors")
-    backoff_seconds: float = Field(0.5, ge=0, description="first retry delay, doubled per try")
+    model_timeout_seconds: float = Field(MODEL_TIMEOUT_SECONDS, gt=0, description="one model call")
+    tries: int = Field(
+        MODEL_TRIES, ge=1, le=10, description="tries per model call on transient errors"
+    )
+    backoff_seconds: float = Field(
+        MODEL_BACKOFF_SECONDS, ge=0, description="first retry delay, doubled per try"
+    )
     document_max_chars: int = Field(
         100_000, ge=1000, description="a document given to the model is cut at this length"
     )

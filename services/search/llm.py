@@ -18,6 +18,7 @@ from services.common.infra.modelcalls import (
     http_client,
     import_litellm_off_loop,
 )
+from services.common.settings import MODEL_BACKOFF_SECONDS, MODEL_TIMEOUT_SECONDS, MODEL_TRIES
 
 # Providers whose LiteLLM adapter emulates `response_format` with a forced tool call: sent
 # together with our own tools it would stop the model from searching, so those providers get
@@ -89,9 +90,9 @@ class LiteLLMChat:
         model: str,
         api_base: str | None = None,
         *,
-        timeout_seconds: float = 60.0,
-        tries: int = 3,
-        backoff_seconds: float = 0.5,
+        timeout_seconds: float = MODEL_TIMEOUT_SECONDS,
+        tries: int = MODEL_TRIES,
+        backoff_seconds: float = MODEL_BACKOFF_SECONDS,
         egress: PolicySource | None = None,
     ) -> None:
         self._model = model

@@ -14,7 +14,12 @@ from services.common.embedders.base import Embedder, is_local
 from services.common.embedders.local import LocalEmbedder, local_spec
 from services.common.embedders.remote import LiteLLMEmbedder, remote_max_tokens
 from services.common.embedders.selection import Backend, Device, Precision
-from services.common.settings import EMBED_BATCH_SIZE, EMBED_MAX_BATCH, LOCAL_BACKEND
+from services.common.settings import (
+    EMBED_BATCH_SIZE,
+    EMBED_MAX_BATCH,
+    LOCAL_BACKEND,
+    QUERY_CACHE_SIZE,
+)
 
 if TYPE_CHECKING:
     from services.common.infra.egress import EgressPolicy
@@ -37,7 +42,7 @@ class EmbedderPool:
         batch_size: int = EMBED_BATCH_SIZE,
         max_batch: int = EMBED_MAX_BATCH,
         api_key: str | None = None,
-        query_cache_size: int = 1024,
+        query_cache_size: int = QUERY_CACHE_SIZE,
         local_backend: Backend = LOCAL_BACKEND,
         local_device: Device = "auto",
         local_precision: Precision = "auto",

@@ -21,6 +21,12 @@ from services.common.infra.modelcalls import (
     import_litellm,
     import_litellm_off_loop,
 )
+from services.common.settings import (
+    EMBED_MAX_BATCH,
+    MODEL_BACKOFF_SECONDS,
+    MODEL_TIMEOUT_SECONDS,
+    MODEL_TRIES,
+)
 
 _WHAT = "call the embedding model at"
 # LiteLLM's usual limit for OpenAI embedding models; used when the model is not in its map.
@@ -47,10 +53,10 @@ class LiteLLMEmbedder:
         api_base: str | None = None,
         api_key: str | None = None,
         *,
-        batch_size: int = 64,
-        tries: int = 3,
-        backoff_seconds: float = 0.5,
-        timeout_seconds: float = 60.0,
+        batch_size: int = EMBED_MAX_BATCH,
+        tries: int = MODEL_TRIES,
+        backoff_seconds: float = MODEL_BACKOFF_SECONDS,
+        timeout_seconds: float = MODEL_TIMEOUT_SECONDS,
         egress: EgressPolicy | None = None,
     ) -> None:
         self._model = model
