@@ -14,6 +14,7 @@ import re
 import zipfile
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.domain.errors import InvalidInput, TooLarge
 from services.common.domain.formats import (
@@ -208,18 +209,7 @@ def _converted(data: bytes, fmt: Format, bounds: Bounds) -> tuple[str, Layout]:
     import kreuzberg
 
     _check_zip(data, bounds)
-    config = kreuzberg.ExtractionConfig(
-        output_format="markdown",
-        use_cache=False,
-        # Scanned pages wait for `ocr.done`; kreuzberg must not OCR them itself. (Its type
-        # stubs lag behind the binding, which takes this argument.)
-        disable_ocr=True,  # type: ignore[call-arg]
-        pages=kreuzberg.PageConfig(
-            extract_pages=True,
-            insert_page_markers=True,
-            marker_format=f"\n\n{_MARKER} {{page_num}}\n\n",
-        ),
-    )
+    config = _config(kreuzberg, "markdown")
     try:
         result = kreuzberg.extract_bytes_sync(_text_bytes(data, fmt), fmt.mime_type, config)
     except kreuzberg.KreuzbergError as err:
@@ -246,14 +236,51 @@ def _converted(data: bytes, fmt: Format, bounds: Bounds) -> tuple[str, Layout]:
     if not found:
         return content, layout
     layout.unit = "slide" if "presentation" in fmt.mime_type else "page"
+    pieces = _pieces(content)
+    if layout.unit == "slide":
+        # kreuzberg's markdown leaves speaker notes out; its plain text has them, each
+        # slide's after a "Notes:" paragraph.
+        plain = kreuzberg.extract_bytes_sync(
+            _text_bytes(data, fmt), fmt.mime_type, _config(kreuzberg, "plain")
+        )
+        notes = {}
+        for number, text in _pieces(str(plain.content)):
+            _, said, note = text.rpartition("\n\nNotes:\n\n")
+            if said and note.strip():
+                notes[number] = note.strip()
+        pieces = [
+            (n, f"{text.rstrip()}\n\nNotes:\n\n{notes[n]}" if n in notes else text)
+            for n, text in pieces
+        ]
+    return _joined(pieces, layout), layout
+
+
+def _config(kreuzberg: Any, output_format: str) -> Any:
+    return kreuzberg.ExtractionConfig(
+        output_format=output_format,
+        use_cache=False,
+        # Scanned pages wait for `ocr.done`; kreuzberg must not OCR them itself. (Its type
+        # stubs lag behind the binding, which takes this argument.)
+        disable_ocr=True,  # type: ignore[call-arg]
+        pages=kreuzberg.PageConfig(
+            extract_pages=True,
+            insert_page_markers=True,
+            marker_format=f"\n\n{_MARKER} {{page_num}}\n\n",
+        ),
+    )
+
+
+def _pieces(content: str) -> list[tuple[int, str]]:
+    """(page or slide number, its text) from text with kreuzberg's page markers."""
+    found = list(_MARKER_LINE.finditer(content))
     pieces = [
         (int(m.group(1)), content[m.end() : nxt.start() if nxt else len(content)])
         for m, nxt in zip(found, [*found[1:], None], strict=True)
     ]
-    lead = content[: found[0].start()]
+    lead = content[: found[0].start()] if found else ""
     if lead.strip():
         pieces.insert(0, (int(found[0].group(1)), lead))
-    return _joined(pieces, layout), layout
+    return pieces
 
 
 def _joined(pieces: list[tuple[int, str]], layout: Layout) -> str:

@@ -18,7 +18,7 @@ import pytest
 from services.common.messages.queries import SearchResponse
 from services.gateway.tools.rendering import render_search
 from tests.conftest import running_stack
-from tests.fixtures.formats.make_fixtures import FIXTURES
+from tests.fixtures.formats.make_fixtures import FIXTURES, SPEAKER_NOTE
 from tests.support.domain import create_kb, uid
 from tests.support.mcp_client import kbmesh_ingest, serve_http
 
@@ -71,6 +71,8 @@ async def test_every_format_uploaded_through_rest_is_found_by_its_word(stack):
     assert pdf["pages"] == [2], pdf
     [deck] = (await keyword_hits(client, FIXTURES["deck.pptx"], source_ids=[source]))[:1]
     assert deck["slides"] == [2], deck
+    [said] = (await keyword_hits(client, SPEAKER_NOTE, source_ids=[source]))[:1]
+    assert (said["document_id"], said["slides"]) == (ids["deck.pptx"], [2]), said
     [notes] = (await keyword_hits(client, FIXTURES["notes.md"], source_ids=[source]))[:1]
     assert notes["heading_path"] == ["Lab notes", "Setup", "Cooling"], notes
 

@@ -13,7 +13,7 @@ import pytest
 
 from services.common.domain.errors import InvalidInput, TooLarge
 from services.ingest.extract import Bounds, NeedsOcr, extract, gunzip
-from tests.fixtures.formats.make_fixtures import FIXTURES
+from tests.fixtures.formats.make_fixtures import FIXTURES, SPEAKER_NOTE
 
 FORMATS = Path(__file__).parent.parent / "fixtures" / "formats"
 BOUNDS = Bounds(expanded_bytes=10 * 1024 * 1024, expansion_ratio=200)
@@ -52,6 +52,17 @@ def test_pdf_pages_and_pptx_slides_are_numbered() -> None:
     assert deck.layout.unit == "slide"
     at = deck.text.index(FIXTURES["deck.pptx"])
     assert deck.layout.pages_of(at, at + 5) == [2]
+
+
+def test_speaker_notes_are_read_with_their_slide() -> None:
+    """A slide's speaker notes follow its text, on its slide; a slide without notes gets no
+    notes section."""
+    deck = extract((FORMATS / "deck.pptx").read_bytes(), None, "deck.pptx", BOUNDS)
+    at = deck.text.index(SPEAKER_NOTE)
+    assert deck.layout.pages_of(at, at + 5) == [2]
+    first = deck.text.index("Speaker notes for the opening.")
+    assert deck.layout.pages_of(first, first + 5) == [1]
+    assert deck.text.count("Notes:") == 2
 
 
 def test_types_are_sniffed_from_bytes_before_names_and_declared_types() -> None:
