@@ -60,22 +60,32 @@ def part_of(path: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
+def imported_names(path: Path) -> set[str]:
+    """Every module a module imports, by full name (`from a import b` counts `a.b` too, in
+    case `b` is a module)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def parts_under(path: Path, package: str) -> set[str]:
+    """The direct subpackages and modules of `package` that a module imports."""
+    depth = package.count(".") + 1
+    return {
+        name.split(".")[depth]
+        for name in imported_names(path)
+        if name.startswith(package + ".") and name.count(".") >= depth
+    }
+
+
 def imported_parts(path: Path) -> set[str]:
     """The top-level parts of `services` that a module imports."""
-    parts = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-            if node.module == "services":
-                names = [f"services.{a.name}" for a in node.names]
-        for name in names:
-            segments = name.split(".")
-            if segments[0] == "services" and len(segments) > 1:
-                parts.add(segments[1])
-    return parts
+    return parts_under(path, "services")
 
 
 MODULES = sorted(p for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT)
@@ -89,24 +99,6 @@ def test_module_imports_only_what_its_layer_may(path: Path) -> None:
     assert not foreign, f"services/{path.relative_to(ROOT)} ({part}) imports {sorted(foreign)}"
 
 
-def common_parts(path: Path) -> set[str]:
-    """The packages of services/common/ that a module imports."""
-    parts = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-            if node.module == "services.common":
-                names = [f"services.common.{a.name}" for a in node.names]
-        for name in names:
-            segments = name.split(".")
-            if segments[:2] == ["services", "common"] and len(segments) > 2:
-                parts.add(segments[2])
-    return parts
-
-
 COMMON_MODULES = sorted(p for p in COMMON.rglob("*.py") if p != COMMON / "__init__.py")
 
 
@@ -115,7 +107,7 @@ def test_common_module_imports_only_what_its_role_may(path: Path) -> None:
     rel = path.relative_to(COMMON)
     role = rel.parts[0] if len(rel.parts) > 1 else rel.stem
     assert role in COMMON_ALLOWED, f"{path}: common/ holds role packages; put it in one"
-    foreign = common_parts(path) - COMMON_ALLOWED[role] - {role}
+    foreign = parts_under(path, "services.common") - COMMON_ALLOWED[role] - {role}
     assert not foreign, f"services/common/{rel} ({role}) imports {sorted(foreign)}"
 
 
