@@ -128,8 +128,8 @@ def _chunker(
 ) -> RecursiveChunker | SentenceChunker:
     """One chonkie chunker per kind, tokenizer and size, shared by every document (and
     thread: chonkie's chunkers keep no state between calls). Building one logs the
-    tokenizer's `str()`, which for a WordPiece tokenizer prints its whole vocabulary:
-    0.3 ms a document."""
+    tokenizer's `str()`, which for a WordPiece tokenizer prints its whole vocabulary (a
+    cost per document: docs/benchmarks.md, "Figures behind the code")."""
     if kind is Chunker.sentence:
         return SentenceChunker(
             tokenizer=_protocol(tokenizer), chunk_size=size, chunk_overlap=overlap

@@ -102,8 +102,9 @@ class KeyResolver:
                 return True
             if age < 1.0:
                 return False
-        # The bucket's message count is one cheap request, 0 until a key is stored. Asking it
-        # on every keyless request cost about 1 ms of a search.
+        # The bucket's message count is one cheap request, 0 until a key is stored; listing
+        # the keys on every keyless request would slow each search
+        # (docs/benchmarks.md, "Figures behind the code").
         status = await self.keys.kv.status()
         value = status.values > 0 and bool(await self.keys.list(fresh=True))
         self._any_keys = (time.monotonic(), value)

@@ -2,16 +2,16 @@
 
 Ranking groups candidates by document (a document's opening lends its chunks a prior), so
 every candidate needs its document id. Reading it with the candidate lists costs the
-engine a payload read per point, about 6 us in Qdrant Edge and 400 points a hybrid search:
-2.7 of a 1,000-chunk KB's 3.2 ms of candidate lists, 3.4 of 6.1 ms at 100k chunks
-(docs/benchmarks/log). The answer never changes: a point id is derived from its KB,
-document and chunk index (`ids.point_id`), so an id names one document for good and a
-remembered answer cannot go stale (a point deleted since is simply not returned again).
+engine a payload read per point, 400 points a hybrid search: most of the time of the
+candidate lists (docs/benchmarks.md, "Figures behind the code").
+The answer never changes: a point id is derived from its KB, document and chunk index
+(`ids.point_id`), so an id names one document for good and a remembered answer cannot go
+stale (a point deleted since is simply not returned again).
 
 The first search of a collection starts reading all of its points' document ids in the
 background, a small page at a time and at most a quarter of the time (the engine holds
-the interpreter lock while it reads a page, about 2 ms, so searches meanwhile wait a
-little; 100k points take about 11 s); until then, and for points written since, the ids
+the interpreter lock while it reads a page, so searches meanwhile wait a little); until
+then, and for points written since, the ids
 a search has not seen are read in one lookup.
 """
 

@@ -321,7 +321,7 @@ class KbRegistry(Registry[KnowledgeBase]):
         mirror = None if fresh else self._mirror
         if mirror is not None:
             # What the mirror knows first, ids before names: a search by name must not pay
-            # a bucket round trip for the id it is not (~0.5 ms of every such search).
+            # a bucket round trip for the id it is not.
             for kb_id in ids:
                 if (kb := mirror.get(self.key(org_id, kb_id))) is not None:
                     return kb

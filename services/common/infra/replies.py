@@ -3,11 +3,8 @@
 
 Events go through FastStream (durable consumers, acks, dead letters: bus.py); a reply needs
 none of that, and FastStream's subscriber and request path (decoding, dependency injection,
-its middleware stack, a worker queue) cost more than a millisecond of each search: on one
-connection to a local nats-server, a request answered by a trivial handler took 0.29 ms with
-nats-py on both sides and 1.33 ms through FastStream with its telemetry middleware (1.9 ms
-against 0.4 after a 5 ms pause). Through the gateway at 100k chunks, 1.3 ms of a 16.4 ms
-search (docs/benchmarks/log).
+its middleware stack, a worker queue) cost several times a direct request's time on every
+search (docs/benchmarks.md, "Figures behind the code").
 
 A trace still crosses the hop: the requester puts its context in the message headers (W3C
 `traceparent`) inside a CLIENT span `<subject> request`, and the responder carries it on in

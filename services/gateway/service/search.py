@@ -40,8 +40,8 @@ class Search:
 
     async def query_json(self, p: Principal, query: SearchQuery) -> bytes:
         """`query`'s response as JSON, for REST. A key without a KB scope sees every tag, so
-        the search service's JSON goes out as it came: decoding, validating and encoding it
-        again took about 0.3 ms of each search."""
+        the search service's JSON goes out as it came, not decoded, validated and encoded
+        again (docs/benchmarks.md, "Figures behind the code")."""
         if p.kb_ids is not None:
             return (await self.query(p, query)).model_dump_json().encode()
         request = await self._search_request(p, query)

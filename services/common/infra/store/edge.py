@@ -6,8 +6,9 @@ is never parallel with Python work (throughput beyond that comes from the Qdrant
 see `ServerStore`). Searches and point lookups therefore run inline (`_read`); writes,
 loads and index builds, which may wait on the disk, run in worker threads. Writes to one
 shard are serialized by an asyncio lock, and a write returns once `flush()` has put it on
-disk. A flush takes ~20 ms (an fsync) with the interpreter lock held, whatever it carries,
-so writes that queue up meanwhile are applied together under one flush (group commit).
+disk. A flush (an fsync) holds the interpreter lock however little it carries, so writes
+that queue up meanwhile are applied together under one flush (group commit; figures in
+docs/benchmarks.md, "Figures behind the code").
 A shard can be open in one process only (the WAL is locked).
 
 Edge has no background optimiser either: points stay in a plain segment, searched by full
@@ -359,14 +360,14 @@ class EdgeStore:
     def _index_if_due(self, name: str, shard: qe.EdgeShard) -> None:
         """Start building the shard's index when enough vectors wait outside it.
 
-        Unindexed points are searched by full scan: at 100k chunks a hybrid search's four
-        candidate lists take 23 ms that way and 6.4 ms indexed. A build holds the interpreter
-        lock (about 1-2.5 s per 1,000 new points on two cores, 110 s for 100k at once), so the
-        process pauses while it runs; building every `index_threshold` vectors keeps each
-        pause bounded instead of one long pause, or none and slow searches forever."""
+        Unindexed points are searched by full scan, several times slower than indexed. A
+        build holds the interpreter lock (seconds per thousand new points), so the process
+        pauses while it runs; building every `index_threshold` vectors keeps each pause
+        bounded instead of one long pause, or none and slow searches forever (figures in
+        docs/benchmarks.md, "Figures behind the code")."""
         if not self._index_threshold or self._closing or name in self._index_builds:
             return
-        unindexed = _unindexed(_read(shard.info))  # counters only, ~15 us
+        unindexed = _unindexed(_read(shard.info))  # counters only: cheap
         if unindexed < max(self._index_threshold, self._index_floor.get(name, 0)):
             return
         self._index_builds[name] = asyncio.create_task(self._build_index(name, shard))
@@ -477,10 +478,10 @@ def _edge_point(p: ChunkPoint) -> qe.Point:
 
 
 # Point ids as strings, by the id's integer. The engine hands out each id as a new
-# `uuid.UUID`, and `str()` of one costs about as much as the engine's search of it: a hybrid
-# search's four candidate lists (400 points) took 0.68 ms to convert, 0.46 with this memo
-# (200 man pages, docs/benchmarks/log). Cleared when full: a small KB's points stay in it, a
-# large KB's candidates mostly differ from search to search anyway.
+# `uuid.UUID`, and `str()` of one costs about as much as the engine's search of it (a
+# hybrid search converts 400; docs/benchmarks.md, "Figures behind the code").
+# Cleared when full: a small KB's points stay in it, a large KB's candidates mostly differ
+# from search to search anyway.
 _ID_STRINGS: dict[int, str] = {}
 _ID_STRINGS_MAX = 65_536
 
@@ -581,6 +582,5 @@ def _iso(value: datetime | None) -> str | None:
 def _read(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """A search or point lookup, run on the calling (event loop) thread. Edge keeps the
     interpreter lock for the whole call, so a worker thread would not let the loop run
-    meanwhile; it only added two thread switches (a keyword search through REST: 9.4 ms
-    with them, 8.7 without)."""
+    meanwhile; it only added two thread switches (docs/benchmarks.md, "Figures behind the code")."""
     return call(*args, **kwargs)
