@@ -138,9 +138,13 @@ async def test_searches_keep_their_latency_and_the_server_its_memory_during_a_bo
     peak_before = peak_rss_mb()
     busy: list[float] = []
     refused = 0
-    while len(busy) < SAMPLES:
+    # Searches are timed only while a bomb is being read, however quickly a machine reads it
+    # (from under a second to several): bombs go in one after another until enough are.
+    for _ in range(200):
+        if len(busy) >= SAMPLES:
+            break
         reading = asyncio.create_task(upload_bytes(client, "empty.docx", bomb))
-        await asyncio.sleep(0.5)  # the child is reading it now
+        await asyncio.sleep(0.05)  # the upload reaches the reading child
         while not reading.done() and len(busy) < SAMPLES:
             busy.append(await search_seconds(client, kb["kb_id"]))
         r = await reading
@@ -148,7 +152,7 @@ async def test_searches_keep_their_latency_and_the_server_its_memory_during_a_bo
         refused += 1
     growth = peak_rss_mb() - peak_before
 
-    assert refused >= 1
+    assert len(busy) >= SAMPLES, f"{refused} bombs gave only {len(busy)} searches"
     assert growth < 150, f"the serving process grew by {growth:.0f} MB"
     idle_p95, busy_p95 = p95(idle), p95(busy)
     # A floor of 20 ms: on an idle fast machine a search takes a few milliseconds, and twice
