@@ -2,10 +2,13 @@
 document (a decompression bomb, a parser stuck in a loop) fails alone and the serving process
 neither grows nor stalls.
 
-pebble's process pool runs `extract.extract` in spawned children: a task past its time is
-killed with its process, which the pool replaces. Each child caps its own address space
-(RLIMIT_AS) and runs at a lower CPU priority than the services, so searches keep their
-latency while a document is read.
+pebble's process pool runs `extract.extract` in spawned children. Each child caps its own
+address space (RLIMIT_AS) and runs below every other process (SCHED_IDLE), so searches keep
+their latency while a document is read. The time limit is CPU time (RLIMIT_CPU, set afresh
+for each document): a reader that runs only when the cores are otherwise idle must not fail
+a document because the machine was busy. A document that burns its CPU seconds is killed
+with its process, which the pool replaces; a wall-clock backstop of `WALL_FACTOR` times the
+limit catches a reader that waits instead of computing.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing
 import os
+import signal
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from pebble import ProcessExpired, ProcessPool
@@ -29,6 +34,8 @@ SETTING = "KBMESH_LIMITS__"
 CHILD_NICENESS = 10
 # A child is replaced after this many documents: whatever a parser leaked goes with it.
 TASKS_PER_CHILD = 100
+# The wall-clock backstop, in multiples of the CPU-time limit.
+WALL_FACTOR = 10
 
 
 class ExtractionFailed(InvalidInput):
@@ -50,7 +57,17 @@ def _limit_child(memory_bytes: int) -> None:
     import kreuzberg  # noqa: F401  loaded once per child, not per document
 
 
-def _run(data: bytes, declared: str | None, name: str, bounds: Bounds) -> Extracted:
+def _run(
+    data: bytes, declared: str | None, name: str, bounds: Bounds, cpu_seconds: float
+) -> Extracted:
+    import resource
+
+    # This document's CPU seconds on top of what the child has used so far; past them the
+    # kernel sends SIGXCPU, which ends the child.
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + cpu_seconds)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard < 0 else min(soft, hard), hard))
     try:
         return extract(data, declared, name, bounds)
     except MemoryError as err:
@@ -86,17 +103,20 @@ class Extractor:
         cannot be read within the limits, NeedsOcr when it has no text layer."""
         seconds = self.limits.extract_seconds
         future = self._started().schedule(
-            _run, args=(data, declared, name, self.bounds), timeout=seconds
+            _run, args=(data, declared, name, self.bounds, seconds), timeout=seconds * WALL_FACTOR
+        )
+        too_long = ExtractionFailed(
+            f"reading the document took longer than {seconds:g} s of CPU time and was stopped "
+            f"({SETTING}EXTRACT_SECONDS)",
+            field="content",
         )
         try:
             return await asyncio.wrap_future(future)
         except FutureTimeout as err:
-            raise ExtractionFailed(
-                f"reading the document took longer than {seconds:g} s and was stopped "
-                f"({SETTING}EXTRACT_SECONDS)",
-                field="content",
-            ) from err
+            raise too_long from err
         except ProcessExpired as err:
+            if err.exitcode == -signal.SIGXCPU:
+                raise too_long from err
             # Killed by the kernel: most often an allocation past RLIMIT_AS in native code.
             log.warning("extraction child died name=%s exitcode=%s", name, err.exitcode)
             raise ExtractionFailed(

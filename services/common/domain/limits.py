@@ -37,7 +37,9 @@ class LimitSettings(BaseModel):
     extract_memory_mb: int = Field(
         1024, ge=128, description="address space of the process that reads one document"
     )
-    extract_seconds: float = Field(60.0, gt=0, description="time to read one document")
+    extract_seconds: float = Field(
+        60.0, gt=0, description="CPU time to read one document (10x that of wall time at most)"
+    )
     extract_workers: int = Field(
         2, ge=1, le=64, description="documents read at once (one child process each)"
     )
