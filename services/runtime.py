@@ -154,7 +154,6 @@ async def build_runtime(
         pool = embedders or EmbedderPool(
             batch_size=settings.embed_batch_size,
             max_batch=settings.embed_max_batch,
-            query_cache_size=settings.search.query_cache_size,
             local_backend=settings.local_backend,
             local_device=settings.local_device,
             local_precision=settings.local_precision,

@@ -57,7 +57,7 @@ def embedders():
     """One model load for the whole session (the pool is stateless apart from caches)."""
     from services.common.embedders import EmbedderPool
 
-    return EmbedderPool(query_cache_size=256, cache_dir=MODEL_CACHE_DIR, local_backend="onnx")
+    return EmbedderPool(cache_dir=MODEL_CACHE_DIR, local_backend="onnx")
 
 
 @contextlib.asynccontextmanager

@@ -52,6 +52,7 @@ from services.search.fusion import (
     fuse,
     neighbour_windows,
 )
+from services.search.query_vectors import QueryVectors
 from services.search.rerank import LiteLLMReranker, Reranker, RerankFailed
 from services.search.termstats import TermStatsCache
 
@@ -75,6 +76,7 @@ class SearchService:
         self.reranker = reranker or LiteLLMReranker(settings.rerank_timeout_seconds)
         self.term_stats = TermStatsCache(store, settings.term_stats_ttl_seconds)
         self.documents = DocumentIds(store, settings.document_cache_points)
+        self.query_vectors = QueryVectors(embedders, settings.query_cache_size)
 
     async def close(self) -> None:
         await self.documents.close()
@@ -115,7 +117,7 @@ class SearchService:
                 vector = None
                 if req.mode != Mode.keyword:
                     try:
-                        vector = await self.embedders.embed_query(model, req.query, api_base)
+                        vector = await self.query_vectors.embed(model, req.query, api_base)
                     except Exception as err:
                         failures.update((kb.kb_id, err) for kb in groups[(model, api_base)])
                 for kb in groups[(model, api_base)]:

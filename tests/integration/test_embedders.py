@@ -19,7 +19,6 @@ import pytest
 from services.common.domain.errors import Forbidden, InvalidInput, Transient
 from services.common.domain.models import BUNDLED_MODELS, KnowledgeBase
 from services.common.embedders import (
-    CachedQueryEmbedder,
     Embedder,
     EmbedderPool,
     LiteLLMEmbedder,
@@ -35,6 +34,7 @@ from services.common.embedders.onnx_export import ensure_onnx
 from services.common.embedders.processes import NICENESS, ProcessEncoder
 from services.common.infra.egress import EgressPolicy
 from services.embed.chunking import chunk_text
+from services.search.query_vectors import QueryVectors
 from tests.conftest import MODEL_CACHE_DIR
 from tests.support.openai_embeddings import OpenAIEmbeddingsServer, fake_embedding, unit
 
@@ -551,21 +551,22 @@ async def test_pool_reuses_one_embedder_per_model_and_api_base(
 
 async def test_query_cache_embeds_a_repeated_query_once(server: OpenAIEmbeddingsServer) -> None:
     """The second identical query is answered from the LRU: no request, no embedding."""
-    pool = EmbedderPool(api_key="test", query_cache_size=8)
+    pool = EmbedderPool(api_key="test")
+    queries = QueryVectors(pool, size=8)
     embedder = pool.get(REMOTE, server.base_url)
-    first = await pool.embed_query(REMOTE, "what is nats?", server.base_url)
-    second = await pool.embed_query(REMOTE, "what is nats?", server.base_url)
+    first = await queries.embed(REMOTE, "what is nats?", server.base_url)
+    second = await queries.embed(REMOTE, "what is nats?", server.base_url)
     assert first == second
     assert embedder.embed_count == 1
     assert server.requests == 1
-    await pool.embed_query(REMOTE, "what is qdrant?", server.base_url)
+    await queries.embed(REMOTE, "what is qdrant?", server.base_url)
     assert embedder.embed_count == 2
 
 
 async def test_query_cache_evicts_least_recently_used(server: OpenAIEmbeddingsServer) -> None:
     """With room for two, touching `a` keeps it; `b` is evicted by `c` and re-embedded."""
     pool = EmbedderPool(api_key="test")
-    cache = CachedQueryEmbedder(pool, size=2)
+    cache = QueryVectors(pool, size=2)
     embedder = pool.get(REMOTE, server.base_url)
     for text in ("a", "b", "a", "c"):
         await cache.embed(REMOTE, text, server.base_url)
@@ -581,9 +582,9 @@ async def test_concurrent_identical_queries_share_one_call(
     server: OpenAIEmbeddingsServer,
 ) -> None:
     """Ten concurrent requests for one uncached query make a single provider request."""
-    pool = EmbedderPool(api_key="test")
+    queries = QueryVectors(EmbedderPool(api_key="test"))
     vectors = await asyncio.gather(
-        *(pool.embed_query(REMOTE, "same question", server.base_url) for _ in range(10))
+        *(queries.embed(REMOTE, "same question", server.base_url) for _ in range(10))
     )
     assert server.requests == 1
     assert all(v == vectors[0] for v in vectors)
@@ -591,11 +592,11 @@ async def test_concurrent_identical_queries_share_one_call(
 
 async def test_query_cache_does_not_keep_failures(server: OpenAIEmbeddingsServer) -> None:
     """A failed query embedding raises to its caller and is retried by the next one."""
-    pool = EmbedderPool(api_key="test")
+    queries = QueryVectors(EmbedderPool(api_key="test"))
     server.fail_next(1, status=400)
     with pytest.raises(InvalidInput):
-        await pool.embed_query(REMOTE, "flaky", server.base_url)
-    vector = await pool.embed_query(REMOTE, "flaky", server.base_url)
+        await queries.embed(REMOTE, "flaky", server.base_url)
+    vector = await queries.embed(REMOTE, "flaky", server.base_url)
     assert len(vector) == DIM
 
 

@@ -822,15 +822,15 @@ async def test_unknown_kb_is_404(stack, corpus):
 
 async def test_repeated_query_embeds_nothing_new(stack, corpus, embedders):
     """A repeated query is answered from the query-embedding LRU: the model embeds nothing."""
-    _, client = stack
+    rt, client = stack
     model = embedders.get("local/all-MiniLM-L6-v2")
     query = {"query": "a query asked twice about sourdough starters", "kb_ids": ["modes"]}
     await rest_search(client, corpus, **query)
-    embedded, hits = model.embed_count, embedders.queries.hits
+    embedded, hits = model.embed_count, rt.search.query_vectors.hits
     again = await rest_search(client, corpus, **query)
     await rest_search(client, corpus, **query, mode="dense")
     assert model.embed_count == embedded
-    assert embedders.queries.hits == hits + 2
+    assert rt.search.query_vectors.hits == hits + 2
     assert again["hits"]
 
 

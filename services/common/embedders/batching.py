@@ -23,18 +23,12 @@ Encode = Callable[[list[str]], Awaitable[list[list[float]]]]
 class _Request:
     texts: list[str]
     future: asyncio.Future[list[list[float]]]
-    vectors: list[list[float] | None] = field(default_factory=list)
-    missing: int = 0
-
-    def __post_init__(self) -> None:
-        self.vectors = [None] * len(self.texts)
-        self.missing = len(self.texts)
+    vectors: dict[int, list[float]] = field(default_factory=dict)  # by position in texts
 
     def fill(self, start: int, vectors: list[list[float]]) -> None:
-        self.vectors[start : start + len(vectors)] = vectors
-        self.missing -= len(vectors)
-        if self.missing == 0 and not self.future.done():
-            self.future.set_result([v for v in self.vectors if v is not None])
+        self.vectors.update(enumerate(vectors, start))
+        if len(self.vectors) == len(self.texts) and not self.future.done():
+            self.future.set_result([self.vectors[i] for i in range(len(self.texts))])
 
     def fail(self, err: BaseException) -> None:
         if not self.future.done():
@@ -64,11 +58,10 @@ class BatcherStats:
 class Batcher:
     """Runs `encode` over the texts of concurrent `submit` calls, at most `max_texts` a call.
 
-    `linger_seconds`: how long an idle batcher waits for company before its first call;
-    while calls run, new requests queue up on their own and go in the next one.
-    `concurrency`: calls in flight at once, at most. What is queued is shared out among the
-    free ones: with two free and 70 texts queued, 35 each, not 64 and 6 (the first call's
-    worker busy for ten times as long while the other idles, as at the end of an ingest).
+    `linger_seconds`: how long an idle batcher waits for company before its first call
+    (while calls run, new requests queue up for the next one). `concurrency`: calls in
+    flight at most; the queue is shared out among the free ones (70 texts to two: 35 each,
+    not 64 and 6, which would keep one worker busy ten times as long while the other idles).
     """
 
     def __init__(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -80,8 +80,7 @@ def local_spec(model: str) -> LocalModelSpec:
 
 
 def default_cache_dir() -> Path:
-    """Where exports go when no directory is passed in (a library user, a benchmark):
-    `KBMESH_MODEL_CACHE_DIR`, else the user's cache directory."""
+    """Where exports go when none is passed in: `KBMESH_MODEL_CACHE_DIR`, else the user's."""
     configured = Settings().model_cache_dir
     if configured:
         return configured
@@ -138,14 +137,9 @@ class LocalEmbedder:
         # Concurrent queries share one call too: 16 short queries cost about 3 single ones.
         self.queries = Batcher(self._encode_queries, max_texts=batch_size)
 
-    @property
-    def loaded(self) -> bool:
-        return self._encoders is not None
-
     def load(self, *, documents: bool = True) -> None:
         """Build or open the model and warm it (blocking; readiness waits on it). Idempotent.
-        `documents=False` (a process that only searches) starts no document processes until
-        a document batch first needs them."""
+        `documents=False` (a process that only searches) starts document processes late."""
         with self._load_lock:
             if self._encoders is not None:
                 return
@@ -176,17 +170,7 @@ class LocalEmbedder:
                     f"expected ({self._spec.dim},)"
                 )
             self._encoders = (encoder, batches)
-            log.info(
-                "embedder_loaded model=%s engine=%s device=%s precision=%s cpu=%s "
-                "document_processes=%d path=%s",
-                self.model,
-                sel.engine,
-                sel.device,
-                sel.precision,
-                sel.hardware,
-                sel.processes,
-                self.model_dir,
-            )
+            log.info("embedder_loaded model=%s %s path=%s", self.model, sel, self.model_dir)
 
     def encode(self, texts: list[str], *, query: bool = False) -> np.ndarray:
         """Blocking encode on the caller's thread (benchmarks, tests)."""
@@ -196,15 +180,14 @@ class LocalEmbedder:
         return self._encoders[not query].encode(texts, query=query)
 
     async def _encode_documents(self, texts: list[str]) -> list[list[float]]:
-        loop = asyncio.get_running_loop()
-        vectors = await loop.run_in_executor(self._document_thread, self.encode, texts)
-        return vectors.tolist()
+        return await self._run(self._document_thread, texts, query=False)
 
     async def _encode_queries(self, texts: list[str]) -> list[list[float]]:
-        loop = asyncio.get_running_loop()
-        run = functools.partial(self.encode, texts, query=True)
-        vectors = await loop.run_in_executor(self._query_thread, run)
-        return vectors.tolist()
+        return await self._run(self._query_thread, texts, query=True)
+
+    async def _run(self, thread: ThreadPoolExecutor, texts: list[str], *, query: bool) -> Any:
+        run = functools.partial(self.encode, texts, query=query)
+        return (await asyncio.get_running_loop().run_in_executor(thread, run)).tolist()
 
     async def embed(self, texts: list[str], *, query: bool = False) -> list[list[float]]:
         if not texts:

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from filelock import FileLock
 
@@ -29,7 +29,6 @@ ONNX_FILE = "model.onnx"
 _INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
 
 Variant = Literal["fp32", "int8"]
-VARIANTS: tuple[Variant, ...] = ("fp32", "int8")
 # Model types whose graphs onnxruntime's BERT optimiser fuses; others run unfused.
 FUSED_TYPES = {"bert", "roberta", "xlm-roberta", "camembert", "electra"}
 
@@ -158,19 +157,8 @@ def _quantize(fused: Path, out: Path) -> None:
     )
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[2] not in VARIANTS:
-        print(
-            "usage: python -m services.common.embedders.onnx_export MODEL_DIR TARGET "
-            + "|".join(VARIANTS)
-        )
-        return 2
+if __name__ == "__main__":  # as `ensure_onnx` runs it: MODEL_DIR TARGET fp32|int8
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    variant: Variant = next(v for v in VARIANTS if v == argv[2])
-    export(Path(argv[0]), Path(argv[1]), variant=variant)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    model_dir, target, variant = sys.argv[1:]
+    export(Path(model_dir), Path(target), variant=cast(Variant, variant))

@@ -25,10 +25,9 @@ _encoder: Encoder | None = None  # a child's own
 
 def document_workers(cores: int, processes: int = 0, *, most: int = 4) -> tuple[int, int]:
     """(child processes, threads each) on `cores` cores; `processes` above 0 is an operator's
-    choice, the cores shared among them. One single-threaded child per core up to `most`:
-    the threads of one run wait for each other at every operator, so a core taken a moment
-    by the server's other work (chunking, BM25, storing) would stall every thread of a
-    multi-threaded child; beyond that, several threads each, which bounds memory."""
+    choice. One single-threaded child per core up to `most`: the threads of one run wait for
+    each other at every operator, so the server's other work taking a core a moment would
+    stall all of a multi-threaded child; beyond `most`, threads, which bounds memory."""
     processes = processes or max(1, min(cores, most))
     return processes, max(1, cores // processes)
 

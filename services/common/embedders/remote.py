@@ -59,7 +59,7 @@ class LiteLLMEmbedder:
         timeout_seconds: float = MODEL_TIMEOUT_SECONDS,
         egress: EgressPolicy | None = None,
     ) -> None:
-        self._model = model
+        self.model = model
         self.api_base = api_base
         self._egress = egress
         self._api_key = api_key
@@ -70,7 +70,7 @@ class LiteLLMEmbedder:
         self._dim: int | None = None
         self._max_tokens: int | None = None
         self._tokenizer: object | None = None
-        self._embed_count = 0
+        self.embed_count = 0  # texts embedded, probes excluded
         # Chunks of concurrently indexed documents share requests of up to `batch_size`.
         self.documents = Batcher(
             self._embed_batch,
@@ -80,27 +80,19 @@ class LiteLLMEmbedder:
         )
 
     @property
-    def model(self) -> str:
-        return self._model
-
-    @property
     def dim(self) -> int:
         if self._dim is None:
-            raise RuntimeError(f"dimension of {self._model} unknown until probe() or embed()")
+            raise RuntimeError(f"dimension of {self.model} unknown until probe() or embed()")
         return self._dim
 
     @property
     def max_tokens(self) -> int:
         if self._max_tokens is None:
-            self._max_tokens = remote_max_tokens(self._model)
+            self._max_tokens = remote_max_tokens(self.model)
         return self._max_tokens
 
-    @property
-    def embed_count(self) -> int:
-        return self._embed_count
-
     async def probe(self) -> int:
-        """Embed a probe text to learn (and check) the dimension; not counted in embed_count."""
+        """Embed a probe text to learn (and check) the dimension."""
         await self._embed_batch(["ping"])
         return self.dim
 
@@ -110,7 +102,7 @@ class LiteLLMEmbedder:
             vectors = await self._embed_batch(texts) if texts else []
         else:
             vectors = await self.documents.submit(texts)
-        self._embed_count += len(texts)
+        self.embed_count += len(texts)
         return vectors
 
     async def _embed_batch(self, batch: list[str]) -> list[list[float]]:
@@ -121,15 +113,15 @@ class LiteLLMEmbedder:
         # Checked at every call, not only when the KB was saved: a name can be re-pointed at
         # an internal address later, and KBs saved before the policy existed remain.
         await check_destination(
-            policy, self._model, self.api_base, model_field=MODEL_FIELD, what=_WHAT
+            policy, self.model, self.api_base, model_field=MODEL_FIELD, what=_WHAT
         )
         field = "api_base" if self.api_base else MODEL_FIELD
-        client = http_client(self._model, self.api_base)
+        client = http_client(self.model, self.api_base)
 
         async def call() -> Any:
             with egress_scope(policy, field=field, what=_WHAT):
                 return await litellm.aembedding(
-                    model=self._model,
+                    model=self.model,
                     input=batch,
                     api_base=self.api_base,
                     api_key=self._api_key,
@@ -140,7 +132,7 @@ class LiteLLMEmbedder:
 
         response = await call_model(
             call,
-            model=self._model,
+            model=self.model,
             tries=self._tries,
             backoff_seconds=self._backoff,
             litellm=litellm,
@@ -151,31 +143,28 @@ class LiteLLMEmbedder:
         return self._vectors(response, len(batch))
 
     def _vectors(self, response: Any, expected: int) -> list[list[float]]:
-        items = sorted(
-            response.data,
-            key=lambda d: d["index"] if isinstance(d, dict) else d.index,
-        )
+        items = sorted(response.data, key=lambda d: d["index"] if isinstance(d, dict) else d.index)
         rows = [d["embedding"] if isinstance(d, dict) else d.embedding for d in items]
         if len(rows) != expected:
             raise Transient(
-                f"{self._model} returned {len(rows)} vectors for {expected} inputs",
+                f"{self.model} returned {len(rows)} vectors for {expected} inputs",
                 field=MODEL_FIELD,
             )
         vectors = np.asarray(rows, dtype=np.float32)
         dim = vectors.shape[1] if vectors.ndim == 2 else 0
         if dim == 0:
-            raise Transient(f"{self._model} returned malformed vectors", field=MODEL_FIELD)
+            raise Transient(f"{self.model} returned malformed vectors", field=MODEL_FIELD)
         if self._dim is None:
             self._dim = dim
         elif dim != self._dim:
             raise InvalidInput(
-                f"{self._model} changed dimension from {self._dim} to {dim}", field=MODEL_FIELD
+                f"{self.model} changed dimension from {self._dim} to {dim}", field=MODEL_FIELD
             )
         return normalise(vectors).tolist()
 
     def tokenizer(self) -> object:
         if self._tokenizer is None:
-            self._tokenizer = tiktoken_tokenizer(self._model)
+            self._tokenizer = tiktoken_tokenizer(self.model)
         return self._tokenizer
 
     def count_tokens(self, text: str) -> int:

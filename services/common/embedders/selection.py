@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -44,6 +44,9 @@ class Selection:
     hardware: str  # the row of `BACKENDS`
     processes: int  # document child processes; 0: documents in this process
     threads: int  # of each child, else of this process's sessions
+
+    def __str__(self) -> str:  # as the log line `embedder_loaded` shows it
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
 
 def cuda_available() -> bool:

@@ -32,14 +32,6 @@ def model_tokenizer(model_dir: Path, max_length: int | None = None) -> Tokenizer
     return tok
 
 
-def _bundled_tiktoken_dir() -> str | None:
-    spec = importlib.util.find_spec("litellm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
-    return str(path) if path.is_dir() else None
-
-
 def tiktoken_tokenizer(model: str) -> object:
     """A tiktoken encoding for counting a remote model's tokens, or chonkie's `character`.
 
@@ -48,9 +40,12 @@ def tiktoken_tokenizer(model: str) -> object:
     not an error (tiktoken raises on special tokens by default, and chonkie calls plain
     `encode`).
     """
-    bundled = _bundled_tiktoken_dir()
-    if bundled and "TIKTOKEN_CACHE_DIR" not in os.environ:
-        os.environ["TIKTOKEN_CACHE_DIR"] = bundled
+    spec = importlib.util.find_spec("litellm")
+    if spec and spec.submodule_search_locations and "TIKTOKEN_CACHE_DIR" not in os.environ:
+        litellm_dir = Path(next(iter(spec.submodule_search_locations)))
+        bundled = litellm_dir / "litellm_core_utils" / "tokenizers"
+        if bundled.is_dir():
+            os.environ["TIKTOKEN_CACHE_DIR"] = str(bundled)
     try:
         import tiktoken
 
