@@ -124,3 +124,16 @@ def test_decompression_bombs_are_refused_by_ratio_and_by_size() -> None:
         z.writestr("word/document.xml", "<w:p/>" * 2_000_000)
     with pytest.raises(TooLarge, match="decompression bomb"):
         extract(docx.getvalue(), None, "bomb.docx", Bounds(100 * 1024 * 1024, 200))
+
+
+def test_an_outlook_message_is_known_by_its_bytes() -> None:
+    """A compound file whose directory names MAPI property streams is an Outlook message
+    under any name; another compound file under a .msg name is refused, not guessed."""
+    data = (FORMATS / "mail.msg").read_bytes()
+    for name in ("upload.bin", "mail"):
+        result = extract(data, None, name, BOUNDS)
+        assert result.mime_type == "application/vnd.ms-outlook"
+        assert FIXTURES["mail.msg"] in result.text
+    other = data.replace("__substg1.0_".encode("utf-16-le"), "__payload1.0".encode("utf-16-le"))
+    with pytest.raises(InvalidInput, match="Outlook message"):
+        extract(other, None, "mail.msg", BOUNDS)
