@@ -175,7 +175,7 @@ def kbmesh_cpu(data_dir: Path) -> dict[str, float]:
         _, command, cpu = processes[pid]
         role = (
             "encoders"
-            if "encoder_process" in command
+            if "multiprocessing" in command  # the document encoders' spawned children
             else "nats-server"
             if "nats-server" in command
             else "server"
