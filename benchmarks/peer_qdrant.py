@@ -139,31 +139,22 @@ def tool_text(result) -> str:
 
 
 def word_pieces(corpus: list[dict]) -> tuple[int, int]:
-    """Word pieces each system embeds: kbmesh every chunk with its title or heading path, as
-    this build chunks an upload of the text; the peer each document's first 254 (FastEmbed
-    cuts at 256 with [CLS] and [SEP])."""
+    """Word pieces each system embeds: kbmesh every chunk of the plain-text upload with its
+    title line before it (room for which the chunks leave, as a default KB chunks them); the
+    peer each document's first 254 (FastEmbed cuts at 256 with [CLS] and [SEP])."""
     from services.common.domain.models import KnowledgeBase
     from services.common.embedders import LocalEmbedder
-    from services.embed.chunking import chunk_document
-    from services.embed.service import PATH_SEPARATOR, PATH_TOKEN_BUDGET, TITLE_TOKEN_BUDGET
+    from services.embed.chunking import chunk_text
+    from services.embed.service import TITLE_TOKEN_BUDGET
 
     embedder = LocalEmbedder(backend="onnx")  # its tokenizer only: no model is loaded
     count, kb = embedder.count_tokens, KnowledgeBase(org_id="o", kb_id="k", name="k")
     ours = theirs = 0
     for doc in corpus:
         title, text = doc["_id"], doc["text"]
-
-        def prefix(headings: tuple[str, ...], title: str = title) -> str:
-            return PATH_SEPARATOR.join([title, *headings])
-
-        def room(headings: tuple[str, ...], title: str = title) -> int:
-            budget = PATH_TOKEN_BUDGET if headings else TITLE_TOKEN_BUDGET
-            return min(count(prefix(headings, title)) + 1, budget)
-
-        chunks = chunk_document(
-            text, None, kb, embedder.tokenizer(), max_tokens=embedder.max_tokens, prefix_tokens=room
-        )
-        ours += sum(count(f"{prefix(c.headings)}\n{c.text}") for c in chunks)
+        room = embedder.max_tokens - min(count(title) + 1, TITLE_TOKEN_BUDGET)
+        chunks = chunk_text(text, kb, embedder.tokenizer(), max_tokens=room)
+        ours += sum(count(f"{title}\n{c.text}") for c in chunks)
         theirs += min(count(text), embedder.max_tokens)
     return ours, theirs
 

@@ -41,7 +41,7 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _GZIP_MAGIC = b"\x1f\x8b"
 _COMPOUND_FILE_MAGIC = bytes.fromhex("D0CF11E0A1B11AE1")
 _OUTLOOK_STREAM = "__substg1.0_".encode("utf-16-le")
-OUTLOOK_TYPE = "application/vnd.ms-outlook"
+_OUTLOOK_TYPE = "application/vnd.ms-outlook"
 
 
 class NeedsOcr(Exception):
@@ -129,7 +129,7 @@ def _magic(data: bytes) -> Format | None:
     if data.startswith(_COMPOUND_FILE_MAGIC):
         # kreuzberg does not sniff compound files; an Outlook message's directory names its
         # property streams "__substg1.0_...".
-        return by_mime(OUTLOOK_TYPE) if _OUTLOOK_STREAM in data else None
+        return by_mime(_OUTLOOK_TYPE) if _OUTLOOK_STREAM in data else None
     try:
         detected = kreuzberg.detect_mime_type_from_bytes(data)
     except (kreuzberg.KreuzbergError, RuntimeError, ValueError):

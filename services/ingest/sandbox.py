@@ -38,6 +38,14 @@ TASKS_PER_CHILD = 100
 WALL_FACTOR = 10
 
 
+def _too_long(seconds: float) -> ExtractionFailed:
+    return ExtractionFailed(
+        f"reading the document took longer than {seconds:g} s of CPU time and was stopped "
+        f"({SETTING}EXTRACT_SECONDS)",
+        field="content",
+    )
+
+
 class ExtractionFailed(InvalidInput):
     """The document took more memory or time than a document may."""
 
@@ -105,18 +113,13 @@ class Extractor:
         future = self._started().schedule(
             _run, args=(data, declared, name, self.bounds, seconds), timeout=seconds * WALL_FACTOR
         )
-        too_long = ExtractionFailed(
-            f"reading the document took longer than {seconds:g} s of CPU time and was stopped "
-            f"({SETTING}EXTRACT_SECONDS)",
-            field="content",
-        )
         try:
             return await asyncio.wrap_future(future)
         except FutureTimeout as err:
-            raise too_long from err
+            raise _too_long(seconds) from err
         except ProcessExpired as err:
             if err.exitcode == -signal.SIGXCPU:
-                raise too_long from err
+                raise _too_long(seconds) from err
             # Killed by the kernel: most often an allocation past RLIMIT_AS in native code.
             log.warning("extraction child died name=%s exitcode=%s", name, err.exitcode)
             raise ExtractionFailed(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -185,7 +185,9 @@ class LocalEmbedder:
     async def _encode_queries(self, texts: list[str]) -> list[list[float]]:
         return await self._run(self._query_thread, texts, query=True)
 
-    async def _run(self, thread: ThreadPoolExecutor, texts: list[str], *, query: bool) -> Any:
+    async def _run(
+        self, thread: ThreadPoolExecutor, texts: list[str], *, query: bool
+    ) -> list[list[float]]:
         run = functools.partial(self.encode, texts, query=query)
         return (await asyncio.get_running_loop().run_in_executor(thread, run)).tolist()
 
