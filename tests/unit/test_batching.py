@@ -138,19 +138,47 @@ def test_document_workers_split_the_cores() -> None:
     assert document_workers(8, most=16) == (8, 1)
 
 
-async def test_what_is_queued_is_shared_out_among_free_calls() -> None:
-    """Two free workers and 70 texts queued: two calls of 35, not 64 and 6, so that neither
-    worker idles while the other does it all; more than both can take still fills calls."""
+async def test_what_is_queued_is_shared_out_busy_workers_counted() -> None:
+    """Two workers and 70 texts queued: the first call takes half (35), not 64, so that
+    neither worker does it all while the other idles; more than both can take still fills
+    calls."""
     model = Model()
     batcher = Batcher(model, max_texts=64, linger_seconds=0.01, concurrency=2)
     requests = [[f"doc{d} chunk{c}" for c in range(7)] for d in range(10)]
     results = await asyncio.gather(*(batcher.submit(r) for r in requests))
     for texts, vectors in zip(requests, results, strict=True):
         assert vectors == [vector(t) for t in texts]
-    assert sorted(len(c) for c in model.calls) == [35, 35]
+    assert len(model.calls[0]) == 35
+    assert sum(len(c) for c in model.calls) == 70
 
     model.calls.clear()
     requests = [[f"doc{d} chunk{c}" for c in range(10)] for d in range(20)]
     await asyncio.gather(*(batcher.submit(r) for r in requests))
     assert sum(len(c) for c in model.calls) == 200
     assert [len(c) for c in model.calls[:2]] == [64, 64]
+
+
+async def test_a_free_worker_leaves_the_busy_one_its_share() -> None:
+    """The end of an ingest: one worker is busy, the other frees up with 40 texts queued.
+    It takes half, not all 40 (which would keep it busy a whole call while the first one
+    idles once done); while the first stays busy, each next call takes half of the rest, so
+    the last calls are short and the two finish together."""
+    gate = asyncio.Event()
+    sizes: list[int] = []
+
+    async def model(texts: list[str]) -> list[list[float]]:
+        sizes.append(len(texts))
+        if texts == ["long call"]:
+            await gate.wait()
+        await asyncio.sleep(0)
+        return [vector(t) for t in texts]
+
+    batcher = Batcher(model, max_texts=64, concurrency=2)
+    busy = asyncio.create_task(batcher.submit(["long call"]))
+    while sizes != [1]:
+        await asyncio.sleep(0)
+    rest = await batcher.submit([f"chunk{c}" for c in range(40)])
+    assert rest == [vector(f"chunk{c}") for c in range(40)]
+    assert sizes == [1, 20, 10, 5, 3, 1, 1]
+    gate.set()
+    assert await busy == [vector("long call")]

@@ -60,8 +60,11 @@ class Batcher:
 
     `linger_seconds`: how long an idle batcher waits for company before its first call
     (while calls run, new requests queue up for the next one). `concurrency`: calls in
-    flight at most; the queue is shared out among the free ones (70 texts to two: 35 each,
-    not 64 and 6, which would keep one worker busy ten times as long while the other idles).
+    flight at most. A call takes its share of what is queued, busy workers counted (with
+    two: half), so a worker that frees up while the other is busy leaves it work instead of
+    taking all: the last calls shrink (half, a quarter, ...) and the workers finish
+    together, where taking all kept one busy for a whole call while the other idled
+    (docs/benchmarks.md, "Pipeline").
     """
 
     def __init__(
@@ -98,8 +101,7 @@ class Batcher:
             await asyncio.sleep(self._linger)
         while self._pending:
             await self._slots.acquire()
-            free = self._concurrency - len(self._calls)  # this one's slot included
-            group = self._take(math.ceil(self.queued / max(1, free)))
+            group = self._take(math.ceil(self.queued / self._concurrency))
             if not group:
                 self._slots.release()
                 continue

@@ -3,6 +3,7 @@ kind of CPU they make for the backend table (`selection.BACKENDS`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -44,12 +45,10 @@ def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a
     container's CPU limit, which affinity does not show)."""
     cores = len(os.sched_getaffinity(0))
-    try:
+    with contextlib.suppress(OSError, ValueError):
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
         if quota != "max":
             cores = min(cores, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
     return cores
 
 
@@ -59,9 +58,6 @@ def usable_physical_cores() -> int:
     each core, blind to a container's limit)."""
     cores = set()
     for cpu in os.sched_getaffinity(0):
-        try:
-            topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-            cores.add(topology.read_text().strip())
-        except OSError:
-            cores.add(str(cpu))
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        cores.add(topology.read_text().strip() if topology.exists() else str(cpu))
     return max(1, min(len(cores), usable_cores()))

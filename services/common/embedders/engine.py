@@ -98,10 +98,9 @@ class OnnxEncoder:
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads or usable_physical_cores()
             options.inter_op_num_threads = 1
-            # Queries are short: threads that park between the graph's many small parallel
-            # sections make them slower, so the query session's threads spin while a run
-            # lasts, and stop when it ends (not to take a core from the search that
-            # follows). Document batches are long enough that waking costs nothing.
+            # Queries are short: threads parking between the graph's many small parallel
+            # sections slow them, so query threads spin while a run lasts and stop when it
+            # ends (leaving the cores to the search). Batches are too long for waking to cost.
             options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spin)))
             if spin:
                 options.add_session_config_entry("session.force_spinning_stop", "1")
@@ -122,13 +121,10 @@ class OnnxEncoder:
         order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
         for start in range(0, len(order), self._batch_size):
             part = order[start : start + self._batch_size]
-            width = max(len(encodings[i].ids) for i in part)
-            ids = np.zeros((len(part), width), dtype=np.int64)
-            mask = np.zeros((len(part), width), dtype=np.int64)
-            for row, i in enumerate(part):
-                n = len(encodings[i].ids)
-                ids[row, :n] = encodings[i].ids
-                mask[row, :n] = 1
+            rows = [encodings[i].ids for i in part]
+            width = max(map(len, rows))
+            ids = np.array([r + [0] * (width - len(r)) for r in rows], dtype=np.int64)
+            mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=np.int64)
             feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
             (hidden,) = sess.run(["last_hidden_state"], {k: feed[k] for k in self._inputs})
             if self.config.pooling == "cls":

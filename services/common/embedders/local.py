@@ -128,14 +128,16 @@ class LocalEmbedder:
         self._document_thread = ThreadPoolExecutor(workers, thread_name_prefix="embed-documents")
         self._query_thread = ThreadPoolExecutor(1, thread_name_prefix="embed-queries")
         self.documents = Batcher(
-            self._encode_documents,
+            functools.partial(self._run, self._document_thread, query=False),
             max_texts=max_batch,
             linger_seconds=linger_seconds,
             concurrency=workers,
             observe=metrics.EMBED_BATCH_SECONDS.observe,
         )
         # Concurrent queries share one call too: 16 short queries cost about 3 single ones.
-        self.queries = Batcher(self._encode_queries, max_texts=batch_size)
+        self.queries = Batcher(
+            functools.partial(self._run, self._query_thread, query=True), max_texts=batch_size
+        )
 
     def load(self, *, documents: bool = True) -> None:
         """Build or open the model and warm it (blocking; readiness waits on it). Idempotent.
@@ -154,7 +156,10 @@ class LocalEmbedder:
                 graph = ensure_onnx(
                     self.model_dir, self._cache_dir, name=self.name, variant=sel.precision
                 )
-                lane = functools.partial(OnnxEncoder, graph, self.model_dir, self._batch_size)
+                # An int8 graph scales its activations per run: one text a run, so a text's
+                # vector never depends on the texts batched with it (nor on their padding).
+                per_run = 1 if sel.precision == "int8" else self._batch_size
+                lane = functools.partial(OnnxEncoder, graph, self.model_dir, per_run)
                 encoder = lane(lanes="queries") if sel.processes else lane(threads=sel.threads)
                 batches = encoder
                 if sel.processes:
@@ -165,10 +170,7 @@ class LocalEmbedder:
             if documents:
                 batches.encode(["warm up"], query=False)
             if probe.shape != (1, self._spec.dim):
-                raise RuntimeError(
-                    f"{self.model} gives vectors of shape {probe.shape[1:]}, "
-                    f"expected ({self._spec.dim},)"
-                )
+                raise RuntimeError(f"{self.model} gives {probe.shape[1:]}, not {self._spec.dim}")
             self._encoders = (encoder, batches)
             log.info("embedder_loaded model=%s %s path=%s", self.model, sel, self.model_dir)
 
@@ -178,12 +180,6 @@ class LocalEmbedder:
             self.load()
         assert self._encoders is not None
         return self._encoders[not query].encode(texts, query=query)
-
-    async def _encode_documents(self, texts: list[str]) -> list[list[float]]:
-        return await self._run(self._document_thread, texts, query=False)
-
-    async def _encode_queries(self, texts: list[str]) -> list[list[float]]:
-        return await self._run(self._query_thread, texts, query=True)
 
     async def _run(
         self, thread: ThreadPoolExecutor, texts: list[str], *, query: bool

@@ -1,10 +1,11 @@
 """Builds the onnxruntime form of a sentence-transformers model directory, once, into a cache:
 exported by torch (the inputs the model's forward takes), fused by onnxruntime's transformer
 optimiser and, for `int8`, quantised dynamically per output channel by onnxruntime's
-quantiser (docs/benchmarks.md, "Engines"). Nothing is downloaded. The export runs in a child
-process (`python -m services.common.embedders.onnx_export`), so a serving process never
-imports torch; a file lock keeps concurrent starts from exporting twice, and the result
-appears under its final name only when complete."""
+quantiser, all but the feed-forward down-projections (docs/benchmarks.md, "Precision").
+Nothing is downloaded. The export runs in a child process (`python -m
+services.common.embedders.onnx_export`), so a serving process never imports torch; a file
+lock keeps concurrent starts from exporting twice, and the result appears under its final
+name only when complete."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from filelock import FileLock
 log = logging.getLogger(__name__)
 
 # Bump when the recipe below changes: caches built by an older recipe are then rebuilt.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 ONNX_FILE = "model.onnx"
 _INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
 
@@ -143,15 +144,30 @@ def _fuse(raw: Path, out: Path, model_dir: Path) -> None:
     model.save_model_to_file(str(out))
 
 
+# Activations whose output feeds a feed-forward down-projection.
+_GELU = {"Gelu", "BiasGelu", "FastGelu", "QuickGelu"}
+
+
 def _quantize(fused: Path, out: Path) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    graph = onnx.load(str(fused), load_external_data=False).graph
+    made_by = {output: node.op_type for node in graph.node for output in node.output}
+    # The feed-forward down-projections stay fp32: their input, after GELU (a fused op, or
+    # the activation's own ops, named for it), has outliers that one dynamic scale per
+    # tensor cannot resolve; quantising them cost the most quality (docs/benchmarks.md).
+    down = [
+        n.name
+        for n in graph.node
+        if n.op_type == "MatMul" and (made_by.get(n.input[0]) in _GELU or "act_fn" in n.input[0])
+    ]
     quantize_dynamic(
         str(fused),
         str(out),
         per_channel=True,
         weight_type=QuantType.QInt8,
+        nodes_to_exclude=down,
         # Fused graphs carry tensors whose type the quantiser cannot infer without this.
         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
     )

@@ -17,10 +17,8 @@ log = logging.getLogger(__name__)
 
 def model_tokenizer(model_dir: Path, max_length: int | None = None) -> Tokenizer:
     """The model's own tokenizer, unpadded. With `max_length` (special tokens included) it
-    cuts input as sentence-transformers does, the caller padding each length-sorted
-    sub-batch to its own longest input; without, it sees whole texts, as chunking and token
-    counts need. (The packaged MiniLM file says 128 with fixed padding; its
-    sentence-transformers config says 256 and pads per batch.)"""
+    cuts input as sentence-transformers does (not as the packaged file's own 128 would);
+    without, it sees whole texts, as chunking and token counts need."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
