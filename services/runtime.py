@@ -234,6 +234,8 @@ def require_store(rt: Runtime) -> VectorStore:
 
 async def start_consuming(rt: Runtime) -> None:
     """Load the model(s) the local services need, then start the subscribers."""
+    if rt.ingest is not None:
+        rt.ingest.extractor.start()
     if "embed" in rt.services or "search" in rt.services:
         embedder = rt.embedders.get(rt.settings.default_model)
         if isinstance(embedder, LocalEmbedder):

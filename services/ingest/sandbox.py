@@ -106,6 +106,11 @@ class Extractor:
             )
         return self._pool
 
+    def start(self) -> None:
+        """Spawn the children now: each imports the readers (about a second), which would
+        otherwise hold up the first document."""
+        self._started().schedule(os.getpid)
+
     async def extract(self, data: bytes, declared: str | None, name: str) -> Extracted:
         """The document's text and layout; InvalidInput (or its ExtractionFailed) when it
         cannot be read within the limits, NeedsOcr when it has no text layer."""

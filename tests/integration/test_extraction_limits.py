@@ -179,3 +179,23 @@ async def test_a_document_past_the_time_limit_is_stopped_and_the_next_one_reads(
         assert read.text.startswith("# Fine") and read.layout.format == "markdown"
     finally:
         extractor.close()
+
+
+def test_the_extractor_starts_its_readers_before_the_first_document():
+    """`start()` (called as the ingest service starts) spawns every reading child, each
+    importing the readers, so the first upload does not wait for them."""
+    import multiprocessing
+
+    from services.common.domain.limits import LimitSettings
+    from services.ingest.sandbox import Extractor
+
+    before = set(multiprocessing.active_children())
+    extractor = Extractor(LimitSettings(extract_workers=2))
+    try:
+        extractor.start()
+        deadline = time.monotonic() + 60
+        while len(set(multiprocessing.active_children()) - before) < 2:
+            assert time.monotonic() < deadline, "the reading children were not started"
+            time.sleep(0.05)
+    finally:
+        extractor.close()
