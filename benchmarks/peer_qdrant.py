@@ -60,7 +60,9 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 from benchmarks.common import kbmesh_cpu, kbmesh_ingest, kbmesh_up_at, pct
-from services.common.domain.models import KnowledgeBase
+from benchmarks.embedding_throughput import alone, pipeline_chunks
+from services.common.embedders import LocalEmbedder
+from services.common.embedders.selection import select
 
 K = 10
 METADATA = re.compile(r"<metadata>(.*?)</metadata>", re.S)
@@ -143,47 +145,27 @@ def tool_text(result) -> str:
 
 def chunk_texts(corpus: list[dict]) -> list[str]:
     """What kbmesh embeds for `corpus`: every chunk of the plain-text upload with its title
-    line before it (room for which the chunks leave), as a default KB chunks them."""
-    from services.common.embedders import LocalEmbedder
-    from services.embed.chunking import chunk_text
-    from services.embed.service import TITLE_TOKEN_BUDGET
-
+    line before it, as a default KB chunks them."""
     embedder = LocalEmbedder(backend="onnx")  # its tokenizer only: no model is loaded
-    kb = KnowledgeBase(org_id="o", kb_id="k", name="k")
-    texts = []
-    for doc in corpus:
-        title, text = doc["_id"], doc["text"]
-        room = embedder.max_tokens - min(embedder.count_tokens(title) + 1, TITLE_TOKEN_BUDGET)
-        chunks = chunk_text(text, kb, embedder.tokenizer(), max_tokens=room)
-        texts += [f"{title}\n{c.text}" for c in chunks]
-    return texts
+    return pipeline_chunks(embedder, [(doc["_id"], doc["text"]) for doc in corpus])
 
 
-def word_pieces(corpus: list[dict]) -> tuple[int, int]:
-    """Word pieces each system embeds: kbmesh those of `chunk_texts`, the peer each
+def word_pieces(corpus: list[dict], texts: list[str]) -> tuple[int, int]:
+    """Word pieces each system embeds: kbmesh those of its chunk `texts`, the peer each
     document's first 254 (FastEmbed cuts at 256 with [CLS] and [SEP])."""
-    from services.common.embedders import LocalEmbedder
-
     embedder = LocalEmbedder(backend="onnx")
     count = embedder.count_tokens
-    ours = sum(count(t) for t in chunk_texts(corpus))
+    ours = sum(count(t) for t in texts)
     theirs = sum(min(count(doc["text"]), embedder.max_tokens) for doc in corpus)
     return ours, theirs
 
 
-def engine_alone(corpus: list[dict]) -> float:
+def engine_alone(texts: list[str]) -> float:
     """Seconds the chosen engine at the chosen precision takes alone, in this process, for
-    kbmesh's chunks of `corpus`: what no pipeline around it can beat."""
-    from services.common.embedders import LocalEmbedder
-    from services.common.embedders.selection import select
-
+    kbmesh's chunk `texts`: what no pipeline around it can beat."""
     engine = LocalEmbedder(backend="onnx", precision=select("auto", "cpu").precision)
     engine.load(documents=False)
-    texts = chunk_texts(corpus)
-    started = time.perf_counter()
-    for i in range(0, len(texts), 32):
-        engine.encode(texts[i : i + 32])
-    return time.perf_counter() - started
+    return len(texts) / alone(engine, texts)
 
 
 async def peer_ingest(session: ClientSession, corpus: list[dict]) -> float:
@@ -266,7 +248,8 @@ async def run(
             print(f"kbmesh ingest {kb_seconds:.1f}s {stats}", flush=True)
             peer_seconds = await peer_ingest(peer, corpus)
             print(f"peer ingest {peer_seconds:.1f}s", flush=True)
-            alone_seconds = engine_alone(corpus)
+            chunks = chunk_texts(corpus)
+            alone_seconds = engine_alone(chunks)
             # Warm-up of both search paths, not counted: the first hundreds of searches after
             # a start are slower on both (caches, page faults), and steady state is what
             # clients live with.
@@ -311,7 +294,7 @@ async def run(
         f"| ingest, seconds | {kb_seconds:.1f} | {peer_seconds:.1f} | "
         f"{kb_seconds / peer_seconds:.2f} |"
     )
-    ours, theirs = word_pieces(corpus)
+    ours, theirs = word_pieces(corpus, chunks)
     print(
         f"| word pieces embedded, thousands | {ours / 1000:.0f} | {theirs / 1000:.0f} | "
         f"{ours / theirs:.2f} |"
