@@ -21,8 +21,11 @@ from services.common.infra.registry import Registries
 from services.common.messages.events import DocFailed, DocIndexed, Event, Subject
 
 Events = asyncio.Queue[DocIndexed | DocFailed]
-# A wait with no notification for this long reads the registries instead.
+# A wait with no notification for this long reads the registries instead, and each quiet
+# read doubles the next pause, up to `_RECHECK_MAX_SECONDS`: a lost notification is rare,
+# and the uploads of a long ingest, all waiting, would otherwise each read every second.
 _RECHECK_SECONDS = 1.0
+_RECHECK_MAX_SECONDS = 4.0
 
 
 class IndexWaiter:
@@ -136,18 +139,20 @@ class Waiting:
         timeout. Document ids are per org: another org's events for the same id are not
         ours. The notifications are core NATS (at most once; a slow subscriber may lose
         some), so a quiet second reads the index registry, which embed writes before it
-        announces."""
+        announces (then two quiet seconds, four, ...)."""
         counts: dict[str, int] = {}
         removed: set[str] = set()
+        quiet = _RECHECK_SECONDS
         while (index_kbs - counts.keys()) or (remove_kbs - removed):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
             try:
-                ev = await asyncio.wait_for(events.get(), timeout=min(remaining, _RECHECK_SECONDS))
+                ev = await asyncio.wait_for(events.get(), timeout=min(remaining, quiet))
             except TimeoutError:
                 await self._read_index(document_id, index_kbs - counts.keys(), revision, counts)
                 await self._read_removals(document_id, remove_kbs - removed, removed)
+                quiet = min(quiet * 2, _RECHECK_MAX_SECONDS)
                 continue
             if ev.org_id != org_id:
                 continue
