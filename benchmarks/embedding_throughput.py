@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from benchmarks.common import kbmesh_up, stdlib_documents
+from benchmarks.common import kbmesh_ingest, kbmesh_up, stdlib_documents
 from services.common.domain.models import KnowledgeBase
 from services.common.embedders import LocalEmbedder
 from services.common.embedders.cpu import cpu_kind, cpu_model
@@ -25,7 +25,6 @@ from services.embed.chunking import chunk_text
 from services.embed.service import TITLE_TOKEN_BUDGET
 
 MODEL = "local/all-MiniLM-L6-v2"
-WAIT_SECONDS = 900  # an upload's wait; 60 pages take about 100 s on 2 cores
 
 
 def pipeline_chunks(embedder: LocalEmbedder, docs: list[tuple[str, str]]) -> list[str]:
@@ -48,30 +47,16 @@ def alone(embedder: LocalEmbedder, texts: list[str]) -> float:
 
 
 def pipeline(docs: list[tuple[str, str]], **env: str) -> tuple[int, float]:
-    """(chunks indexed, chunks/s) from the first upload until every document is searchable.
-    All uploads go at once with `wait=true`, each answered when its document is indexed
-    (the server's own notification): no stats polling, whose reads of every record cost
-    the server CPU the pipeline would otherwise use (docs/benchmarks.md, "Pipeline")."""
+    """(chunks indexed, chunks/s) from the first upload until every document is searchable,
+    each upload waiting on the server (`kbmesh_ingest`)."""
 
     async def run(base: str) -> tuple[int, float]:
-        async with httpx.AsyncClient(base_url=base, timeout=WAIT_SECONDS + 60) as client:
+        async with httpx.AsyncClient(base_url=base, timeout=None) as client:
+            corpus = [{"_id": name, "text": text} for name, text in docs]
+            seconds, _, stats = await kbmesh_ingest(client, "default", corpus)
+            return stats["chunk_count"], stats["chunk_count"] / seconds
 
-            async def upload(name: str, text: str) -> int:
-                r = await client.post(
-                    "/v1/kbs/default/documents",
-                    params={"wait": "true"},
-                    json={"name": name, "content": text},
-                )
-                r.raise_for_status()
-                if r.json()["status"] != "complete":
-                    raise RuntimeError(f"{name}: {r.json()}")
-                return int(r.json()["chunk_count"])
-
-            started = time.perf_counter()
-            chunks = sum(await asyncio.gather(*(upload(n, t) for n, t in docs)))
-            return chunks, chunks / (time.perf_counter() - started)
-
-    with kbmesh_up(KBMESH_WAIT_TIMEOUT_SECONDS=str(WAIT_SECONDS), **env) as base:
+    with kbmesh_up(**env) as base:
         return asyncio.run(run(base))
 
 
