@@ -9,14 +9,15 @@ says so and exits.
     python3 ../shared/bench/manpages.py benchmarks/data/man200 --sections 1 --max-docs 200
     PEERS_ROOT=/path/to/peers .venv/bin/python -m benchmarks.peer_qdrant benchmarks/data/man200
 
-Ingest: each system gets every document once, kbmesh through REST uploads (8 at a time, then
-waiting until all are indexed: chunked, every chunk embedded), the peer through its
-`qdrant-store` tool (one call per document, as its interface takes them; it keeps only the
-first 256 word pieces of each). Over kbmesh's ingest the benchmark also reads the CPU time of
-kbmesh's processes (the server, its document encoder children, its nats-server) and their
-share of the cores: near 100 %, the ingest is bound by CPU, not by waiting. Then kbmesh's
-engine alone (onnxruntime at the precision kbmesh chose, batches of 32, every core, in this
-process) embeds the same chunks: the ceiling of any pipeline around it.
+Ingest: each system gets every document once, kbmesh through REST uploads with `wait=true`
+(64 in flight, each answered once its document is indexed: chunked, every chunk embedded),
+the peer through its `qdrant-store` tool (one call per document, as its interface takes
+them; it keeps only the first 256 word pieces of each). Over kbmesh's ingest the benchmark
+also reads the CPU time of kbmesh's processes (the server, its document encoder children,
+its nats-server) and their share of the cores: near 100 %, the ingest is bound by CPU, not
+by waiting. Then kbmesh's engine alone (onnxruntime at the precision kbmesh chose, batches
+of 32, every core, in this process) embeds the same chunks: the ceiling of any pipeline
+around it.
 
 Search: kbmesh `POST /v1/search` (hybrid, top 10 chunks) and the peer's `qdrant-find`
 (top 10), after `--warmup` unmeasured searches each (100), in three passes over the queries:

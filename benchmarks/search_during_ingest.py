@@ -6,8 +6,8 @@
 On one `kbmesh up`: the first half of the set's documents go into KB "searched" (indexed
 before anything is measured), then one client searches that KB back to back (REST hybrid,
 top 10, distinct query texts so the query cache never answers): first with nothing else
-running, then while the second half is uploaded into KB "loaded" (8 uploads at a time) and
-indexed. Reports search p50 / p90 / p99 for both phases and the ingest time.
+running, then while the second half is uploaded into KB "loaded" (uploads with `wait=true`,
+64 in flight) and indexed. Reports search p50 / p90 / p99 for both phases and the ingest time.
 """
 
 from __future__ import annotations
