@@ -88,9 +88,9 @@ def bench_env(**extra: str) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         LITELLM_LOCAL_MODEL_COST_MAP="True",
         TOKENIZERS_PARALLELISM="false",
-        # One ONNX export of the bundled model for every benchmark run (built on first use).
         # Benchmarks upload with `wait=true` (`kbmesh_ingest`): a wait outlasts any ingest.
         KBMESH_WAIT_TIMEOUT_SECONDS="900",
+        # One ONNX export of the bundled model for every benchmark run (built on first use).
         KBMESH_MODEL_CACHE_DIR=os.environ.get(
             "KBMESH_MODEL_CACHE_DIR", str(ROOT / "benchmarks" / "data" / "models")
         ),

@@ -144,21 +144,17 @@ def tool_text(result) -> str:
     return text
 
 
-def chunk_texts(corpus: list[dict]) -> list[str]:
-    """What kbmesh embeds for `corpus`: every chunk of the plain-text upload with its title
-    line before it, as a default KB chunks them."""
+def chunk_texts(corpus: list[dict]) -> tuple[list[str], int, int]:
+    """What kbmesh embeds for `corpus` (every chunk of the plain-text upload with its title
+    line before it, as a default KB chunks them) and the word pieces each system embeds:
+    kbmesh those of its chunks, the peer each document's first 254 (FastEmbed cuts at 256
+    with [CLS] and [SEP])."""
     embedder = LocalEmbedder(backend="onnx")  # its tokenizer only: no model is loaded
-    return pipeline_chunks(embedder, [(doc["_id"], doc["text"]) for doc in corpus])
-
-
-def word_pieces(corpus: list[dict], texts: list[str]) -> tuple[int, int]:
-    """Word pieces each system embeds: kbmesh those of its chunk `texts`, the peer each
-    document's first 254 (FastEmbed cuts at 256 with [CLS] and [SEP])."""
-    embedder = LocalEmbedder(backend="onnx")
+    texts = pipeline_chunks(embedder, [(doc["_id"], doc["text"]) for doc in corpus])
     count = embedder.count_tokens
     ours = sum(count(t) for t in texts)
     theirs = sum(min(count(doc["text"]), embedder.max_tokens) for doc in corpus)
-    return ours, theirs
+    return texts, ours, theirs
 
 
 def engine_alone(texts: list[str]) -> float:
@@ -249,7 +245,7 @@ async def run(
             print(f"kbmesh ingest {kb_seconds:.1f}s {stats}", flush=True)
             peer_seconds = await peer_ingest(peer, corpus)
             print(f"peer ingest {peer_seconds:.1f}s", flush=True)
-            chunks = chunk_texts(corpus)
+            chunks, ours, theirs = chunk_texts(corpus)
             alone_seconds = engine_alone(chunks)
             # Warm-up of both search paths, not counted: the first hundreds of searches after
             # a start are slower on both (caches, page faults), and steady state is what
@@ -295,7 +291,6 @@ async def run(
         f"| ingest, seconds | {kb_seconds:.1f} | {peer_seconds:.1f} | "
         f"{kb_seconds / peer_seconds:.2f} |"
     )
-    ours, theirs = word_pieces(corpus, chunks)
     print(
         f"| word pieces embedded, thousands | {ours / 1000:.0f} | {theirs / 1000:.0f} | "
         f"{ours / theirs:.2f} |"
