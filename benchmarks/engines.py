@@ -9,11 +9,12 @@ Rows: torch fp32 on CPU (sentence-transformers, the reference); onnxruntime fp32
 installed; torch on CUDA in fp32 (what kbmesh serves on a GPU) and fp16 where a GPU is
 present. Every CPU engine gets every usable core. The engines take turns round by round, so
 the machine's drift falls on all of them. Chunks: the pipeline's own (a default KB's chunks
-of man pages or stdlib pages, title line included, up to 256 word pieces), in batches of 32;
-queries: one short text at a time, p50. Imports only the engine modules of kbmesh, so it runs
-with `--texts` (written here by `--dump-texts`) where only torch, onnxruntime and
-sentence-transformers are installed; a `model.fp16.safetensors` in `--model-dir` (small
-enough to carry) is widened to fp32 first, every row then using those same weights.
+of man pages or stdlib pages, title line included, up to 256 word pieces), in batches of 32
+(int8: one at a time, as served); queries: one short text at a time, p50. Imports only
+the engine modules of kbmesh, so it runs with `--texts` (written here by `--dump-texts`)
+where only torch, onnxruntime and sentence-transformers are installed; a
+`model.fp16.safetensors` in `--model-dir` (small enough to carry) is widened to fp32 first,
+every row then using those same weights.
 """
 
 from __future__ import annotations
@@ -97,9 +98,13 @@ def encoders(model_dir: Path, cache: Path, threads: int) -> dict[str, Any]:
         except Exception as err:  # reported in the table, the other rows still measured
             rows[f"onnxruntime {precision} cpu"] = f"export failed: {str(err)[-300:]}"
             continue
-        rows[f"onnxruntime {precision} cpu"] = OnnxEncoder(graph, model_dir, threads=threads)
+        # As served: an int8 graph runs one text at a time (LocalEmbedder), fp32 in batches.
+        per_run = 1 if precision == "int8" else 32
+        rows[f"onnxruntime {precision} cpu"] = OnnxEncoder(
+            graph, model_dir, per_run, threads=threads
+        )
         try:
-            ov = OnnxEncoder(graph, model_dir, threads=threads)
+            ov = OnnxEncoder(graph, model_dir, per_run, threads=threads)
             ov._documents = ov._queries = OpenVinoSession(graph, threads)  # type: ignore[assignment]
             rows[f"openvino {precision} cpu"] = ov
         except Exception as err:

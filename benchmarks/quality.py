@@ -298,7 +298,7 @@ def main() -> None:
                 else f"{m['seconds']:.0f}s"
             )
             print(
-                f"| {mode} | {m['MRR@10']:.3f} | {m['Recall@10']:.3f} | {m['nDCG@10']:.3f} |"
+                f"| {mode} | {m['MRR@10']:.4f} | {m['Recall@10']:.3f} | {m['nDCG@10']:.3f} |"
                 f"  ({timing})",
                 flush=True,
             )

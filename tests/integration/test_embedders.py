@@ -227,9 +227,11 @@ def test_int8_precision_stays_close_to_torch_fp32(
     """int8 (onnxruntime's per-channel dynamic quantisation, feed-forward down-projections
     kept fp32) on real queries and chunks: close to torch fp32 (cosine ≥ 0.98 each, 0.99 on
     average); really 8-bit (integer matrix products) but for the six down-projections, whose
-    input comes from GELU; and a text's vector is the same alone or in a batch, since int8
-    runs one text at a time (dynamic scales would otherwise span the batch)."""
+    input comes from GELU, with 7-bit weights (so no pair of products overflows the 16-bit
+    sums onnxruntime uses without VNNI); and a text's vector is the same alone or in a
+    batch, since int8 runs one text at a time (dynamic scales would otherwise span the batch)."""
     import onnx
+    from onnx import numpy_helper
 
     int8 = LocalEmbedder(MINILM, backend="onnx", precision="int8", cache_dir=MODEL_CACHE_DIR)
     assert int8.selection.precision == "int8"
@@ -245,6 +247,10 @@ def test_int8_precision_stays_close_to_torch_fp32(
     made_by = {out: n.op_type for n in graph.node for out in n.output}
     float_products = [made_by.get(n.input[0]) for n in graph.node if n.op_type == "MatMul"]
     assert float_products == ["BiasGelu"] * 6
+    int8_type = onnx.TensorProto.INT8
+    integers = [numpy_helper.to_array(t) for t in graph.initializer if t.data_type == int8_type]
+    weights = [w for w in integers if w.ndim == 2]  # the rest are zero points
+    assert len(weights) == 18 and max(int(np.abs(w).max()) for w in weights) <= 64
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Builds the onnxruntime form of a sentence-transformers model directory, once, into a cache:
 exported by torch (the inputs the model's forward takes), fused by onnxruntime's transformer
-optimiser and, for `int8`, quantised dynamically per output channel by onnxruntime's
-quantiser, all but the feed-forward down-projections (docs/benchmarks.md, "Precision").
+optimiser and, for `int8`, quantised dynamically per output channel (7-bit weights) by
+onnxruntime's quantiser, all but the feed-forward down-projections (docs/benchmarks.md).
 Nothing is downloaded. The export runs in a child process (`python -m
 services.common.embedders.onnx_export`), so a serving process never imports torch; a file
 lock keeps concurrent starts from exporting twice, and the result appears under its final
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import logging
 import os
 import subprocess
@@ -25,7 +26,7 @@ from filelock import FileLock
 log = logging.getLogger(__name__)
 
 # Bump when the recipe below changes: caches built by an older recipe are then rebuilt.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 ONNX_FILE = "model.onnx"
 _INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
 
@@ -77,11 +78,10 @@ def export(model_dir: Path, target: Path, *, variant: Variant) -> None:
         fused = Path(tmp) / "fused.onnx"
         _torch_export(model_dir, raw)
         _fuse(raw, fused, model_dir)
-        final = Path(tmp) / f"{variant}.onnx"
+        final = fused
         if variant == "int8":
+            final = Path(tmp) / "int8.onnx"
             _quantize(fused, final)
-        else:
-            final = fused
         os.replace(final, target)
 
 
@@ -126,8 +126,6 @@ def _torch_export(model_dir: Path, out: Path) -> None:
 
 
 def _fuse(raw: Path, out: Path, model_dir: Path) -> None:
-    import json
-
     from onnxruntime.transformers import optimizer
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -167,6 +165,9 @@ def _quantize(fused: Path, out: Path) -> None:
         str(out),
         per_channel=True,
         weight_type=QuantType.QInt8,
+        # Without VNNI onnxruntime sums 8-bit products in pairs that saturate at 16 bits;
+        # 7-bit weights cannot overflow them (its quantisation guide; docs/benchmarks.md).
+        reduce_range=True,
         nodes_to_exclude=down,
         # Fused graphs carry tensors whose type the quantiser cannot infer without this.
         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},

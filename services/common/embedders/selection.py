@@ -31,7 +31,7 @@ BACKENDS: dict[str, tuple[Engine, Literal["fp32", "int8"]]] = {
     "amx": ("onnxruntime", "fp32"),
     "avx512_vnni": ("onnxruntime", "fp32"),
     "avx_vnni": ("onnxruntime", "fp32"),
-    "avx2": ("onnxruntime", "fp32"),
+    "avx2": ("onnxruntime", "int8"),
     "other": ("onnxruntime", "fp32"),
 }
 
