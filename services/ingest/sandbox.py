@@ -4,8 +4,8 @@ neither grows nor stalls.
 
 pebble's process pool runs `extract.extract` in spawned children. Each child caps its own
 address space (RLIMIT_AS) and runs below every other process (SCHED_IDLE), so searches keep
-their latency while a document is read. The time limit is CPU time (RLIMIT_CPU, set afresh
-for each document): a reader that runs only when the cores are otherwise idle must not fail
+their latency while a document is read. The time limit is CPU time (a profiling timer, set
+afresh for each document): a reader that runs only when the cores are otherwise idle must not fail
 a document because the machine was busy. A document that burns its CPU seconds is killed
 with its process, which the pool replaces; a wall-clock backstop of `WALL_FACTOR` times the
 limit catches a reader that waits instead of computing.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import multiprocessing
 import os
 import signal
@@ -68,18 +67,16 @@ def _limit_child(memory_bytes: int) -> None:
 def _run(
     data: bytes, declared: str | None, name: str, bounds: Bounds, cpu_seconds: float
 ) -> Extracted:
-    import resource
-
-    # This document's CPU seconds on top of what the child has used so far; past them the
-    # kernel sends SIGXCPU, which ends the child.
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    soft = math.ceil(usage.ru_utime + usage.ru_stime + cpu_seconds)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard < 0 else min(soft, hard), hard))
+    # This document's CPU seconds, counted by the kernel for the whole child; when they run
+    # out it sends SIGPROF, which ends the child. (RLIMIT_CPU counts whole seconds of the
+    # child's life, so it allowed up to a second more than the limit.)
+    signal.setitimer(signal.ITIMER_PROF, cpu_seconds)
     try:
         return extract(data, declared, name, bounds)
     except MemoryError as err:
         raise ExtractionFailed("reading the document ran out of memory") from err
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
 
 
 class Extractor:
@@ -123,7 +120,7 @@ class Extractor:
         except FutureTimeout as err:
             raise _too_long(seconds) from err
         except ProcessExpired as err:
-            if err.exitcode == -signal.SIGXCPU:
+            if err.exitcode == -signal.SIGPROF:
                 raise _too_long(seconds) from err
             # Killed by the kernel: most often an allocation past RLIMIT_AS in native code.
             log.warning("extraction child died name=%s exitcode=%s", name, err.exitcode)
