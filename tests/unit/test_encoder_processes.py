@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tests.support.procs import ROOT
 
@@ -46,9 +47,24 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_children_exit_when_their_server_is_killed() -> None:
+# Killed before its child has started: the child is still importing as its server dies.
+SERVER_KILLED_EARLY = """
+import threading, time
+from services.common.embedders.processes import ProcessEncoder
+from tests.unit.test_encoder_processes import ConstantEncoder
+pool = ProcessEncoder(ConstantEncoder, processes=1, start=False)
+threading.Thread(target=pool._open, daemon=True).start()
+while not pool.pids():
+    time.sleep(0.01)
+print(" ".join(map(str, pool.pids())), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("script", [SERVER, SERVER_KILLED_EARLY], ids=["started", "starting"])
+def test_children_exit_when_their_server_is_killed(script: str) -> None:
     server = subprocess.Popen(
-        [sys.executable, "-c", SERVER],
+        [sys.executable, "-c", script],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
@@ -57,7 +73,7 @@ def test_children_exit_when_their_server_is_killed() -> None:
     try:
         assert server.stdout is not None
         children = [int(p) for p in server.stdout.readline().split()]
-        assert len(children) == 2 and all(alive(p) for p in children)
+        assert children and all(alive(p) for p in children)
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
         deadline = time.monotonic() + 30

@@ -165,8 +165,7 @@ def _quantize(fused: Path, out: Path) -> None:
         str(out),
         per_channel=True,
         weight_type=QuantType.QInt8,
-        # Without VNNI onnxruntime sums 8-bit products in pairs that saturate at 16 bits;
-        # 7-bit weights cannot overflow them (its quantisation guide; docs/benchmarks.md).
+        # Without VNNI, pairs of 8-bit products saturate 16-bit sums; 7-bit ones cannot.
         reduce_range=True,
         nodes_to_exclude=down,
         # Fused graphs carry tensors whose type the quantiser cannot infer without this.

@@ -40,9 +40,10 @@ def _exit_with(parent: int) -> None:
     os._exit(1)
 
 
-def _start_child(factory: Callable[[], Encoder]) -> None:
+def _start_child(factory: Callable[[], Encoder], server: int) -> None:
     global _encoder
-    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    # `server` from the server: a child still starting as it died would see init as parent.
+    threading.Thread(target=_exit_with, args=(server,), daemon=True).start()
     os.nice(NICENESS)
     if hasattr(os, "SCHED_IDLE"):
         with contextlib.suppress(OSError):
@@ -83,7 +84,7 @@ class ProcessEncoder:
                     self.processes,
                     mp_context=multiprocessing.get_context("spawn"),
                     initializer=_start_child,
-                    initargs=(self._factory,),
+                    initargs=(self._factory, os.getpid()),
                 )
                 # One call each starts them all now, not at the first batches; each call
                 # lasts a moment, so that every child (its initializer run) takes one.
