@@ -5,10 +5,10 @@ neither grows nor stalls.
 pebble's process pool runs `extract.extract` in spawned children. Each child caps its own
 address space (RLIMIT_AS) and runs below every other process (SCHED_IDLE), so searches keep
 their latency while a document is read. The time limit is CPU time (a profiling timer, set
-afresh for each document): a reader that runs only when the cores are otherwise idle must not fail
-a document because the machine was busy. A document that burns its CPU seconds is killed
-with its process, which the pool replaces; a wall-clock backstop of `WALL_FACTOR` times the
-limit catches a reader that waits instead of computing.
+afresh for each document): a reader that runs only when the cores are otherwise idle must
+not fail a document because the machine was busy. A document that burns its CPU seconds is
+killed with its process, which the pool replaces; a wall-clock backstop of `WALL_FACTOR`
+times the limit catches a reader that waits instead of computing.
 """
 
 from __future__ import annotations

@@ -61,8 +61,10 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("script", [SERVER, SERVER_KILLED_EARLY], ids=["started", "starting"])
-def test_children_exit_when_their_server_is_killed(script: str) -> None:
+@pytest.mark.parametrize(
+    ("script", "processes"), [(SERVER, 2), (SERVER_KILLED_EARLY, 1)], ids=["started", "starting"]
+)
+def test_children_exit_when_their_server_is_killed(script: str, processes: int) -> None:
     server = subprocess.Popen(
         [sys.executable, "-c", script],
         cwd=ROOT,
@@ -73,7 +75,7 @@ def test_children_exit_when_their_server_is_killed(script: str) -> None:
     try:
         assert server.stdout is not None
         children = [int(p) for p in server.stdout.readline().split()]
-        assert children and all(alive(p) for p in children)
+        assert len(children) == processes and all(alive(p) for p in children)
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
         deadline = time.monotonic() + 30
