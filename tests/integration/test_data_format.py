@@ -4,6 +4,9 @@ and serves what it held; a newer one is refused and left as it was."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from services.common.settings import Settings
 from services.runtime import build_runtime
 from tests.conftest import running_stack
 from tests.support.domain import create_kb, uid, upload
+from tests.support.procs import ROOT
 
 TEXT = "The lighthouse keeper logs every passing ship in a leather ledger kept by the lamp."
 
@@ -86,3 +90,40 @@ def test_an_unreadable_marker_is_refused_not_overwritten(tmp_path: Path) -> None
     with pytest.raises(DataDirError, match="unreadable"):
         open_data_dir(tmp_path)
     assert (tmp_path / FORMAT_FILE).read_text() == "{not json"
+
+
+# Each process waits for the same moment, then opens the data dir.
+OPEN_AT = """
+import sys, time
+from pathlib import Path
+from services.common.infra.datadir import open_data_dir
+time.sleep(max(float(sys.argv[1]) - time.time(), 0))
+print(open_data_dir(Path(sys.argv[2])))
+"""
+
+
+@pytest.mark.parametrize("state", ["new", "format 0"])
+def test_processes_opening_one_data_dir_at_once_all_start(tmp_path: Path, state: str) -> None:
+    """`kbmesh serve ingest`, `serve embed search` and `serve gateway` started together open
+    the same data dir: each one opens it (one of them creating or migrating it), none fails
+    on another's half-written marker, and the one marker left is the current format."""
+    for round_ in range(3):
+        data = tmp_path / f"data-{round_}"
+        if state == "format 0":
+            (data / "nats").mkdir(parents=True)
+        at = str(time.time() + 1.0)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", OPEN_AT, at, str(data)],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(6)
+        ]
+        results = [p.communicate(timeout=60) for p in procs]
+        assert [p.returncode for p in procs] == [0] * 6, [err for _, err in results]
+        assert {int(out) for out, _ in results} <= {0, CURRENT_FORMAT}
+        assert read_format(data) == CURRENT_FORMAT
+        assert not [p.name for p in data.iterdir() if p.name.endswith(".tmp")]

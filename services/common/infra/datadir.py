@@ -9,9 +9,11 @@ recorded (NATS store, Edge shards, model exports, no FORMAT file) are format 0.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 FORMAT_FILE = "FORMAT"
@@ -52,10 +54,28 @@ def read_format(path: Path) -> int | None:
 
 def open_data_dir(path: Path) -> int:
     """Make `path` a data dir of the current format: create it, migrate an older one, or
-    refuse a newer one (DataDirError). Returns the format it had (None read as current)."""
+    refuse a newer one (DataDirError). Returns the format it had (None read as current).
+    Processes opening one data dir at once take turns: one creates or migrates it, the others
+    then find it current."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _locked(path):
+        return _open_locked(path)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    # The lock is on the directory itself, so opening a data dir adds no file to it.
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _open_locked(path: Path) -> int:
     found = read_format(path)
     if found is None:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
         _write_format(path, CURRENT_FORMAT)
         return CURRENT_FORMAT
     if found > CURRENT_FORMAT:
