@@ -146,7 +146,7 @@ def _fuse(raw: Path, out: Path, model_dir: Path) -> None:
 _GELU = {"Gelu", "BiasGelu", "FastGelu", "QuickGelu"}
 
 
-def _quantize(fused: Path, out: Path) -> None:
+def _quantize(fused: Path, out: Path, *, reduce_range: bool = True) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -165,8 +165,8 @@ def _quantize(fused: Path, out: Path) -> None:
         str(out),
         per_channel=True,
         weight_type=QuantType.QInt8,
-        # Without VNNI, pairs of 8-bit products saturate 16-bit sums; 7-bit ones cannot.
-        reduce_range=True,
+        # Without VNNI, pairs of 8-bit products saturate 16-bit sums; 7-bit ones are exact.
+        reduce_range=reduce_range,
         nodes_to_exclude=down,
         # Fused graphs carry tensors whose type the quantiser cannot infer without this.
         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
