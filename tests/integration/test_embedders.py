@@ -254,9 +254,11 @@ def test_int8_precision_stays_close_to_torch_fp32(
 
 
 def integer_products(graph_path: Path, texts: list[str], local: LocalEmbedder) -> list[bool]:
-    """Run the int8 graph on each text alone (as int8 is served) and say, for each of its
-    `MatMulInteger` nodes and texts, whether onnxruntime's int32 result equals the exact
-    product of its 8-bit operands (computed in float64, exact at these magnitudes)."""
+    """Run the int8 graph on each text alone (as int8 is served) and say, for each of its 18
+    integer products and each text, whether onnxruntime computed it exactly: a
+    `MatMulInteger`'s int32 result equals the product of its 8-bit operands; a
+    `QAttention`'s output (its query-key-value product inside) is within 1e-4 of attention
+    over the exact product. Exact products are computed in float64, exact at these sizes."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -265,13 +267,18 @@ def integer_products(graph_path: Path, texts: list[str], local: LocalEmbedder) -
 
     model = onnx.load(str(graph_path))
     constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    nodes = [n for n in model.graph.node if n.op_type == "MatMulInteger"]
-    for node in nodes:  # each product's operands and result become outputs of the graph
-        for name, kind in ((node.input[0], TensorProto.UINT8), (node.output[0], TensorProto.INT32)):
+    nodes = [n for n in model.graph.node if n.op_type in ("MatMulInteger", "QAttention")]
+    exposed: dict[str, int] = {}  # operands and results become outputs of the graph
+    for node in nodes:
+        a, a_zero = node.input[0], node.input[2 if node.op_type == "MatMulInteger" else 6]
+        exposed |= {a: TensorProto.UINT8, a_zero: TensorProto.UINT8}
+        if node.op_type == "MatMulInteger":
+            exposed[node.output[0]] = TensorProto.INT32
+        else:
+            exposed |= {node.input[3]: TensorProto.FLOAT, node.output[0]: TensorProto.FLOAT}
+    for name, kind in exposed.items():
+        if name not in constants:
             model.graph.output.append(helper.make_tensor_value_info(name, kind, None))
-        if node.input[2] not in constants:
-            zero = helper.make_tensor_value_info(node.input[2], TensorProto.UINT8, None)
-            model.graph.output.append(zero)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     inputs = {i.name for i in session.get_inputs()}
@@ -282,12 +289,27 @@ def integer_products(graph_path: Path, texts: list[str], local: LocalEmbedder) -
         feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
         feed["token_type_ids"] = np.zeros_like(ids)
         out = dict(zip(names, session.run(names, {k: feed[k] for k in inputs}), strict=True))
-        values = {**constants, **out}
+        v = {k: np.asarray(x, dtype=np.float64) for k, x in {**constants, **out}.items()}
         for node in nodes:
-            a, b, a_zero = (values[node.input[i]].astype(np.float64) for i in range(3))
-            b_zero = values[node.input[3]].astype(np.float64) if len(node.input) > 3 else 0.0
-            product = (a - a_zero) @ (b - b_zero)
-            exact.append(np.array_equal(product, out[node.output[0]].astype(np.float64)))
+            i = node.input
+            if node.op_type == "MatMulInteger":
+                b_zero = v[i[3]] if len(i) > 3 else 0.0
+                exact.append(
+                    np.array_equal((v[i[0]] - v[i[2]]) @ (v[i[1]] - b_zero), v[node.output[0]])
+                )
+                continue
+            qkv = ((v[i[0]][0] - v[i[6]]) @ (v[i[1]] - v[i[7]])) * (v[i[3]] * v[i[4]]) + v[i[2]]
+            [heads] = [
+                helper.get_attribute_value(a) for a in node.attribute if a.name == "num_heads"
+            ]
+            q, k, values = (
+                part.reshape(len(qkv), heads, -1).transpose(1, 0, 2) for part in np.split(qkv, 3, 1)
+            )
+            scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            weights /= weights.sum(-1, keepdims=True)
+            attended = (weights @ values).transpose(1, 0, 2).reshape(qkv.shape[0], -1)
+            exact.append(float(np.abs(attended - v[node.output[0]][0]).max()) < 1e-4)
     return exact
 
 
@@ -300,8 +322,7 @@ def test_int8_integer_products_are_exact_with_7_bit_weights(
     32 bits by construction. With 8-bit weights the same products are exact on those kinds
     but not on a CPU without VNNI (`avx2`), where onnxruntime adds pairs of products in
     saturating 16 bits: what this test finds there, and why the served graph has 7-bit
-    weights (docs/benchmarks.md, "Precision"). The six query-key-value products run inside
-    `QAttention` on the same integer kernels, where their sums cannot be read."""
+    weights (docs/benchmarks.md, "Precision")."""
     served = ensure_onnx(local.model_dir, MODEL_CACHE_DIR, name=local.name, variant="int8")
     graph = served
     if weight_bits == 8:
@@ -310,7 +331,7 @@ def test_int8_integer_products_are_exact_with_7_bit_weights(
         _quantize(fp32, graph, reduce_range=False)
     longest = sorted(real_chunks, key=len)[-4:]
     exact = integer_products(graph, longest, local)
-    assert len(exact) == 4 * 12  # twelve MatMulInteger products a text
+    assert len(exact) == 4 * 18  # 12 MatMulInteger and 6 QAttention products a text
     if weight_bits == 7 or cpu.cpu_kind() != "avx2":
         assert all(exact)
     else:
