@@ -323,8 +323,7 @@ def test_int8_integer_products_are_exact_with_7_bit_weights(
     but not on a CPU without VNNI (`avx2`), where onnxruntime adds pairs of products in
     saturating 16 bits: what this test finds there, and why the served graph has 7-bit
     weights (docs/benchmarks.md, "Precision")."""
-    served = ensure_onnx(local.model_dir, MODEL_CACHE_DIR, name=local.name, variant="int8")
-    graph = served
+    graph = ensure_onnx(local.model_dir, MODEL_CACHE_DIR, name=local.name, variant="int8")
     if weight_bits == 8:
         fp32 = ensure_onnx(local.model_dir, MODEL_CACHE_DIR, name=local.name, variant="fp32")
         graph = tmp_path / "int8-8-bit.onnx"

@@ -12,8 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 FORMAT_FILE = "FORMAT"
@@ -58,17 +57,11 @@ def open_data_dir(path: Path) -> int:
     Processes opening one data dir at once take turns: one creates or migrates it, the others
     then find it current."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with _locked(path):
-        return _open_locked(path)
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
     # The lock is on the directory itself, so opening a data dir adds no file to it.
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        return _open_locked(path)
     finally:
         os.close(fd)  # closing releases the lock
 
