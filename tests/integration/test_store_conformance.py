@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+import qdrant_edge as qe
 
 from services.common.domain.errors import InvalidInput, NotFound
 from services.common.infra.store import (
@@ -35,7 +36,7 @@ from services.common.infra.store import (
     TermStats,
     VectorStore,
 )
-from services.common.infra.store.base import idf
+from services.common.infra.store.base import DENSE, idf
 from services.common.infra.store.edge import EdgeStore
 from services.common.infra.store.server import ServerStore
 
@@ -786,12 +787,12 @@ async def test_edge_write_cancelled_while_queued_never_happens(tmp_path: Path) -
 # ---- Edge index builds -------------------------------------------------------------------------
 
 
-def _spread_points(first: int, count: int) -> list[ChunkPoint]:
+def _spread_points(first: int, count: int, dim: int = DIM) -> list[ChunkPoint]:
     """Points with distinct unit vectors, one document each."""
     points = []
     for i in range(first, first + count):
         rng = random.Random(i)
-        raw = [rng.gauss(0.0, 1.0) for _ in range(DIM)]
+        raw = [rng.gauss(0.0, 1.0) for _ in range(dim)]
         norm = sum(x * x for x in raw) ** 0.5
         points.append(
             ChunkPoint(
@@ -834,6 +835,45 @@ async def test_edge_builds_the_index_once_enough_vectors_wait(tmp_path: Path) ->
         await store.upsert(name, points[250:350])
         await store.settled()
         assert await store.unindexed(name) == 100
+    finally:
+        await store.close()
+
+
+async def test_edge_index_walks_int8_vectors_and_searches_report_exact_cosines(
+    tmp_path: Path,
+) -> None:
+    """An indexed shard also holds its vectors in int8, which the engine's own scores show
+    when it is not asked to rescore; the store's searches rescore on the float vectors, so
+    they find the exact nearest points and report their exact cosines."""
+    dim = 64
+    store = EdgeStore(tmp_path / "shards", index_threshold=200)
+    name = f"kb_{uuid.uuid4().hex}"
+    points = _spread_points(0, 400, dim)
+    try:
+        await store.ensure_collection(name, dim)
+        await store.upsert(name, points)
+        await store.settled()
+        assert await store.unindexed(name) == 0
+        rng = random.Random(7)
+        for _ in range(20):
+            query = [rng.gauss(0.0, 1.0) for _ in range(dim)]
+            probe = Query(mode=Mode.dense, limit=10, filter=Filter(), dense=query)
+            norm = sum(x * x for x in query) ** 0.5
+            cosine = {
+                p.id: sum(a * b for a, b in zip(p.dense, query, strict=True)) / norm for p in points
+            }
+            hits = await store.query(name, probe)
+            assert [h.id for h in hits] == _nearest(points, probe)
+            assert all(abs((h.score or 0.0) - cosine[h.id]) < 1e-5 for h in hits)
+        # The engine walking the int8 copies without rescoring: approximate scores.
+        unrescored = store._shards[name].query(
+            qe.QueryRequest(
+                limit=10,
+                query=qe.Query.Nearest(query, using=DENSE),
+                params=qe.SearchParams(quantization=qe.QuantizationSearchParams(rescore=False)),
+            )
+        )
+        assert max(abs(p.score - cosine[str(p.id)]) for p in unrescored) > 1e-4
     finally:
         await store.close()
 

@@ -19,6 +19,15 @@ from services.common.messages.queries import Mode
 DENSE = "dense"
 SPARSE = "bm25"
 
+# Collections keep their dense vectors also in int8 (scalar quantization over the 99 %
+# quantile): the HNSW walk compares those, a quarter of the bytes, and the best
+# `OVERSAMPLING` x limit candidates are then rescored on the float vectors, so the cosines a
+# search reports stay exact (docs/benchmarks.md, "Figures behind the code"). The engine
+# builds the int8 copy with the HNSW index: small, unindexed collections are searched as
+# before.
+QUANTILE = 0.99
+OVERSAMPLING = 1.5
+
 
 @dataclass(frozen=True)
 class SparseVector:

@@ -37,7 +37,9 @@ import qdrant_edge as qe
 from services.common.domain.errors import InvalidInput, NotFound, Transient
 from services.common.infra.store.base import (
     DENSE,
+    OVERSAMPLING,
     PAYLOAD_INDEXES,
+    QUANTILE,
     SPARSE,
     ChunkPoint,
     Condition,
@@ -412,7 +414,15 @@ def _open_or_create(path: Path, dim: int, index_threshold: int = 0) -> qe.EdgeSh
         else None
     )
     config = qe.EdgeConfig(
-        vectors={DENSE: qe.EdgeVectorParams(size=dim, distance=qe.Distance.Cosine)},
+        vectors={
+            DENSE: qe.EdgeVectorParams(
+                size=dim,
+                distance=qe.Distance.Cosine,
+                quantization_config=qe.ScalarQuantizationConfig(
+                    qe.ScalarType.Int8, quantile=QUANTILE, always_ram=True
+                ),
+            )
+        },
         sparse_vectors={SPARSE: qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)},
         optimizers=optimizers,
     )
@@ -518,11 +528,15 @@ def _edge_query(q: Query) -> qe.QueryRequest:
     flt = _edge_filter(q.filter)
     payload = payload_selector(q)
     if q.mode is Mode.dense:
-        params = qe.SearchParams(hnsw_ef=q.hnsw_ef)
+        params = qe.SearchParams(hnsw_ef=q.hnsw_ef, quantization=_RESCORED)
         return qe.QueryRequest(
             limit=q.limit, query=_dense(q), filter=flt, params=params, with_payload=payload
         )
     return qe.QueryRequest(limit=q.limit, query=_sparse(q), filter=flt, with_payload=payload)
+
+
+# Ignored by collections made before they had an int8 copy.
+_RESCORED = qe.QuantizationSearchParams(rescore=True, oversampling=OVERSAMPLING)
 
 
 def _dense(q: Query) -> qe.Query:

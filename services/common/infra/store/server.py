@@ -17,7 +17,9 @@ from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedR
 from services.common.domain.errors import InvalidInput, NotFound, Transient
 from services.common.infra.store.base import (
     DENSE,
+    OVERSAMPLING,
     PAYLOAD_INDEXES,
+    QUANTILE,
     SPARSE,
     ChunkPoint,
     Condition,
@@ -75,7 +77,11 @@ class ServerStore:
                     await self._client.create_collection(
                         name,
                         vectors_config={
-                            DENSE: models.VectorParams(size=dim, distance=models.Distance.COSINE)
+                            DENSE: models.VectorParams(
+                                size=dim,
+                                distance=models.Distance.COSINE,
+                                quantization_config=_INT8,
+                            )
                         },
                         sparse_vectors_config={
                             SPARSE: models.SparseVectorParams(modifier=models.Modifier.IDF)
@@ -274,13 +280,21 @@ def _server_point(p: ChunkPoint) -> models.PointStruct:
     )
 
 
+_INT8 = models.ScalarQuantization(
+    scalar=models.ScalarQuantizationConfig(
+        type=models.ScalarType.INT8, quantile=QUANTILE, always_ram=True
+    )
+)
+_RESCORED = models.QuantizationSearchParams(rescore=True, oversampling=OVERSAMPLING)
+
+
 def _server_request(q: Query, *, local: bool) -> models.QueryRequest:
     check_signal(q)
     flt = _server_filter(q.filter)
     payload = payload_selector(q)
     if q.mode is Mode.dense:
         # Local mode searches exhaustively and warns about HNSW parameters it would ignore.
-        params = None if local else models.SearchParams(hnsw_ef=q.hnsw_ef)
+        params = None if local else models.SearchParams(hnsw_ef=q.hnsw_ef, quantization=_RESCORED)
         return models.QueryRequest(
             query=_dense(q),
             using=DENSE,
