@@ -4,17 +4,18 @@ engine and precision this machine can run, on the same real chunks, in one run.
     .venv/bin/python -m benchmarks.engines [--chunks 200] [--queries 100] [--rounds 2]
     python3 -m benchmarks.engines --texts texts.json --model-dir DIR --json out.json
 
-Rows: torch fp32 on CPU (sentence-transformers, the reference); onnxruntime fp32 and int8
-(the graphs kbmesh serves: onnx_export); OpenVINO on the same two graphs where `openvino` is
-installed; torch on CUDA in fp32 (what kbmesh serves on a GPU) and fp16 where a GPU is
-present. Every CPU engine gets every usable core. The engines take turns round by round, so
-the machine's drift falls on all of them. Chunks: the pipeline's own (a default KB's chunks
-of man pages or stdlib pages, title line included, up to 256 word pieces), in batches of 32
-(int8: one at a time, as served); queries: one short text at a time, p50. Imports only
-the engine modules of kbmesh, so it runs with `--texts` (written here by `--dump-texts`)
-where only torch, onnxruntime and sentence-transformers are installed; a
-`model.fp16.safetensors` in `--model-dir` (small enough to carry) is widened to fp32 first,
-every row then using those same weights.
+Rows: torch fp32 on CPU (sentence-transformers, the reference); onnxruntime fp32 and int8 (the
+graphs kbmesh serves: onnx_export); OpenVINO on the same two graphs where `openvino` is
+installed, and on OpenVINO's own int8 (NNCF's quantisation of the fp32 graph, calibrated on
+chunks and lines that are not measured) where `nncf` is too; torch on CUDA in fp32 (what kbmesh
+serves on a GPU) and fp16 where a GPU is present. Every CPU engine gets every usable core. The
+engines take turns round by round, so the machine's drift falls on all of them. Chunks: the
+pipeline's own (a default KB's chunks of man pages or stdlib pages, title line included, up to
+256 word pieces), in batches of 32 (onnxruntime int8: one at a time, as served); queries: one
+short text at a time, p50. Imports only the engine modules of kbmesh, so it runs with `--texts`
+(written here by `--dump-texts`) where only torch, onnxruntime and sentence-transformers are
+installed; a `model.fp16.safetensors` in `--model-dir` (small enough to carry) is widened to
+fp32 first, every row then using those same weights.
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ def real_texts(chunks: int, queries: int) -> dict[str, list[str]]:
     else:
         docs = stdlib_documents(60)
     texts = pipeline_chunks(LocalEmbedder(MODEL), docs)
-    longest = sorted(texts, key=len, reverse=True)[:chunks]
+    longest = sorted(texts, key=len, reverse=True)
     lines = [ln.strip() for _, t in docs for ln in t.splitlines() if 25 < len(ln.strip()) < 70]
-    return {"chunks": longest, "queries": lines[:: max(1, len(lines) // queries)][:queries]}
+    measured = lines[:: max(1, len(lines) // queries)][:queries]
+    # NNCF's calibration texts: chunks and lines that are not measured.
+    spare = [ln for ln in lines if ln not in set(measured)]
+    calibration = longest[chunks : chunks + 96] + spare[:: max(1, len(spare) // 32)][:32]
+    return {"chunks": longest[:chunks], "queries": measured, "calibration": calibration}
 
 
 def widen(model_dir: Path) -> Path:
@@ -74,11 +79,14 @@ def widen(model_dir: Path) -> Path:
 class OpenVinoSession:
     """An OpenVINO compiled model with the two calls OnnxEncoder makes of a session."""
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, model: Any, threads: int) -> None:
+        """`model`: a graph's path or an `openvino.Model`."""
         import openvino as ov
 
         self._compiled = ov.Core().compile_model(
-            str(path), "CPU", {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
+            str(model) if isinstance(model, Path) else model,
+            "CPU",
+            {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"},
         )
         self._request = self._compiled.create_infer_request()
 
@@ -86,7 +94,31 @@ class OpenVinoSession:
         return [self._request.infer(feed)[self._compiled.output(0)]]
 
 
-def encoders(model_dir: Path, cache: Path, threads: int) -> dict[str, Any]:
+def nncf_int8(fp32_graph: Path, encoder: OnnxEncoder, calibration: list[str]) -> Any:
+    """OpenVINO's own int8: NNCF's post-training quantisation of the fp32 graph (its
+    transformer preset), calibrated one text at a time on `calibration`."""
+    import nncf  # type: ignore[import-not-found]
+    import openvino as ov
+
+    feeds = []
+    for text in calibration:
+        ids = encoder._tok.encode(text.strip()).ids
+        row = np.array([ids], dtype=np.int64)
+        feed = {"input_ids": row, "attention_mask": np.ones_like(row)}
+        feed["token_type_ids"] = np.zeros_like(row)
+        feeds.append({k: feed[k] for k in encoder._inputs})
+    model = ov.Core().read_model(str(fp32_graph))
+    return nncf.quantize(
+        model,
+        nncf.Dataset(feeds),
+        model_type=nncf.ModelType.TRANSFORMER,
+        subset_size=len(feeds),
+    )
+
+
+def encoders(
+    model_dir: Path, cache: Path, threads: int, calibration: list[str] | None = None
+) -> dict[str, Any]:
     """Every row this machine can run: name → encoder, or the reason it cannot run."""
     import torch
 
@@ -109,12 +141,26 @@ def encoders(model_dir: Path, cache: Path, threads: int) -> dict[str, Any]:
             rows[f"openvino {precision} cpu"] = ov
         except Exception as err:
             rows[f"openvino {precision} cpu"] = f"n/a: {str(err).splitlines()[0][:160]}"
+        if precision == "fp32":
+            rows["openvino int8 nncf cpu"] = _nncf_row(graph, model_dir, threads, calibration)
     if torch.cuda.is_available():
         rows["torch fp32 cuda"] = TorchEncoder(model_dir, device="cuda")
         half = TorchEncoder(model_dir, device="cuda")
         half._st.half()
         rows["torch fp16 cuda"] = half
     return rows
+
+
+def _nncf_row(graph: Path, model_dir: Path, threads: int, calibration: list[str] | None) -> Any:
+    if not calibration:
+        return "n/a: no calibration texts (texts written by an older --dump-texts)"
+    try:
+        # Static scales: a vector does not depend on its batch, so batches of 32 as fp32.
+        ov = OnnxEncoder(graph, model_dir, 32, threads=threads)
+        ov._documents = ov._queries = OpenVinoSession(nncf_int8(graph, ov, calibration), threads)  # type: ignore[assignment]
+        return ov
+    except Exception as err:
+        return f"n/a: {str(err).splitlines()[0][:160]}"
 
 
 def measure(encoder: Encoder, chunks: list[str], queries: list[str]) -> tuple[float, float]:
@@ -163,7 +209,7 @@ def main() -> None:
         cache = default_cache_dir()
     threads = usable_physical_cores()
     chunks, queries = texts["chunks"][: args.chunks], texts["queries"][: args.queries]
-    rows = encoders(model_dir, cache, threads)
+    rows = encoders(model_dir, cache, threads, texts.get("calibration"))
     runnable = {name: enc for name, enc in rows.items() if not isinstance(enc, str)}
     reference = [
         runnable["torch fp32 cpu"].encode(t, query=q) for t, q in ((chunks, False), (queries, True))
