@@ -2,6 +2,7 @@
 engine and precision this machine can run, on the same real chunks, in one run.
 
     .venv/bin/python -m benchmarks.engines [--chunks 200] [--queries 100] [--rounds 2]
+        [--mrr BEIR_DIR ...]
     python3 -m benchmarks.engines --texts texts.json --model-dir DIR --json out.json
 
 Rows: torch fp32 on CPU (sentence-transformers, the reference); onnxruntime fp32 and int8 (the
@@ -163,6 +164,42 @@ def _nncf_row(graph: Path, model_dir: Path, threads: int, calibration: list[str]
         return f"n/a: {str(err).splitlines()[0][:160]}"
 
 
+def dense_mrr(encoders: dict[str, Encoder], directory: Path) -> dict[str, float]:
+    """Each engine's document-level dense MRR@10 on a BEIR set chunked as a default KB chunks
+    it (title line included): a document ranks at its best chunk's cosine, over all chunks,
+    as a search's dense list ranks them before fusion. Chunks in batches of 32, queries one
+    at a time."""
+    from benchmarks.embedding_throughput import MODEL, pipeline_chunks
+    from benchmarks.quality import K, load_beir, metrics
+    from services.common.embedders import LocalEmbedder
+
+    corpus, queries, qrels = load_beir(directory)
+    embedder = LocalEmbedder(MODEL)
+    texts: list[str] = []
+    owners: list[str] = []
+    for beir_id, doc in corpus.items():
+        chunks = pipeline_chunks(embedder, [(doc.get("title") or beir_id, doc["text"] or " ")])
+        texts += chunks
+        owners += [beir_id] * len(chunks)
+    found = {}
+    for name, encoder in encoders.items():
+        matrix = np.vstack(
+            [encoder.encode(texts[i : i + 32], query=False) for i in range(0, len(texts), 32)]
+        )
+        ranks = []
+        for qid, text in queries.items():
+            scores = matrix @ encoder.encode([text], query=True)[0]
+            ranked: list[str] = []
+            for i in np.argsort(-scores):
+                if owners[i] not in ranked:
+                    ranked.append(owners[i])
+                    if len(ranked) == K:
+                        break
+            ranks.append(metrics(ranked, qrels[qid])[0])
+        found[name] = statistics.mean(ranks)
+    return found
+
+
 def measure(encoder: Encoder, chunks: list[str], queries: list[str]) -> tuple[float, float]:
     started = time.perf_counter()
     for i in range(0, len(chunks), 32):
@@ -186,6 +223,9 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="default: the bundled MiniLM")
     parser.add_argument("--cache", type=Path, help="ONNX exports (default: kbmesh's cache)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--mrr", type=Path, nargs="*", default=[], help="BEIR sets: each engine's dense MRR@10"
+    )
     args = parser.parse_args()
 
     if args.texts:
@@ -249,6 +289,12 @@ def main() -> None:
         ratio = statistics.mean(rates[name]) / base
         c = cosine[name]
         print(f"| {name} | {runs} | {ratio:.2f} | {ms:.2f} | {c[0]:.4f} / {c[1]:.4f} |")
+    mrr = {str(d): dense_mrr(runnable, d) for d in args.mrr}
+    if mrr:
+        print("\n| engine | " + " | ".join(f"dense MRR@10, {Path(d).name}" for d in mrr) + " |")
+        print("| --- |" + " --- |" * len(mrr))
+        for name in runnable:
+            print(f"| {name} | " + " | ".join(f"{m[name]:.4f}" for m in mrr.values()) + " |")
     if args.json:
         figures = {
             "cpu": cpu_model(),
@@ -256,7 +302,12 @@ def main() -> None:
             "flags": sorted(flags),
             "threads": threads,
             "rows": {
-                n: {"rates": rates[n], "query_ms": latency[n], "cosine": cosine[n]}
+                n: {
+                    "rates": rates[n],
+                    "query_ms": latency[n],
+                    "cosine": cosine[n],
+                    "dense_mrr": {d: m[n] for d, m in mrr.items()},
+                }
                 for n in runnable
             },
             "not_run": {n: e for n, e in rows.items() if isinstance(e, str)},
