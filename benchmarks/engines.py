@@ -55,7 +55,8 @@ def real_texts(chunks: int, queries: int) -> dict[str, list[str]]:
     lines = [ln.strip() for _, t in docs for ln in t.splitlines() if 25 < len(ln.strip()) < 70]
     measured = lines[:: max(1, len(lines) // queries)][:queries]
     # NNCF's calibration texts: chunks and lines that are not measured.
-    spare = [ln for ln in lines if ln not in set(measured)]
+    taken = set(measured)
+    spare = [ln for ln in lines if ln not in taken]
     calibration = longest[chunks : chunks + 96] + spare[:: max(1, len(spare) // 32)][:32]
     return {"chunks": longest[:chunks], "queries": measured, "calibration": calibration}
 
