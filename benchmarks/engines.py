@@ -2,14 +2,16 @@
 engine and precision this machine can run, on the same real chunks, in one run.
 
     .venv/bin/python -m benchmarks.engines [--chunks 200] [--queries 100] [--rounds 2]
-        [--mrr BEIR_DIR ...]
+        [--mrr BEIR_DIR ...] [--threads N] [--removed-kernel COMMIT]
     python3 -m benchmarks.engines --texts texts.json --model-dir DIR --json out.json
 
 Rows: torch fp32 on CPU (sentence-transformers, the reference); onnxruntime fp32 and int8 (the
 graphs kbmesh serves: onnx_export); OpenVINO on the same two graphs where `openvino` is
-installed, and on OpenVINO's own int8 (NNCF's quantisation of the fp32 graph, calibrated on
+installed (and on the fp32 graph in bfloat16 where the CPU has bfloat16 instructions), and
+on OpenVINO's own int8 (NNCF's quantisation of the fp32 graph, calibrated on
 chunks and lines that are not measured) where `nncf` is too; torch on CUDA in fp32 (what kbmesh
-serves on a GPU) and fp16 where a GPU is present. Every CPU engine gets every usable core. The
+serves on a GPU) and fp16 where a GPU is present; with `--removed-kernel`, the hand-written
+AMX kernel kbmesh no longer ships. Every CPU engine gets every usable core (or `--threads`). The
 engines take turns round by round, so the machine's drift falls on all of them. Chunks: the
 pipeline's own (a default KB's chunks of man pages or stdlib pages, title line included, up to
 256 word pieces), in batches of 32 (onnxruntime int8: one at a time, as served); queries: one
@@ -36,6 +38,8 @@ from services.common.embedders.cpu import cpu_flags, cpu_kind, cpu_model, usable
 from services.common.embedders.engine import Encoder, OnnxEncoder, TorchEncoder
 from services.common.embedders.onnx_export import ensure_onnx
 
+# OpenVINO runs bfloat16 where the CPU has either (AMX tiles, or AVX-512's bfloat16 dot products).
+BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "amx_bf16")
 
 
@@ -81,14 +85,20 @@ def widen(model_dir: Path) -> Path:
 class OpenVinoSession:
     """An OpenVINO compiled model with the two calls OnnxEncoder makes of a session."""
 
-    def __init__(self, model: Any, threads: int) -> None:
-        """`model`: a graph's path or an `openvino.Model`."""
+    def __init__(self, model: Any, threads: int, precision: str = "f32") -> None:
+        """`model`: a graph's path or an `openvino.Model`. `precision`: the inference
+        precision hint; it is set always, since OpenVINO otherwise runs an fp32 graph in
+        bfloat16 on a CPU that has bfloat16 instructions."""
         import openvino as ov
 
         self._compiled = ov.Core().compile_model(
             str(model) if isinstance(model, Path) else model,
             "CPU",
-            {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"},
+            {
+                "INFERENCE_NUM_THREADS": threads,
+                "PERFORMANCE_HINT": "LATENCY",
+                "INFERENCE_PRECISION_HINT": precision,
+            },
         )
         self._request = self._compiled.create_infer_request()
 
@@ -143,7 +153,11 @@ def encoders(
             rows[f"openvino {precision} cpu"] = ov
         except Exception as err:
             rows[f"openvino {precision} cpu"] = f"n/a: {str(err).splitlines()[0][:160]}"
-        if precision == "fp32":
+        if precision == "fp32" and not isinstance(rows["openvino fp32 cpu"], str):
+            if BF16_FLAGS & cpu_flags():
+                bf16 = OnnxEncoder(graph, model_dir, per_run, threads=threads)
+                bf16._documents = bf16._queries = OpenVinoSession(graph, threads, "bf16")  # type: ignore[assignment]
+                rows["openvino bf16 cpu"] = bf16
             rows["openvino int8 nncf cpu"] = _nncf_row(graph, model_dir, threads, calibration)
     if torch.cuda.is_available():
         rows["torch fp32 cuda"] = TorchEncoder(model_dir, device="cuda")
@@ -163,6 +177,42 @@ def _nncf_row(graph: Path, model_dir: Path, threads: int, calibration: list[str]
         return ov
     except Exception as err:
         return f"n/a: {str(err).splitlines()[0][:160]}"
+
+
+def removed_kernel(commit: str, model_dir: Path, cache: Path) -> Any:
+    """The hand-written AMX kernel (`amx.c` and its loader `amx.py`) that commit 2a3a4f2
+    removed, read from git history at `commit` and compiled with the system's C compiler
+    into `cache`: the figure on which the rule for keeping it rests. Its documents run on the
+    calling thread; a query also uses a helper thread on a second core. A reason instead
+    where it cannot run."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="engines-amx-"))
+    for name in ("amx.py", "amx.c"):
+        text = subprocess.run(
+            ["git", "show", f"{commit}:services/common/embedders/{name}"],
+            cwd=Path(__file__).parent,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        old = "tokenizing import model_input_tokenizer"
+        (folder / name).write_text(
+            text.replace(old, f"{old.split()[0]} import model_tokenizer as model_input_tokenizer")
+        )
+    spec = importlib.util.spec_from_file_location("removed_amx", folder / "amx.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    library = module.build(cache, cpu_flags())
+    if library is None:
+        return "n/a: the CPU lacks AMX, or the build failed (logged)"
+    try:
+        return module.AmxEncoder(library, model_dir, 256)
+    except OSError as err:  # e.g. the kernel refused this process AMX's tile state
+        return f"n/a: {err}"
 
 
 def dense_mrr(encoders: dict[str, Encoder], directory: Path) -> dict[str, float]:
@@ -224,6 +274,12 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="default: the bundled MiniLM")
     parser.add_argument("--cache", type=Path, help="ONNX exports (default: kbmesh's cache)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--threads", type=int, help="per engine (default: every usable core)")
+    parser.add_argument(
+        "--removed-kernel",
+        metavar="COMMIT",
+        help="also the removed amx.c, as of COMMIT (e.g. 1eff917), where the CPU has AMX",
+    )
     parser.add_argument(
         "--mrr", type=Path, nargs="*", default=[], help="BEIR sets: each engine's dense MRR@10"
     )
@@ -248,9 +304,11 @@ def main() -> None:
         from services.common.embedders import default_cache_dir
 
         cache = default_cache_dir()
-    threads = usable_physical_cores()
+    threads = args.threads or usable_physical_cores()
     chunks, queries = texts["chunks"][: args.chunks], texts["queries"][: args.queries]
     rows = encoders(model_dir, cache, threads, texts.get("calibration"))
+    if args.removed_kernel:
+        rows["amx.c bf16 (removed) cpu"] = removed_kernel(args.removed_kernel, model_dir, cache)
     runnable = {name: enc for name, enc in rows.items() if not isinstance(enc, str)}
     reference = [
         runnable["torch fp32 cpu"].encode(t, query=q) for t, q in ((chunks, False), (queries, True))
