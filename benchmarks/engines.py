@@ -2,7 +2,7 @@
 engine and precision this machine can run, on the same real chunks, in one run.
 
     .venv/bin/python -m benchmarks.engines [--chunks 200] [--queries 100] [--rounds 2]
-        [--mrr BEIR_DIR ...] [--threads N] [--removed-kernel COMMIT]
+        [--mrr BEIR_DIR ...] [--threads N] [--removed-kernel COMMIT] [--skip WORD ...]
     python3 -m benchmarks.engines --texts texts.json --model-dir DIR --json out.json
 
 Rows: torch fp32 on CPU (sentence-transformers, the reference); onnxruntime fp32 and int8 (the
@@ -275,6 +275,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, help="ONNX exports (default: kbmesh's cache)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--threads", type=int, help="per engine (default: every usable core)")
+    parser.add_argument("--skip", nargs="*", default=[], help="rows whose name has any of these")
     parser.add_argument(
         "--removed-kernel",
         metavar="COMMIT",
@@ -309,6 +310,8 @@ def main() -> None:
     rows = encoders(model_dir, cache, threads, texts.get("calibration"))
     if args.removed_kernel:
         rows["amx.c bf16 (removed) cpu"] = removed_kernel(args.removed_kernel, model_dir, cache)
+    for name in [n for n in rows if any(word in n for word in args.skip)]:
+        rows[name] = "skipped (--skip)"
     runnable = {name: enc for name, enc in rows.items() if not isinstance(enc, str)}
     reference = [
         runnable["torch fp32 cpu"].encode(t, query=q) for t, q in ((chunks, False), (queries, True))

@@ -24,8 +24,8 @@ Engine = Literal["onnxruntime", "torch"]
 
 # Hardware kind (`cpu.CPU_KINDS`, or "cuda") → the engine and precision `auto` serves with.
 # int8 where hybrid MRR@10 stays within 0.005 of fp32 on every quality set (docs/benchmarks.md,
-# "Precision"): measured on `avx2`, the kind whose integer sums could saturate; 7-bit weights
-# make them exact there, as VNNI and AMX are by construction (tested), so all x86 kinds agree.
+# "Precision"): measured on `avx2`, whose integer sums could saturate, and `amx`; 7-bit weights
+# make them exact on `avx2`, as VNNI and AMX are by construction (tested): all x86 kinds agree.
 BACKENDS: dict[str, tuple[Engine, Literal["fp32", "int8"]]] = {
     "cuda": ("torch", "fp32"),
     "amx": ("onnxruntime", "int8"),
