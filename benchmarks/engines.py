@@ -106,6 +106,13 @@ class OpenVinoSession:
         return [self._request.infer(feed)[self._compiled.output(0)]]
 
 
+def on_openvino(encoder: OnnxEncoder, model: Any, threads: int, precision: str = "f32") -> Any:
+    """`encoder`'s tokenising and pooling around OpenVINO's compiled `model` instead of its
+    onnxruntime sessions."""
+    encoder._documents = encoder._queries = OpenVinoSession(model, threads, precision)  # type: ignore[assignment]
+    return encoder
+
+
 def nncf_int8(fp32_graph: Path, encoder: OnnxEncoder, calibration: list[str]) -> Any:
     """OpenVINO's own int8: NNCF's post-training quantisation of the fp32 graph (its
     transformer preset), calibrated one text at a time on `calibration`."""
@@ -149,15 +156,13 @@ def encoders(
         )
         try:
             ov = OnnxEncoder(graph, model_dir, per_run, threads=threads)
-            ov._documents = ov._queries = OpenVinoSession(graph, threads)  # type: ignore[assignment]
-            rows[f"openvino {precision} cpu"] = ov
+            rows[f"openvino {precision} cpu"] = on_openvino(ov, graph, threads)
         except Exception as err:
             rows[f"openvino {precision} cpu"] = f"n/a: {str(err).splitlines()[0][:160]}"
         if precision == "fp32" and not isinstance(rows["openvino fp32 cpu"], str):
             if BF16_FLAGS & cpu_flags():
                 bf16 = OnnxEncoder(graph, model_dir, per_run, threads=threads)
-                bf16._documents = bf16._queries = OpenVinoSession(graph, threads, "bf16")  # type: ignore[assignment]
-                rows["openvino bf16 cpu"] = bf16
+                rows["openvino bf16 cpu"] = on_openvino(bf16, graph, threads, "bf16")
             rows["openvino int8 nncf cpu"] = _nncf_row(graph, model_dir, threads, calibration)
     if torch.cuda.is_available():
         rows["torch fp32 cuda"] = TorchEncoder(model_dir, device="cuda")
@@ -173,8 +178,7 @@ def _nncf_row(graph: Path, model_dir: Path, threads: int, calibration: list[str]
     try:
         # Static scales: a vector does not depend on its batch, so batches of 32 as fp32.
         ov = OnnxEncoder(graph, model_dir, 32, threads=threads)
-        ov._documents = ov._queries = OpenVinoSession(nncf_int8(graph, ov, calibration), threads)  # type: ignore[assignment]
-        return ov
+        return on_openvino(ov, nncf_int8(graph, ov, calibration), threads)
     except Exception as err:
         return f"n/a: {str(err).splitlines()[0][:160]}"
 
@@ -198,10 +202,9 @@ def removed_kernel(commit: str, model_dir: Path, cache: Path) -> Any:
             capture_output=True,
             text=True,
         ).stdout
-        old = "tokenizing import model_input_tokenizer"
-        (folder / name).write_text(
-            text.replace(old, f"{old.split()[0]} import model_tokenizer as model_input_tokenizer")
-        )
+        # The loader's tokenizer function has since been renamed.
+        renamed = "import model_tokenizer as model_input_tokenizer"
+        (folder / name).write_text(text.replace("import model_input_tokenizer", renamed))
     spec = importlib.util.spec_from_file_location("removed_amx", folder / "amx.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
