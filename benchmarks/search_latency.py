@@ -7,7 +7,13 @@ Gaussian perturbations (renormalised), and real BM25 vectors of each chunk's own
 Queries always go through `POST /v1/search` and are embedded for real (each query text is
 distinct, so the query cache never answers).
 
-    .venv/bin/python -m benchmarks.search_latency [--chunks 100000] [--real 2000]
+    .venv/bin/python -m benchmarks.search_latency [--chunks 100000] [--real 2000] [--breakdown]
+
+`--breakdown` then times five searches on the same server, interleaved query by query (the
+order rotating): hybrid, dense and keyword on the KB, and hybrid and keyword on an empty KB.
+Keyword on the empty KB is what every search pays around the engine and the model (HTTP,
+middleware, the bus, the service); hybrid on the empty KB adds the query embedding; the KB's
+keyword and dense add their candidate lists, lookups and fusion.
 """
 
 from __future__ import annotations
@@ -173,6 +179,30 @@ def measure(
     }
 
 
+def breakdown(base: str, queries: list[str], rounds: int) -> dict[tuple[str, str], float]:
+    """p50 ms of each (KB, mode) search, interleaved query by query (see the docstring)."""
+    made = httpx.post(f"{base}/v1/kbs", json={"name": "latency-empty"})
+    if made.status_code != 409:  # 409: made by an earlier run on the same --data-dir
+        made.raise_for_status()
+    arms = [
+        ("latency", "hybrid"),
+        ("latency", "dense"),
+        ("latency", "keyword"),
+        ("latency-empty", "hybrid"),
+        ("latency-empty", "keyword"),
+    ]
+    times: dict[tuple[str, str], list[float]] = {arm: [] for arm in arms}
+    texts = iter(queries)
+    with httpx.Client(base_url=base, timeout=60) as client:
+        for n in range(rounds):
+            for kb, mode in arms[n % len(arms) :] + arms[: n % len(arms)]:
+                body = {"query": next(texts), "kb_ids": [kb], "top_k": 10, "mode": mode}
+                started = time.perf_counter()
+                client.post("/v1/search", json=body).raise_for_status()
+                times[(kb, mode)].append(time.perf_counter() - started)
+    return {arm: statistics.median(t) * 1000 for arm, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -181,6 +211,9 @@ def main() -> None:
     parser.add_argument("--real", type=int, default=2000, help="chunks embedded for real")
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--data-dir", type=Path)
+    parser.add_argument(
+        "--breakdown", action="store_true", help="then time searches by mode and on an empty KB"
+    )
     args = parser.parse_args()
     _, queries = texts_and_queries()
     random.Random(1).shuffle(queries)
@@ -219,7 +252,7 @@ def main() -> None:
         with kbmesh_up_at(data) as base:
             n = args.queries
             two = {"tags": ["team-3"], "source_ids": ["repo-3", "repo-1"]}
-            pool = distinct(queries, 9 * n + 315)
+            pool = distinct(queries, 14 * n + 315)
             # Unmeasured and never reused: 5 queries before each later run.
             warmups = [pool[9 * n + 5 * i : 9 * n + 5 * (i + 1)] for i in range(3)]
             # The first queries after a start are slower (the engine's mapped index pages,
@@ -228,7 +261,7 @@ def main() -> None:
             # queries unmeasured, and every run in steady state.
             runs = [
                 ("hybrid, concurrency 1, first queries after start", pool[:n], 1, None, []),
-                ("hybrid, concurrency 1", pool[n : 2 * n], 1, None, pool[9 * n + 15 :]),
+                ("hybrid, concurrency 1", pool[n : 2 * n], 1, None, pool[9 * n + 15 : 9 * n + 315]),
                 ("hybrid, concurrency 16", pool[2 * n : 5 * n], 16, None, warmups[0]),
                 ("hybrid + 2 filters, concurrency 1", pool[5 * n : 6 * n], 1, two, warmups[1]),
                 ("hybrid + 2 filters, concurrency 16", pool[6 * n : 9 * n], 16, two, warmups[2]),
@@ -240,10 +273,16 @@ def main() -> None:
                 if len(rows) == 1:
                     waited = wait_for_document_ids(base)
                     print(f"  document ids read {waited:.1f} s after the first run", flush=True)
+            parts = breakdown(base, pool[9 * n + 315 :], n) if args.breakdown else {}
     print(f"date {datetime.date.today()}  chunks {args.chunks}  real embeddings {args.real}")
     print("| run | queries | p50 ms | p99 ms | requests/s |\n| --- | --- | --- | --- | --- |")
     for name, m in rows:
         print(f"| {name} | {m['n']} | {m['p50_ms']:.1f} | {m['p99_ms']:.1f} | {m['rps']:.0f} |")
+    if parts:
+        print("| search, concurrency 1, interleaved | p50 ms |\n| --- | --- |")
+        for (kb, mode), p50 in parts.items():
+            where = "an empty KB" if kb.endswith("empty") else "the KB"
+            print(f"| {mode} on {where} | {p50:.1f} |")
 
 
 if __name__ == "__main__":
