@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.infra.natsproc import free_port
+from services.common.bus.nats_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB_MODULES = [

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.infra.store import ChunkPoint, Filter, Mode, Query, SparseVector
-from services.common.infra.store.base import lead_filter
-from services.common.infra.store.edge import EdgeStore
+from services.common.store import ChunkPoint, Filter, Mode, Query, SparseVector
+from services.common.store.base import lead_filter
+from services.common.store.edge import EdgeStore
 
 DIM = 384
 COLLECTION = "kb_bench"

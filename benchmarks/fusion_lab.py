@@ -21,10 +21,9 @@ from pathlib import Path
 
 from benchmarks.quality import load_beir, metrics
 from services.common.embedders import LocalEmbedder
-from services.common.infra import bm25
-from services.common.infra.store import Filter, Mode, Query
-from services.common.infra.store.base import lead_filter
-from services.common.infra.store.edge import EdgeStore
+from services.common.store import Filter, Mode, Query, bm25
+from services.common.store.base import lead_filter
+from services.common.store.edge import EdgeStore
 from services.search.fusion import Candidate, CandidateList
 from services.search.fusion import fuse as fuse_lists
 

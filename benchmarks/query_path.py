@@ -36,8 +36,8 @@ import httpx
 import nats
 
 from benchmarks.common import kbmesh_up_at, pct, stdlib_documents
+from services.common.bus.auth import inbox_prefix, recorded_credentials
 from services.common.embedders import LocalEmbedder
-from services.common.infra.busauth import inbox_prefix, recorded_credentials
 from services.common.messages.events import Subject
 from services.common.messages.queries import SearchRequest
 

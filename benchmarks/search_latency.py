@@ -37,9 +37,8 @@ from benchmarks.common import ROOT, kbmesh_up_at, stdlib_documents
 from services.common.domain.ids import point_id
 from services.common.domain.models import KnowledgeBase
 from services.common.embedders import EmbedderPool
-from services.common.infra import bm25
-from services.common.infra.store import ChunkPoint, SparseVector
-from services.common.infra.store.edge import EdgeStore
+from services.common.store import ChunkPoint, SparseVector, bm25
+from services.common.store.edge import EdgeStore
 from services.embed.chunking import chunk_text
 
 MANPAGES = ROOT / "benchmarks" / "data" / "manpages"

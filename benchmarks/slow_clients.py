@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import ROOT, bench_env
-from services.common.infra.natsproc import free_port
+from services.common.bus.nats_server import free_port
 
 KBMESH = [sys.executable, "-m", "services.cli"]
 HALF_HEADERS = b"POST /v1/kbs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le"

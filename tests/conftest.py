@@ -24,7 +24,7 @@ os.environ.setdefault(
     str(Path(tempfile.gettempdir()) / f"kbmesh-test-models-{os.getuid()}"),
 )
 
-from services.common.infra.natsproc import NatsServer
+from services.common.bus.nats_server import NatsServer
 
 MODEL_CACHE_DIR = Path(os.environ["KBMESH_MODEL_CACHE_DIR"])
 
@@ -72,8 +72,8 @@ async def running_stack(
     Without `nats_url`, the stack runs its own private nats-server under `data_dir`."""
     import httpx
 
+    from services.cli.runtime import build_runtime, gateway_app, start_consuming
     from services.common.settings import Settings
-    from services.runtime import build_runtime, gateway_app, start_consuming
 
     settings = Settings(data_dir=data_dir, nats_url=nats_url, **overrides)
     rt = await build_runtime(settings, embedders=embedders, span_processors=span_processors)

@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from services.common.bus.audit import AuditEntry
 from services.common.domain.ids import point_id
 from services.common.domain.models import DEFAULT_MODEL, Chunker, KBStatus, RevisionWriter, Writer
-from services.common.infra.audit import AuditEntry
 from services.common.messages.answers import (
     AskQuery,
     AskResponse,

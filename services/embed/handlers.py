@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from faststream.nats import NatsRouter
 
-from services.common.infra import metrics
-from services.common.infra.bus import Bus, consume
+from services.common.bus.client import Bus, consume
 from services.common.messages.events import DocFailed, KbChanged, KbIndex, KbRemove, Subject
+from services.common.ops import metrics
 from services.embed.service import EmbedService
 
 

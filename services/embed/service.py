@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from services.common.bus.registry import Registries
 from services.common.domain.errors import Conflict, NotFound, Transient
 from services.common.domain.ids import point_id
 from services.common.domain.layout import Layout, layout_object
@@ -24,11 +25,6 @@ from services.common.domain.models import (
     utcnow,
 )
 from services.common.embedders import EmbedderPool
-from services.common.infra import bm25, metrics
-from services.common.infra.registry import Registries
-from services.common.infra.store import ChunkPoint, Match, SparseVector, VectorStore
-from services.common.infra.store.base import Filter
-from services.common.infra.telemetry import tracer
 from services.common.messages.events import (
     DocIndexed,
     KbChanged,
@@ -37,6 +33,10 @@ from services.common.messages.events import (
     Publish,
     Subject,
 )
+from services.common.ops import metrics
+from services.common.ops.telemetry import tracer
+from services.common.store import ChunkPoint, Match, SparseVector, VectorStore, bm25
+from services.common.store.base import Filter
 from services.embed.chunking import Chunk, chunk_document
 
 log = logging.getLogger("kbmesh.embed")

@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common.bus.client import BUS_UNAVAILABLE
 from services.common.domain.errors import KbmeshError
-from services.common.infra.bus import BUS_UNAVAILABLE
 from services.gateway.api import (
     answers,
     audit,

@@ -7,11 +7,11 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from services.common.bus.audit import AuditEntry, AuditSink
+from services.common.bus.registry import ApiKey, Registry
 from services.common.domain.errors import Conflict, Forbidden, KbmeshError, NotFound
 from services.common.domain.ids import check_id, new_id
 from services.common.domain.models import LOCAL_WRITER, Writer
-from services.common.infra.audit import AuditEntry, AuditSink
-from services.common.infra.registry import ApiKey, Registry
 
 KEY_PREFIX = "kbm_"
 

@@ -2,9 +2,9 @@
 bytes become an ordinary upload.
 
 URL: http(s) only. Every address the host resolves to must be allowed by the egress policy
-(`services.common.infra.egress`: public, or allow-listed by the operator); the connection then goes
-to the vetted address (no second DNS lookup to rebind), redirects are re-checked hop by hop,
-the size limit is enforced while streaming, and the whole fetch has a deadline
+(`services.common.outbound.egress`: public, or allow-listed by the operator); the connection
+then goes to the vetted address (no second DNS lookup to rebind), redirects are re-checked hop
+by hop, the size limit is enforced while streaming, and the whole fetch has a deadline
 (`KBMESH_LIMITS__FETCH_TOTAL_SECONDS`). Path: only regular files under `KBMESH_UPLOAD_ROOT`
 once every symlink is resolved.
 """
@@ -26,7 +26,7 @@ import httpx
 
 from services.common.domain.content import DOCX_TYPE, PDF_TYPE
 from services.common.domain.errors import Forbidden, InvalidInput, NotFound, TooLarge
-from services.common.infra.egress import IPAddress, egress_policy, parse_http_url
+from services.common.outbound.egress import IPAddress, egress_policy, parse_http_url
 from services.common.settings import Settings
 
 MAX_REDIRECTS = 5

@@ -25,8 +25,8 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.common.bus.client import BUS_UNAVAILABLE, unavailable
 from services.common.domain.errors import KbmeshError
-from services.common.infra.bus import BUS_UNAVAILABLE, unavailable
 from services.common.settings import Settings
 from services.gateway.auth import KeyResolver, Principal, Unauthorized
 from services.gateway.problems import RETRY_AFTER, TOOLS_PATH, problem

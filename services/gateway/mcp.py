@@ -25,8 +25,8 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.common.bus.client import BUS_UNAVAILABLE, unavailable
 from services.common.domain.errors import KbmeshError, NotFound
-from services.common.infra.bus import BUS_UNAVAILABLE, unavailable
 from services.common.settings import Settings
 from services.gateway.auth import KeyResolver, Principal, Unauthorized
 from services.gateway.guard import resolved_principal

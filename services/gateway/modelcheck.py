@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from services.common.domain.errors import Forbidden, InvalidInput, Transient
 from services.common.embedders import LiteLLMEmbedder, is_local, model_limits
-from services.common.infra.egress import EgressPolicy
-from services.common.infra.modelcalls import check_destination
+from services.common.outbound.egress import EgressPolicy
+from services.common.outbound.modelcalls import check_destination
 
 PROBE_TIMEOUT_SECONDS = 15.0
 

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from services.common.bus.client import unavailable
 from services.common.domain.errors import KbmeshError
-from services.common.infra.bus import unavailable
 from services.gateway.schemas import ProblemFieldError
 from services.gateway.tools import ToolErrorResult
 

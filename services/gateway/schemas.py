@@ -7,6 +7,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.common.bus.audit import AuditEntry
 from services.common.domain.content import SUPPORTED
 from services.common.domain.formats import FORMATS, readable_types
 from services.common.domain.ids import ID_PATTERN
@@ -21,7 +22,6 @@ from services.common.domain.models import (
     RevisionWriter,
     Writer,
 )
-from services.common.infra.audit import AuditEntry
 from services.common.messages.answers import AskOptions
 
 T = TypeVar("T")

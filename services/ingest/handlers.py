@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from faststream.nats import NatsRouter
 
+from services.common.bus.client import Bus, consume
 from services.common.domain.content import STAGING_PREFIX
 from services.common.domain.errors import KbmeshError
 from services.common.domain.models import DocStatus
-from services.common.infra import metrics
-from services.common.infra.bus import Bus, consume
 from services.common.messages.events import (
     DocDeleted,
     DocFailed,
@@ -18,6 +17,7 @@ from services.common.messages.events import (
     Subject,
     TagsChanged,
 )
+from services.common.ops import metrics
 from services.ingest.service import IngestService
 
 
@@ -82,7 +82,7 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
         on_failure=upload_failed,
         upstream=True,
     )
-    # Upstream systems publish these four too (services/common/infra/busauth.py).
+    # Upstream systems publish these four too (services/common/bus/auth.py).
     consume(router, bus, Subject.OCR_DONE, "ingest-ocr-done", on_ocr, upstream=True)
     consume(router, bus, Subject.TAGS_CHANGED, "ingest-tags-changed", on_tags, upstream=True)
     consume(router, bus, Subject.DOC_DELETED, "ingest-doc-deleted", on_delete, upstream=True)

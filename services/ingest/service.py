@@ -10,6 +10,9 @@ from typing import TypeVar
 
 from nats.js.errors import APIError
 
+from services.common.bus.audit import AuditAction, AuditEntry, AuditSink
+from services.common.bus.auth import CURRENT_PUBLISHER
+from services.common.bus.registry import Registries
 from services.common.domain.content import (
     check_size,
     checksum,
@@ -37,10 +40,6 @@ from services.common.domain.models import (
     split_tags,
     utcnow,
 )
-from services.common.infra import metrics
-from services.common.infra.audit import AuditAction, AuditEntry, AuditSink
-from services.common.infra.busauth import CURRENT_PUBLISHER
-from services.common.infra.registry import Registries
 from services.common.messages.events import (
     DocDeleted,
     DocFailed,
@@ -53,6 +52,7 @@ from services.common.messages.events import (
     Subject,
     TagsChanged,
 )
+from services.common.ops import metrics
 from services.common.settings import Settings
 from services.ingest.extract import NeedsOcr
 from services.ingest.sandbox import Extractor

@@ -21,6 +21,7 @@ from typing import Any
 from jsonschema.protocols import Validator
 from pydantic import ValidationError
 
+from services.common.bus.registry import Registries
 from services.common.domain.errors import (
     BadModelOutput,
     Conflict,
@@ -29,8 +30,6 @@ from services.common.domain.errors import (
     Transient,
 )
 from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase
-from services.common.infra.registry import Registries
-from services.common.infra.telemetry import tracer
 from services.common.messages.answers import (
     TOOL_DESCRIPTION,
     TOOL_NAME,
@@ -50,6 +49,7 @@ from services.common.messages.queries import (
     SearchHit,
     SearchRequest,
 )
+from services.common.ops.telemetry import tracer
 from services.common.settings import AskSettings
 from services.search.llm import ChatModel, ChatReply, LiteLLMChat, PolicySource, ToolCall
 from services.search.service import SearchService

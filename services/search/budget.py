@@ -90,7 +90,7 @@ _encoding: Any = None
 def count_tokens(text: str) -> int:
     global _encoding
     if _encoding is None:
-        from services.common.infra.modelcalls import import_litellm
+        from services.common.outbound.modelcalls import import_litellm
 
         _encoding = import_litellm().encoding
     return len(_encoding.encode(text, disallowed_special=()))

@@ -23,8 +23,8 @@ import time
 from collections.abc import Iterable
 from itertools import islice
 
-from services.common.infra import metrics
-from services.common.infra.store import VectorStore
+from services.common.ops import metrics
+from services.common.store import VectorStore
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@ and the org condition is always there."""
 
 from __future__ import annotations
 
-from services.common.infra.store import (
+from services.common.messages.queries import MetadataCondition, SearchFilters
+from services.common.store import (
     Condition,
     DateRange,
     Filter,
@@ -12,7 +13,6 @@ from services.common.infra.store import (
     MatchSubstring,
     Range,
 )
-from services.common.messages.queries import MetadataCondition, SearchFilters
 
 
 def build_filter(org_id: str, filters: SearchFilters | None) -> Filter:

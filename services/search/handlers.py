@@ -8,12 +8,12 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from services.common.bus.replies import Responder, envelope
 from services.common.domain.errors import KbmeshError
-from services.common.infra import metrics
-from services.common.infra.replies import Responder, envelope
 from services.common.messages.answers import AskRequest
 from services.common.messages.events import Subject
 from services.common.messages.queries import ChunkRequest, RemoteError, SearchRequest
+from services.common.ops import metrics
 from services.search import reply
 from services.search.ask import AskService
 from services.search.service import SearchService

@@ -1,5 +1,6 @@
 """Chat models through LiteLLM: what the answer loop (`services.search.ask`) calls. Egress,
-provider errors and retries are those of every model call (`services.common.infra.modelcalls`)."""
+provider errors and retries are those of every model call
+(`services.common.outbound.modelcalls`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.common.domain.errors import InvalidInput
-from services.common.infra.egress import EgressPolicy, egress_scope
-from services.common.infra.modelcalls import (
+from services.common.outbound.egress import EgressPolicy, egress_scope
+from services.common.outbound.modelcalls import (
     MODEL_FIELD,
     NO_SDK_RETRIES,
     PolicySource,

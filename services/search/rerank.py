@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from services.common.domain.errors import KbmeshError
-from services.common.infra.egress import EgressPolicy, egress_scope, refusal_in
-from services.common.infra.modelcalls import check_destination, http_client, import_litellm
+from services.common.outbound.egress import EgressPolicy, egress_scope, refusal_in
+from services.common.outbound.modelcalls import check_destination, http_client, import_litellm
 
 _WHAT = "call the rerank model at"
 

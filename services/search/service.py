@@ -12,23 +12,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
+from services.common.bus.registry import Registries
 from services.common.domain.errors import Forbidden, InvalidInput, KbmeshError, NotFound
 from services.common.domain.ids import point_id
 from services.common.domain.models import KnowledgeBase
 from services.common.embedders import EmbedderPool, is_local
-from services.common.infra import bm25
-from services.common.infra.registry import Registries
-from services.common.infra.store import (
-    Filter,
-    HasIds,
-    Hit,
-    Mode,
-    Query,
-    SparseVector,
-    VectorStore,
-)
-from services.common.infra.store.base import lead_filter
-from services.common.infra.telemetry import tracer
 from services.common.messages.queries import (
     ChunkRequest,
     ChunkResponse,
@@ -38,7 +26,19 @@ from services.common.messages.queries import (
     SearchRequest,
     SearchResponse,
 )
+from services.common.ops.telemetry import tracer
 from services.common.settings import SearchSettings
+from services.common.store import (
+    Filter,
+    HasIds,
+    Hit,
+    Mode,
+    Query,
+    SparseVector,
+    VectorStore,
+    bm25,
+)
+from services.common.store.base import lead_filter
 from services.search.budget import load_counter, pack
 from services.search.documents import DocumentIds
 from services.search.filters import build_filter

@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from services.common.infra.store import TermStats, VectorStore
+from services.common.store import TermStats, VectorStore
 
 
 class TermStatsCache:

@@ -19,8 +19,8 @@ import nats
 import nats.errors
 import pytest
 
+from services.common.bus.auth import recorded_credentials
 from services.common.domain.models import Writer
-from services.common.infra.busauth import recorded_credentials
 from services.common.messages.events import DocUploaded
 from tests.support.procs import (
     KBMESH,

@@ -95,7 +95,7 @@ def test_every_block_not_run_says_why():
 def test_client_configurations_parse_and_name_real_commands():
     """Each JSON block parses; each kbmesh command line in an MCP client configuration is
     one kbmesh's parser accepts, and each URL is the MCP endpoint."""
-    from services.cli import build_parser
+    from services.cli.commands import build_parser
 
     checked = 0
     for block in all_blocks():

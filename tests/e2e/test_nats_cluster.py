@@ -20,10 +20,10 @@ import httpx
 import nats
 import pytest
 
-from services.common.infra.bus import KV_BUCKETS, OBJECT_STORE
-from services.common.infra.store import Match
-from services.common.infra.store.base import Filter
-from services.common.infra.store.edge import EdgeStore
+from services.common.messages.names import KV_BUCKETS, OBJECT_STORE
+from services.common.store import Match
+from services.common.store.base import Filter
+from services.common.store.edge import EdgeStore
 from tests.support.cluster import NatsCluster, jetstream_ready
 from tests.support.procs import Proc, free_port, kbmesh_env, wait_ready, wait_until
 

@@ -9,11 +9,11 @@ import subprocess
 import httpx
 import pytest
 
-from services.common.infra.busauth import Credentials, new_password, server_accounts
-from services.common.infra.natsproc import NatsServer
-from services.common.infra.store import Match
-from services.common.infra.store.base import Filter
-from services.common.infra.store.edge import EdgeStore
+from services.common.bus.auth import Credentials, new_password, server_accounts
+from services.common.bus.nats_server import NatsServer
+from services.common.store import Match
+from services.common.store.base import Filter
+from services.common.store.edge import EdgeStore
 from tests.support.corpus import DOCS, PARAPHRASES
 from tests.support.procs import Proc, free_port, kbmesh_env, wait_ready, wait_until
 
@@ -75,7 +75,7 @@ def test_up_indexes_searches_and_survives_a_restart(tmp_path):
 
 
 # Each process connects as its own NATS user with the least permissions its services need
-# (services/common/infra/busauth.py): what one of them misses shows up here as a failed flow.
+# (services/common/bus/auth.py): what one of them misses shows up here as a failed flow.
 PROCESS_ROLES = {"ingest": "ingest", "embed": "embed+search", "gateway": "gateway"}
 
 

@@ -1,5 +1,5 @@
-"""The delivery rules every subscriber gets from `consume` (services/common/infra/bus.py), tested at
-the handler level with FastStream's `TestNatsBroker` over a real nats-server (JetStream pull
+"""The delivery rules every subscriber gets from `consume` (services/common/bus/client.py), tested
+at the handler level with FastStream's `TestNatsBroker` over a real nats-server (JetStream pull
 consumers need one: their acks, redeliveries and delivery counts are the server's):
 
 - a handler that returns acks, and the message is not delivered again;
@@ -26,10 +26,10 @@ import pytest
 from faststream.nats import NatsRouter, TestNatsBroker
 from opentelemetry import trace
 
+from services.common.bus.auth import Publisher, upstream_subject
+from services.common.bus.client import CURRENT_PUBLISHER, Bus, consume
+from services.common.bus.nats_server import NatsServer
 from services.common.domain.errors import InvalidInput
-from services.common.infra.bus import CURRENT_PUBLISHER, Bus, consume
-from services.common.infra.busauth import Publisher, upstream_subject
-from services.common.infra.natsproc import NatsServer
 from services.common.messages.events import DLQ_STREAM, STREAM, DocDeleted, Subject, dlq_subject
 from services.common.settings import BusSettings, Settings
 from tests.support.domain import wait_until

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.backup import BackupError, backup, read_archive, restore
-from services.cli import main
+from services.cli.backup import BackupError, backup, read_archive, restore
+from services.cli.commands import main
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys
 from tests.support.domain import create_kb, uid

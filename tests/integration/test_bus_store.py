@@ -6,8 +6,8 @@ from __future__ import annotations
 import nats
 import pytest
 
-from services.common.infra.busauth import ACCOUNT, local_accounts, local_credentials
-from services.common.infra.natsproc import NatsServer
+from services.common.bus.auth import ACCOUNT, local_accounts, local_credentials
+from services.common.bus.nats_server import NatsServer
 
 
 async def test_a_store_written_before_credentials_is_kept(tmp_path):
@@ -36,7 +36,7 @@ async def test_a_key_bucket_fed_from_elsewhere_is_refused(tmp_path):
     from nats.js.api import StreamConfig, StreamSource
     from opentelemetry import trace
 
-    from services.common.infra.bus import Bus
+    from services.common.bus.client import Bus
 
     with NatsServer(tmp_path / "nats") as server:
         nc = await nats.connect(server.url)

@@ -15,10 +15,10 @@ import nats
 import pytest
 from opentelemetry import trace
 
-from services.common.infra.bus import Bus
-from services.common.infra.busauth import Credentials, new_password, server_accounts
-from services.common.infra.natsproc import free_port, nats_server_binary, wait_for_port
-from services.common.infra.registry import Registries
+from services.common.bus.auth import Credentials, new_password, server_accounts
+from services.common.bus.client import Bus
+from services.common.bus.nats_server import free_port, nats_server_binary, wait_for_port
+from services.common.bus.registry import Registries
 from services.common.settings import Settings
 
 x509 = pytest.importorskip("cryptography.x509")

@@ -7,7 +7,8 @@ import asyncio
 
 import nats
 
-from services.common.infra.bus import KV_BUCKETS, OBJECT_STORE, declare_topology
+from services.common.bus.client import declare_topology
+from services.common.messages.names import KV_BUCKETS, OBJECT_STORE
 from services.common.settings import BusSettings
 from tests.support.cluster import NatsCluster, jetstream_ready
 from tests.support.domain import wait_until

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.infra.datadir import (
+from services.cli.runtime import build_runtime
+from services.common.ops.datadir import (
     CURRENT_FORMAT,
     FORMAT_FILE,
     DataDirError,
@@ -19,7 +20,6 @@ from services.common.infra.datadir import (
     read_format,
 )
 from services.common.settings import Settings
-from services.runtime import build_runtime
 from tests.conftest import running_stack
 from tests.support.domain import create_kb, uid, upload
 from tests.support.procs import ROOT
@@ -96,7 +96,7 @@ def test_an_unreadable_marker_is_refused_not_overwritten(tmp_path: Path) -> None
 OPEN_AT = """
 import sys, time
 from pathlib import Path
-from services.common.infra.datadir import open_data_dir
+from services.common.ops.datadir import open_data_dir
 time.sleep(max(float(sys.argv[1]) - time.time(), 0))
 print(open_data_dir(Path(sys.argv[2])))
 """

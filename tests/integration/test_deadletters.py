@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from services.common.infra.deadletters import list_dead_letters, replay
+from services.common.bus.deadletters import list_dead_letters, replay
 from services.common.messages.events import DocUploaded
 from tests.conftest import running_stack
 from tests.support.bus import bus_env

@@ -32,7 +32,7 @@ from services.common.embedders.engine import OnnxEncoder, TorchEncoder
 from services.common.embedders.local import LOCAL_MODELS
 from services.common.embedders.onnx_export import _quantize, ensure_onnx
 from services.common.embedders.processes import NICENESS, ProcessEncoder
-from services.common.infra.egress import EgressPolicy
+from services.common.outbound.egress import EgressPolicy
 from services.embed.chunking import chunk_text
 from services.search.query_vectors import QueryVectors
 from tests.conftest import MODEL_CACHE_DIR

@@ -11,9 +11,9 @@ import nats
 import pytest
 from nats.js.api import KeyValueConfig
 
+from services.common.bus.nats_server import NatsServer
+from services.common.bus.registry import KbRegistry
 from services.common.domain.models import KnowledgeBase
-from services.common.infra.natsproc import NatsServer
-from services.common.infra.registry import KbRegistry
 
 
 def kb(kb_id: str, name: str, description: str = "") -> KnowledgeBase:

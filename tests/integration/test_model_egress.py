@@ -23,7 +23,12 @@ from starlette.routing import Route
 
 from services.common.domain.errors import Forbidden, InvalidInput
 from services.common.embedders import LiteLLMEmbedder
-from services.common.infra.egress import EgressPolicy, EgressRefused, EgressTransport, egress_scope
+from services.common.outbound.egress import (
+    EgressPolicy,
+    EgressRefused,
+    EgressTransport,
+    egress_scope,
+)
 from services.search.llm import LiteLLMChat
 from services.search.rerank import LiteLLMReranker, RerankFailed
 from tests.conftest import running_stack

@@ -12,7 +12,7 @@ import time
 
 import nats
 
-from services.common.infra.natsproc import NatsServer
+from services.common.bus.nats_server import NatsServer
 from tests.support.domain import wait_until
 from tests.support.procs import ROOT
 
@@ -75,7 +75,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path):
         f"""
         import sys, time
         from pathlib import Path
-        from services.common.infra.natsproc import NatsServer
+        from services.common.bus.nats_server import NatsServer
         server = NatsServer(Path({str(tmp_path / "nats")!r})).start()
         print(server.proc.pid, flush=True)
         time.sleep(600)

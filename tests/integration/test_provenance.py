@@ -15,9 +15,9 @@ from typing import Any
 import nats
 import pytest
 
-from services.common.infra.audit import AUDIT_STREAM
-from services.common.infra.busauth import inbox_prefix
+from services.common.bus.auth import inbox_prefix
 from services.common.messages.events import DocUploaded, Subject
+from services.common.messages.names import AUDIT_STREAM
 from services.gateway.auth import Principal, hash_key, key_id
 from services.gateway.schemas import UploadBody
 from tests.conftest import running_stack

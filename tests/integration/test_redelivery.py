@@ -6,8 +6,8 @@ from __future__ import annotations
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from services.common.infra.bus import declare_topology
-from services.common.infra.natsproc import NatsServer
+from services.common.bus.client import declare_topology
+from services.common.bus.nats_server import NatsServer
 from services.common.messages.events import STREAM, Subject
 from services.common.settings import BusSettings
 from tests.conftest import running_stack

@@ -1,4 +1,4 @@
-"""Request/reply on core NATS (services/common/infra/replies.py) against a real nats-server:
+"""Request/reply on core NATS (services/common/bus/replies.py) against a real nats-server:
 concurrency, failures, stopping, and the trace across the hop."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.common.infra.replies import Responder, request
+from services.common.bus.replies import Responder, request
 
 EXPORTER = InMemorySpanExporter()
 PROVIDER = TracerProvider()

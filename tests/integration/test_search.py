@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 from services.common.domain.models import KnowledgeBase
-from services.common.infra import bm25
-from services.common.infra.store import Filter, Match
 from services.common.messages.queries import SearchRequest, SearchResponse
+from services.common.store import Filter, Match, bm25
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys
 from tests.support.corpus import DOCS

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from opentelemetry import trace
 
-from services.common.infra.bus import Bus
+from services.common.bus.client import Bus
 from services.search.handlers import create_responders
 from services.search.service import SearchService
 from tests.conftest import running_stack

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.common.infra.modelcalls import import_litellm
+from services.common.outbound.modelcalls import import_litellm
 from services.search.budget import count_tokens
 from tests.conftest import running_stack
 from tests.support.rerank_server import RerankScript, rerank_server

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.infra.natsproc import free_port, nats_server_binary, wait_for_port
+from services.common.bus.nats_server import free_port, nats_server_binary, wait_for_port
 from tests.conftest import running_stack
 from tests.support.domain import create_kb
 

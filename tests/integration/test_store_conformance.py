@@ -20,7 +20,7 @@ import pytest
 import qdrant_edge as qe
 
 from services.common.domain.errors import InvalidInput, NotFound
-from services.common.infra.store import (
+from services.common.store import (
     ChunkPoint,
     DateRange,
     Filter,
@@ -36,9 +36,9 @@ from services.common.infra.store import (
     TermStats,
     VectorStore,
 )
-from services.common.infra.store.base import DENSE, idf
-from services.common.infra.store.edge import EdgeStore
-from services.common.infra.store.server import ServerStore
+from services.common.store.base import DENSE, idf
+from services.common.store.edge import EdgeStore
+from services.common.store.server import ServerStore
 
 DIM = 8
 _POINT_NS = uuid.UUID("0b9f8a51-3c0e-4d51-9f3e-6f2f4f1f7a20")
@@ -390,7 +390,7 @@ async def test_edge_point_ids_stay_exact_when_its_id_memo_fills(
 ) -> None:
     """Edge remembers the string of each point id it hands out; when that memo is full it
     starts over, and every id is still the point's own."""
-    from services.common.infra.store import edge
+    from services.common.store import edge
 
     monkeypatch.setattr(edge, "_ID_STRINGS", {})
     monkeypatch.setattr(edge, "_ID_STRINGS_MAX", 2)
@@ -669,8 +669,8 @@ async def test_edge_data_survives_close_and_reopen(tmp_path: Path) -> None:
 _KILLED_WRITER = """
 import asyncio, os, signal, sys
 from pathlib import Path
-from services.common.infra.store import ChunkPoint, Filter, Match, SparseVector
-from services.common.infra.store.edge import EdgeStore
+from services.common.store import ChunkPoint, Filter, Match, SparseVector
+from services.common.store.edge import EdgeStore
 
 async def main() -> None:
     root, name, dim = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])

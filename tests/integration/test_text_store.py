@@ -11,8 +11,8 @@ import nats
 import pytest
 from nats.js.api import ObjectStoreConfig
 
-from services.common.infra.natsproc import NatsServer
-from services.common.infra.registry import TextStore
+from services.common.bus.nats_server import NatsServer
+from services.common.bus.registry import TextStore
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from services.common.infra.natsproc import free_port
+from services.common.bus.nats_server import free_port
 from services.common.settings import HttpSettings
 from services.gateway.server import server_config
 

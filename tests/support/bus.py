@@ -1,5 +1,5 @@
 """Reaching the bus of a stack under test as one of its users (the private nats-server of
-`kbmesh up` admits no one else: services/common/infra/busauth.py)."""
+`kbmesh up` admits no one else: services/common/bus/auth.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 import nats
 
-from services.common.infra.busauth import Credentials, recorded_credentials
+from services.common.bus.auth import Credentials, recorded_credentials
 
 
 def credentials(data_dir: Path, role: str) -> Credentials:
@@ -63,8 +63,8 @@ class OperatorKeys:
         kb_ids: list[str] | None = None,
         read_only: bool = False,
     ) -> str:
-        from services.common.infra.audit import sink as audit_sink
-        from services.common.infra.registry import ApiKey, Registry
+        from services.common.bus.audit import sink as audit_sink
+        from services.common.bus.registry import ApiKey, Registry
         from services.gateway.auth import KeyResolver
 
         nc = await nats.connect(self.url)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import nats
 
-from services.common.infra.natsproc import free_port, nats_server_binary, wait_for_port
+from services.common.bus.nats_server import free_port, nats_server_binary, wait_for_port
 
 
 class ClusterNode:

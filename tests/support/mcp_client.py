@@ -38,7 +38,7 @@ OFFLINE_ENV = {
 async def serve_http(rt: Any) -> AsyncIterator[tuple[str, Any]]:
     """The gateway app of `rt` behind uvicorn on 127.0.0.1:<free port>, as `kbmesh up` serves
     it (`rt.settings.http`); yields (base url, app)."""
-    from services.runtime import gateway_app
+    from services.cli.runtime import gateway_app
 
     app = gateway_app(rt)
     async with serve_app(app, limits=rt.settings.http) as base:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.infra.natsproc import free_port
+from services.common.bus.nats_server import free_port
 
 KBMESH = [sys.executable, "-m", "services.cli"]
 ROOT = Path(__file__).resolve().parents[2]

@@ -86,7 +86,7 @@ async def test_a_private_api_base_is_refused_before_any_call():
     """The chat model vets a client-chosen api_base with the egress policy: loopback is
     refused unless the operator allows it."""
     from services.common.domain.errors import Forbidden
-    from services.common.infra.egress import EgressPolicy
+    from services.common.outbound.egress import EgressPolicy
     from services.search.llm import LiteLLMChat
 
     def chat(policy: EgressPolicy) -> LiteLLMChat:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.infra.bm25 import (
+from services.common.store.base import SparseVector, TermStats, idf, probed_term_stats
+from services.common.store.bm25 import (
     encode_document,
     encode_query,
     shared_idf_queries,
@@ -19,7 +20,6 @@ from services.common.infra.bm25 import (
     term_id,
     tokenize,
 )
-from services.common.infra.store.base import SparseVector, TermStats, idf, probed_term_stats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_term_ids_are_stable_across_calls_and_processes() -> None:
     here = encode_query(text)
     assert here == encode_query(text)
     code = (
-        "import json; from services.common.infra.bm25 import encode_query; "
+        "import json; from services.common.store.bm25 import encode_query; "
         f"v = encode_query({text!r}); print(json.dumps([v.indices, v.values]))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}

@@ -1,4 +1,4 @@
-"""The bus permission model (services/common/infra/busauth.py) read as nats-server reads it: who
+"""The bus permission model (services/common/bus/auth.py) read as nats-server reads it: who
 may publish and subscribe to what, the key store's single writer, publishers bound to one
 org, and the data directory's credential files."""
 
@@ -8,9 +8,8 @@ import stat
 
 import pytest
 
-from services.common.domain.errors import InvalidInput
-from services.common.infra import busauth
-from services.common.infra.busauth import (
+from services.common.bus import auth as busauth
+from services.common.bus.auth import (
     ACCOUNT,
     ROLES,
     SERVICE_ROLES,
@@ -22,6 +21,7 @@ from services.common.infra.busauth import (
     server_accounts,
     upstream_subject,
 )
+from services.common.domain.errors import InvalidInput
 from tests.support.bus import matches
 
 

@@ -6,7 +6,7 @@ from importlib.metadata import version
 
 import pytest
 
-from services.cli import main
+from services.cli.commands import main
 
 
 def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -29,7 +29,7 @@ def test_every_command_and_option_says_what_it_does():
     """`--help` describes every subcommand's every option and argument."""
     import argparse
 
-    from services.cli import build_parser
+    from services.cli.commands import build_parser
 
     silent: list[str] = []
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli_ingest import Options, Progress, Readable, Tally, UsageError, walk
+from services.cli.ingest import Options, Progress, Readable, Tally, UsageError, walk
 
 
 def options(*paths: Path, **overrides: object) -> Options:

@@ -23,10 +23,10 @@ from urllib.parse import urlparse
 import pytest
 from pydantic import BaseModel
 
-from services.common.infra import busauth
+from services.cli.runtime import SERVICES, check_services
+from services.common.bus import auth as busauth
 from services.common.messages.events import DLQ_STREAM, STREAM
 from services.common.settings import ClientSettings, Settings
-from services.runtime import SERVICES, check_services
 from tests.support.bus import matches
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed in this environment")
@@ -254,7 +254,7 @@ def test_every_yaml_and_json_file_under_deploy_parses() -> None:
 
 def test_kbmesh_commands_name_real_services_and_cover_all_four() -> None:
     """Every `kbmesh serve ...` in compose, Kubernetes and the Dockerfile's CMD names
-    services of services.runtime.SERVICES, and compose and Kubernetes each run all four."""
+    services of services.cli.runtime.SERVICES, and compose and Kubernetes each run all four."""
     cmd = next(args for keyword, args in dockerfile_instructions() if keyword == "CMD")
     dockerfile = Process("Dockerfile:CMD", json.loads(cmd), {})
     assert dockerfile.command == ["kbmesh", "serve", "gateway"]
@@ -432,7 +432,7 @@ def test_docker_build_context_holds_what_the_dockerfile_copies() -> None:
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not dockerignore_excludes(source, patterns), f"{source} is excluded"
-    assert not dockerignore_excludes("services/runtime.py", patterns)
+    assert not dockerignore_excludes("services/cli/runtime.py", patterns)
     assert dockerignore_excludes("services/__pycache__/runtime.cpython-311.pyc", patterns)
     assert dockerignore_excludes(".venv/bin/python", patterns)
     assert dockerignore_excludes("tests/conftest.py", patterns)
@@ -475,7 +475,7 @@ def test_compose_mounts_and_observability_wiring_resolve() -> None:
 def test_operations_guide_lists_every_setting_and_docs_name_only_real_ones() -> None:
     """docs/operations.md has a row for every KBMESH_* setting, and every KBMESH_* name in
     the operations and architecture docs is a setting, a stream, or a variable the CLI
-    (services/cli.py) sets for its children, so the docs cannot drift from the code."""
+    (services/cli/commands.py) sets for its children, so the docs cannot drift from the code."""
     docs = {
         name: (ROOT / "docs" / name).read_text() for name in ("operations.md", "architecture.md")
     }
@@ -484,13 +484,13 @@ def test_operations_guide_lists_every_setting_and_docs_name_only_real_ones() -> 
     leaves = {name for name in known if not any(o.startswith(name + "__") for o in known)}
     missing = {name for name in leaves if f"`{name}`" not in docs["operations.md"]}
     assert not missing, f"settings missing from docs/operations.md: {sorted(missing)}"
-    cli = (ROOT / "services" / "cli.py").read_text()
+    cli = (ROOT / "services" / "cli" / "commands.py").read_text()
     for doc, text in docs.items():
         for name in set(KBMESH_VAR.findall(text)) - known - {STREAM, DLQ_STREAM}:
             assert f'"{name}"' in cli, f"{doc} names {name}, which nothing reads"
 
 
-# ---- NATS: no anonymous access, one user per service (services/common/infra/busauth.py) --------
+# ---- NATS: no anonymous access, one user per service (services/common/bus/auth.py) --------
 
 NATS_CONF = DEPLOY / "nats"
 NATS_VALUES = KUBERNETES / "helm" / "nats-values.yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.domain.errors import Forbidden, InvalidInput
-from services.common.infra.egress import EgressPolicy
+from services.common.outbound.egress import EgressPolicy
 
 REFUSED = [
     "http://127.0.0.1:8000/v1",

@@ -1,5 +1,6 @@
-"""The import graph runs one way: cli → runtime → services → common, and inside common
-embedders → infra → messages → domain (settings between domain and infra). Read from the
+"""The import graph runs one way: cli → services → common, and inside common
+embedders → bus, store, outbound, ops → messages → domain (settings between domain and the
+adapters); no module anywhere in services/ takes part in an import circle. Read from the
 source (every import statement, including those inside functions and under TYPE_CHECKING),
 so a lazy import cannot hide an edge."""
 
@@ -19,25 +20,32 @@ ALLOWED: dict[str, set[str]] = {
     **{name: {"common"} for name in SERVICES},
     # The contracts are the gateway's tools and routes, exported; the mock serves them.
     "contracts": {"common", "gateway"},
-    "runtime": {"common", *SERVICES},
-    # `kbmesh ingest` is a REST client of a running stack: no service, no runtime.
-    "cli_ingest": {"common"},
+    "cli": {"common", "contracts", *SERVICES},
+}
+
+# The modules of services/cli/, and what each may import of the CLI besides itself; the
+# REST clients (`kbmesh ingest|status|search|kb`, `kbmesh mcp --api`) import no service.
+CLI = ROOT / "cli"
+CLI_ALLOWED: dict[str, set[str]] = {
+    "ingest": set(),
+    "api": {"ingest"},
+    "mcp": set(),
+    # The launcher: the services wired into one process.
+    "runtime": set(),
     # Backup reads the bus; restore runs ingest and embed over a new data dir.
-    "backup": {"common", "runtime"},
-    # `kbmesh status|search|kb`: REST clients too.
-    "cli_api": {"cli_ingest", "common"},
-    # `kbmesh mcp --api`: an MCP relay to a remote stack, over HTTP only.
-    "cli_mcp": set(),
-    "cli": {
-        "common",
-        "contracts",
-        "gateway",
-        "runtime",
-        "cli_ingest",
-        "cli_api",
-        "cli_mcp",
-        "backup",
-    },
+    "backup": {"runtime"},
+    "commands": {"api", "ingest", "mcp", "backup", "runtime"},
+    "__main__": {"commands"},
+}
+# What a CLI module may import of services/ outside the CLI.
+CLI_SERVICES: dict[str, set[str]] = {
+    "ingest": {"common"},
+    "api": {"common"},
+    "mcp": set(),
+    "runtime": {"common", *SERVICES},
+    "backup": {"common"},
+    "commands": {"common", "contracts", "gateway"},
+    "__main__": set(),
 }
 
 
@@ -47,11 +55,18 @@ COMMON_ALLOWED: dict[str, set[str]] = {
     # Vocabulary and rules: KBs, documents, ids, errors, limits, accepted content.
     "domain": set(),
     "settings": {"domain"},
-    # What travels on the bus (not the published contracts/, which are exported from it).
+    # What travels on the bus and the names of what it keeps (not the published contracts/,
+    # which are exported from it).
     "messages": {"domain"},
-    # Bus, credentials, registries, store, model calls, egress, metrics, audit, nats-server.
-    "infra": {"domain", "messages", "settings"},
-    "embedders": {"domain", "infra", "settings"},
+    # Metrics, telemetry, the data directory.
+    "ops": {"domain", "messages"},
+    # Calls out of kbmesh: the egress rule, model calls.
+    "outbound": {"domain", "settings"},
+    # The vector store and the BM25 encoding.
+    "store": {"domain", "messages", "settings"},
+    # NATS: client and consumers, credentials, registries, replies, dead letters, audit.
+    "bus": {"domain", "messages", "settings", "ops"},
+    "embedders": {"domain", "settings", "outbound", "store", "ops"},
 }
 
 
@@ -119,14 +134,27 @@ def test_common_holds_role_packages_only() -> None:
     assert packages == set(COMMON_ALLOWED) - {"settings"}
 
 
+CLI_MODULES = sorted(p for p in CLI.glob("*.py") if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("path", CLI_MODULES, ids=lambda p: p.stem)
+def test_cli_module_imports_only_what_its_role_may(path: Path) -> None:
+    assert path.stem in CLI_ALLOWED, f"{path}: a new CLI module; add it to CLI_ALLOWED"
+    own = parts_under(path, "services.cli") - CLI_ALLOWED[path.stem] - {path.stem}
+    assert not own, f"services/cli/{path.name} imports {sorted(own)} of the CLI"
+    outside = imported_parts(path) - CLI_SERVICES[path.stem] - {"cli"}
+    assert not outside, f"services/cli/{path.name} imports {sorted(outside)}"
+
+
 def test_the_rules_cover_the_stated_layering() -> None:
-    """The gateway imports no other service package nor the runtime; nothing under common
-    imports a service; no service imports the runtime or the CLI."""
+    """The gateway imports no other service package; nothing under common imports a service;
+    no service imports the CLI; the CLI's REST clients import no service."""
     assert ALLOWED["gateway"] == {"common"}
     assert ALLOWED["common"] == set()
     for name in (*SERVICES, "contracts"):
-        assert not ALLOWED[name] & {"runtime", "cli"}
-    assert "cli" not in ALLOWED["runtime"]
+        assert "cli" not in ALLOWED[name]
+    for client in ("ingest", "api", "mcp"):
+        assert not CLI_SERVICES[client] & set(SERVICES)
 
 
 def test_no_gateway_module_imports_the_launcher() -> None:
@@ -137,17 +165,17 @@ def test_no_gateway_module_imports_the_launcher() -> None:
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
         }
-        assert "services.common.infra.natsproc" not in modules, path
+        assert "services.common.bus.nats_server" not in modules, path
 
 
 def test_the_checker_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text(
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from services.runtime import Runtime\n"
+        "if TYPE_CHECKING:\n    from services.cli.runtime import Runtime\n"
         "def f():\n    import services.search.service\n    from services import embed\n"
     )
-    assert imported_parts(module) == {"runtime", "search", "embed"}
+    assert imported_parts(module) == {"cli", "search", "embed"}
 
 
 def module_imports(path: Path) -> list[ast.ImportFrom]:
@@ -169,41 +197,83 @@ def test_no_module_takes_another_modules_private_names() -> None:
     assert taken == []
 
 
-def test_no_import_circle_inside_the_gateway() -> None:
-    """Among the gateway's modules the imports form no circle (tools/, api/, mcp, guard)."""
-    gateway = ROOT / "gateway"
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Module → the modules of the same tree it imports (`from a import b` is an edge to `a.b`
+    where that is a module, else to `a`). A package's __init__ importing its own modules is
+    how it exports them, not a circle."""
     name_of = {
-        p: ".".join(("services", *p.relative_to(ROOT).with_suffix("").parts)).removesuffix(
+        p: ".".join((root.name, *p.relative_to(root).with_suffix("").parts)).removesuffix(
             ".__init__"
         )
-        for p in gateway.rglob("*.py")
+        for p in root.rglob("*.py")
     }
-    edges = {
-        name: {
-            node.module
-            for node in module_imports(path)
-            if node.module in name_of.values() and node.module != name
+    modules = set(name_of.values())
+    graph: dict[str, set[str]] = {}
+    for path, name in name_of.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    targets.add(full if full in modules else node.module)
+        graph[name] = {
+            t for t in targets if t in modules and t != name and not t.startswith(name + ".")
         }
-        for path, name in name_of.items()
-    }
-    # A package's __init__ importing its own modules is how it exports them, not a circle.
-    for name in edges:
-        edges[name] = {m for m in edges[name] if not m.startswith(name + ".")}
+    return graph
 
-    state: dict[str, int] = {}
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(edges[node]):
-            if state.get(nxt) == 1:
-                raise AssertionError(" → ".join([*path, node, nxt]))
-            if nxt not in state:
-                visit(nxt, [*path, node])
-        state[node] = 2
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
 
-    for name in sorted(edges):
-        if name not in state:
-            visit(name, [])
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_import_circle_anywhere_in_services() -> None:
+    """No module of services/, in any package, is part of an import circle (lazy imports
+    included: an import hidden in a function still closes a circle)."""
+    assert circles(module_graph(ROOT)) == []
+
+
+def test_the_circle_check_finds_a_planted_circle(tmp_path: Path) -> None:
+    """The check above can fail: two modules of a package that import each other, one of them
+    lazily, are reported."""
+    package = tmp_path / "services" / "common" / "bus"
+    package.mkdir(parents=True)
+    for init in (tmp_path / "services", tmp_path / "services" / "common", package):
+        (init / "__init__.py").write_text("")
+    (package / "a.py").write_text("from services.common.bus.b import B\nA = 1\n")
+    (package / "b.py").write_text("def f():\n    from services.common.bus import a\nB = 2\n")
+    assert circles(module_graph(tmp_path / "services")) == [
+        ["services.common.bus.a", "services.common.bus.b"]
+    ]
 
 
 def test_the_architecture_page_names_only_what_exists_and_every_package() -> None:

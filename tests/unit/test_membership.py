@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from services.common.bus.registry import ApiKey
 from services.common.domain.content import check_size
 from services.common.domain.errors import InvalidInput, TooLarge
 from services.common.domain.models import KnowledgeBase, join_tags, kb_tag, split_tags
-from services.common.infra.registry import ApiKey
 from services.common.settings import Settings
 from services.gateway.auth import KeyResolver, Unauthorized, hash_key
 from services.gateway.schemas import KbCreate

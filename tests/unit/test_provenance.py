@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from services.common.bus.audit import AuditEntry, AuditQuery
 from services.common.domain.models import WRITER_HISTORY, DocumentRecord, Writer, utcnow
-from services.common.infra.audit import AuditEntry, AuditQuery
 from services.common.messages.events import DocUploaded, TagsChanged
 from services.ingest.service import writer_for_bus_event
 

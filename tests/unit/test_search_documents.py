@@ -6,9 +6,9 @@ import asyncio
 from pathlib import Path
 
 from services.common.domain.ids import point_id
-from services.common.infra import metrics
-from services.common.infra.store import ChunkPoint, SparseVector
-from services.common.infra.store.edge import EdgeStore
+from services.common.ops import metrics
+from services.common.store import ChunkPoint, SparseVector
+from services.common.store.edge import EdgeStore
 from services.search.documents import DocumentIds
 
 KB = "kb-1"

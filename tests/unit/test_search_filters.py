@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import ValidationError
 
-from services.common.infra.store import DateRange, Filter, Match, MatchAny, MatchSubstring, Range
 from services.common.messages.queries import MetadataCondition, SearchFilters, SearchQuery
+from services.common.store import DateRange, Filter, Match, MatchAny, MatchSubstring, Range
 from services.search.filters import build_filter
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from services.common.infra.replies import envelope, result_json
+from services.common.bus.replies import envelope, result_json
 from services.common.messages.queries import SearchHit, SearchResponse
 from services.search.reply import MARGIN_BYTES, fitted_json
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.infra.store import TermStats
+from services.common.store import TermStats
 from services.search.termstats import TermStatsCache
 
 

@@ -26,7 +26,7 @@ from services.common.embedders.engine import Encoder, ModelConfig, OnnxEncoder, 
 from services.common.embedders.processes import ProcessEncoder
 from services.common.embedders.selection import Backend, Device, Precision, select
 from services.common.embedders.tokenizing import model_tokenizer
-from services.common.infra import metrics
+from services.common.ops import metrics
 from services.common.settings import EMBED_BATCH_SIZE, EMBED_MAX_BATCH, LOCAL_BACKEND, Settings
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from services.common.embedders.selection import Backend, Device, Precision
 from services.common.settings import EMBED_BATCH_SIZE, EMBED_MAX_BATCH, LOCAL_BACKEND
 
 if TYPE_CHECKING:
-    from services.common.infra.egress import EgressPolicy
+    from services.common.outbound.egress import EgressPolicy
 
 
 def model_limits(model: str) -> int:

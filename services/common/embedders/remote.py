@@ -11,9 +11,9 @@ from services.common.domain.errors import InvalidInput, Transient
 from services.common.embedders.base import MODEL_FIELD, QUERY_MAX_TEXTS, normalise
 from services.common.embedders.batching import Batcher
 from services.common.embedders.tokenizing import tiktoken_tokenizer
-from services.common.infra import metrics
-from services.common.infra.egress import EgressPolicy, egress_scope
-from services.common.infra.modelcalls import (
+from services.common.ops import metrics
+from services.common.outbound.egress import EgressPolicy, egress_scope
+from services.common.outbound.modelcalls import (
     NO_SDK_RETRIES,
     call_model,
     check_destination,

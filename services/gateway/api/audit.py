@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from services.common.infra.audit import MAX_READ, AuditAction, AuditKind, AuditQuery
+from services.common.bus.audit import MAX_READ, AuditAction, AuditKind, AuditQuery
 from services.gateway.api.deps import AuditTrail, Caller
 from services.gateway.schemas import AuditList
 

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
 from services.common.domain.errors import Forbidden
-from services.common.infra import metrics
+from services.common.ops import metrics
 from services.gateway.api.deps import Caller, Gateway, Kbs, Keys
 from services.gateway.progress import event_stream
 from services.gateway.schemas import Ack, KbProgress

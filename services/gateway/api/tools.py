@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from services.common.bus.client import BUS_UNAVAILABLE, unavailable
 from services.common.domain.errors import InvalidInput, KbmeshError, NotFound
-from services.common.infra.bus import BUS_UNAVAILABLE, unavailable
 from services.gateway.api.deps import get_principal
 from services.gateway.mcp import KbmeshMCP
 from services.gateway.problems import RETRY_AFTER

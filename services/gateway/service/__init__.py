@@ -7,8 +7,8 @@ written here (the gateway owns the KB API) and announced with `kb.changed`."""
 
 from __future__ import annotations
 
-from services.common.infra.bus import Bus
-from services.common.infra.registry import Registries
+from services.common.bus.client import Bus
+from services.common.bus.registry import Registries
 from services.common.settings import Settings
 from services.gateway.progress import ProgressFeed
 from services.gateway.service.answers import Answers

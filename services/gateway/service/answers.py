@@ -6,15 +6,15 @@ its scope (a prompt over every KB is visible to all), and runs them within its s
 
 from __future__ import annotations
 
+from services.common.bus.client import Bus
+from services.common.bus.registry import Registries
 from services.common.domain.errors import Conflict, InvalidInput, NotFound
 from services.common.domain.ids import is_id, new_id
 from services.common.domain.models import utcnow
-from services.common.infra.bus import Bus
-from services.common.infra.egress import egress_policy
-from services.common.infra.modelcalls import check_destination
-from services.common.infra.registry import Registries
 from services.common.messages.answers import AskQuery, AskRequest, AskResponse, AskTask, Prompt
 from services.common.messages.events import Subject
+from services.common.outbound.egress import egress_policy
+from services.common.outbound.modelcalls import check_destination
 from services.common.settings import Settings
 from services.gateway.auth import Principal
 from services.gateway.schemas import (

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.infra.audit import AuditQuery, read_audit
-from services.common.infra.bus import Bus
+from services.common.bus.audit import AuditQuery, read_audit
+from services.common.bus.client import Bus
 from services.gateway.auth import Principal
 from services.gateway.schemas import AuditList
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import base64
 
+from services.common.bus import deadletters
+from services.common.bus.client import Bus
+from services.common.bus.deadletters import DeadLetter
 from services.common.domain.errors import NotFound
-from services.common.infra import deadletters
-from services.common.infra.bus import Bus
-from services.common.infra.deadletters import DeadLetter
 from services.gateway.auth import Principal
 from services.gateway.schemas import DeadLetterBody, DeadLetterList, DeadLetterView
 

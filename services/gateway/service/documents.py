@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from services.common.bus.client import Bus
+from services.common.bus.registry import Registries
 from services.common.domain.content import (
     HTML_TYPES,
     TEXT_TYPES,
@@ -31,8 +33,6 @@ from services.common.domain.models import (
     join_tags,
     split_tags,
 )
-from services.common.infra.bus import Bus
-from services.common.infra.registry import Registries
 from services.common.messages.events import DocDeleted, DocFailed, DocUploaded, Subject, TagsChanged
 from services.common.settings import Settings
 from services.gateway.auth import Principal

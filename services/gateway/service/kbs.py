@@ -10,6 +10,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from services.common.bus.audit import AuditAction, AuditEntry
+from services.common.bus.audit import sink as audit_sink
+from services.common.bus.client import Bus
+from services.common.bus.registry import Registries
 from services.common.domain.errors import Conflict, InvalidInput, NotFound
 from services.common.domain.ids import new_kb_id
 from services.common.domain.models import (
@@ -26,14 +30,10 @@ from services.common.domain.models import (
     utcnow,
 )
 from services.common.embedders import model_limits
-from services.common.infra.audit import AuditAction, AuditEntry
-from services.common.infra.audit import sink as audit_sink
-from services.common.infra.bus import Bus
-from services.common.infra.egress import egress_policy
-from services.common.infra.modelcalls import check_destination
-from services.common.infra.registry import Registries
 from services.common.messages.events import KbChanged, Subject
 from services.common.messages.queries import TOP_K_MAX
+from services.common.outbound.egress import egress_policy
+from services.common.outbound.modelcalls import check_destination
 from services.common.settings import Settings
 from services.gateway.auth import Principal
 from services.gateway.modelcheck import check_model

@@ -8,9 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from services.common.bus.client import Bus
+from services.common.bus.replies import result_json
 from services.common.domain.errors import Transient, error_class
-from services.common.infra.bus import Bus
-from services.common.infra.replies import result_json
 from services.common.messages.events import Subject
 from services.common.messages.queries import (
     ChunkRequest,

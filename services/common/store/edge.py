@@ -35,7 +35,7 @@ import numpy as np
 import qdrant_edge as qe
 
 from services.common.domain.errors import InvalidInput, NotFound, Transient
-from services.common.infra.store.base import (
+from services.common.store.base import (
     DENSE,
     OVERSAMPLING,
     PAYLOAD_INDEXES,

@@ -18,17 +18,18 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import SpanProcessor
 
+from services.common.bus import auth as busauth
+from services.common.bus.audit import sink as audit_sink
+from services.common.bus.client import Bus
+from services.common.bus.nats_server import NatsServer
+from services.common.bus.registry import Registries
 from services.common.embedders import EmbedderPool, LocalEmbedder
-from services.common.infra import busauth, metrics
-from services.common.infra.audit import sink as audit_sink
-from services.common.infra.bus import Bus
-from services.common.infra.datadir import CURRENT_FORMAT, DataDirError, open_data_dir
-from services.common.infra.egress import egress_policy
-from services.common.infra.natsproc import NatsServer
-from services.common.infra.registry import Registries
-from services.common.infra.store import VectorStore, create_store
-from services.common.infra.telemetry import configure_telemetry
+from services.common.ops import metrics
+from services.common.ops.datadir import CURRENT_FORMAT, DataDirError, open_data_dir
+from services.common.ops.telemetry import configure_telemetry
+from services.common.outbound.egress import egress_policy
 from services.common.settings import Settings
+from services.common.store import VectorStore, create_store
 
 if TYPE_CHECKING:
     # Services are imported when chosen: `kbmesh serve gateway` loads no chunker or model.

@@ -33,15 +33,16 @@ import nats
 from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError, NotFoundError
 
+from services.cli.runtime import SERVICES, build_runtime, start_consuming
+from services.common.bus import auth as busauth
+from services.common.bus.registry import Registries, TextStore
 from services.common.domain.content import checksum, content_checksum
 from services.common.domain.layout import layout_object
 from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase
-from services.common.infra import busauth
-from services.common.infra.datadir import CURRENT_FORMAT, read_format
-from services.common.infra.registry import Registries, TextStore
 from services.common.messages.events import STREAM, KbChanged, Subject
+from services.common.messages.names import KEYS_BUCKET
+from services.common.ops.datadir import CURRENT_FORMAT, read_format
 from services.common.settings import Settings
-from services.runtime import SERVICES, build_runtime, start_consuming
 
 ARCHIVE_VERSION = 1
 # The index bucket is left out: its entries describe vectors, which restore rebuilds.
@@ -309,7 +310,7 @@ async def _restore_keys(url: str, data_dir: Path, keys: dict[str, bytes]) -> Non
     creds = busauth.local_credentials(data_dir)["operator"]
     nc = await nats.connect(url, user=creds.user, password=creds.password)
     try:
-        kv = await nc.jetstream().key_value(busauth.KEYS_BUCKET)
+        kv = await nc.jetstream().key_value(KEYS_BUCKET)
         for key, value in keys.items():
             await kv.put(key, value)
     finally:

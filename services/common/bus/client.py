@@ -35,12 +35,10 @@ from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableErr
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
 
-from services.common.domain.errors import InvalidInput, KbmeshError, Transient
-from services.common.infra import replies
-from services.common.infra.audit import declare_audit_stream
-from services.common.infra.busauth import (
+from services.common.bus import replies
+from services.common.bus.audit import declare_audit_stream
+from services.common.bus.auth import (
     CURRENT_PUBLISHER,
-    KEYS_BUCKET,
     UPSTREAM_STATUS,
     Credentials,
     inbox_prefix,
@@ -48,6 +46,7 @@ from services.common.infra.busauth import (
     status_subject,
     upstream_filter,
 )
+from services.common.domain.errors import InvalidInput, KbmeshError, Transient
 from services.common.messages.events import (
     DLQ_STREAM,
     EVENT_MODELS,
@@ -56,6 +55,7 @@ from services.common.messages.events import (
     Event,
     dlq_subject,
 )
+from services.common.messages.names import KEYS_BUCKET, KV_BUCKETS, OBJECT_STORE
 from services.common.settings import AuditSettings, BusSettings, NatsAuthSettings
 
 log = logging.getLogger("kbmesh.bus")
@@ -87,8 +87,6 @@ def unavailable(err: BaseException) -> Transient:
     )
 
 
-KV_BUCKETS = ("kbs", "documents", "index", KEYS_BUCKET, "prompts")
-OBJECT_STORE = "texts"
 # Declared by `Bus.start()`; subscribers only reference it.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)
 
@@ -281,7 +279,7 @@ async def declare_topology(
         except TimeoutError:
             if bucket != KEYS_BUCKET:
                 raise
-            # Only the operator's user may change the key bucket (services/common/infra/busauth.py):
+            # Only the operator's user may change the key bucket (services/common/bus/auth.py):
             # a service leaves it as it is, and the next `kbmesh keys` applies the change.
             log.warning("stream_replicas_unchanged stream=KV_%s reason=operator_only", bucket)
             continue
@@ -467,8 +465,6 @@ __all__ = [
     "BUS_UNAVAILABLE",
     "CURRENT_PUBLISHER",
     "JSTREAM",
-    "KV_BUCKETS",
-    "OBJECT_STORE",
     "Bus",
     "InvalidInput",
     "consume",

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from services.cli_ingest import default_api
+from services.cli.ingest import default_api
 from services.common.settings import ClientSettings
 
 EXIT_ERROR = 1

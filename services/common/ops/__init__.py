@@ -1,0 +1,1 @@
+"""Running kbmesh: metrics, telemetry and the data directory's format and lock."""
