@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import re
+import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -146,8 +147,10 @@ def _zip_format(data: bytes) -> Format | None:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             names = set(z.namelist())
             if "mimetype" in names:
-                return by_mime(z.read("mimetype")[:100].decode("ascii", "replace"))
-    except (zipfile.BadZipFile, OSError, ValueError):
+                # Its first bytes only: the member may be a bomb (it is measured later).
+                with z.open("mimetype") as member:
+                    return by_mime(member.read(100).decode("ascii", "replace"))
+    except (zipfile.BadZipFile, OSError, ValueError, zlib.error):
         return None
     for prefix, mime in (
         ("word/", "application/vnd.openxmlformats-officedocument.wordprocessingml.document"),
@@ -198,34 +201,68 @@ def _check_expansion(size: int, packed: int, limit: int, bounds: Bounds) -> None
 
 
 def _check_zip(data: bytes, bounds: Bounds) -> None:
-    """An office file or e-book is a zip: refuse one whose entries declare more than the
-    bounds allow before anything inflates them. (Declared sizes can lie; the extraction
-    child's memory and time limits catch a zip that does.)"""
+    """An office file or e-book is a zip: refuse one whose members inflate past the bounds
+    before the reader gets it. Declared sizes can lie (a few kB declared, hundreds of MB in the
+    deflate stream), and Python's zipfile stops at the declared size: so each member's
+    compressed bytes are inflated here in bounded steps, counted and dropped. (The reader
+    inflates them again; a document within the bounds costs its inflation twice.)"""
     if not data.startswith(_ZIP_MAGIC):
         return
+    limit = min(bounds.expanded_bytes, len(data) * bounds.expansion_ratio)
+    inflated = 0
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
-            declared = sum(info.file_size for info in z.infolist())
+            members = z.infolist()
     except (zipfile.BadZipFile, OSError, ValueError) as err:
         raise InvalidInput(f"not a readable zip container: {err}", field="content") from err
-    limit = min(bounds.expanded_bytes, len(data) * bounds.expansion_ratio)
-    _check_expansion(declared, len(data), limit, bounds)
+    for info in members:
+        packed = _packed(data, info)
+        if info.compress_type == zipfile.ZIP_STORED:
+            inflated += len(packed)
+            _check_expansion(inflated, len(data), limit, bounds)
+            continue
+        if info.compress_type != zipfile.ZIP_DEFLATED:
+            # OOXML, OpenDocument and EPUB allow these two only; another method could not be
+            # measured here before the reader inflates it.
+            raise InvalidInput(
+                f"{info.filename!r} is compressed with method {info.compress_type}: office "
+                "files and e-books store their members stored or deflated",
+                field="content",
+            )
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        try:
+            while not inflater.eof:
+                step = len(inflater.decompress(packed, 1 << 20))
+                packed = inflater.unconsumed_tail
+                if not step and not packed:
+                    break  # a truncated member: the reader says so
+                inflated += step
+                _check_expansion(inflated, len(data), limit, bounds)
+        except zlib.error as err:
+            raise InvalidInput(
+                f"not a readable zip container: {info.filename!r} is damaged ({err})",
+                field="content",
+            ) from err
+
+
+def _packed(data: bytes, info: zipfile.ZipInfo) -> bytes:
+    """A member's compressed bytes: they follow its local header, whose name and extra field
+    lengths can differ from the central directory's."""
+    header = info.header_offset
+    if data[header : header + 4] != b"PK\x03\x04":
+        raise InvalidInput(
+            f"not a readable zip container: no header for {info.filename!r}", field="content"
+        )
+    name_length, extra_length = struct.unpack_from("<HH", data, header + 26)
+    start = header + 30 + name_length + extra_length
+    return data[start : start + info.compress_size]
 
 
 def _converted(data: bytes, fmt: Format, bounds: Bounds) -> tuple[str, Layout]:
     import kreuzberg
 
     _check_zip(data, bounds)
-    config = _config(kreuzberg, "markdown")
-    try:
-        result = kreuzberg.extract_bytes_sync(_text_bytes(data, fmt), fmt.mime_type, config)
-    except kreuzberg.KreuzbergError as err:
-        if "out of memory" in str(err).lower():
-            # The reader's allocation failed at the child's address-space limit.
-            raise MemoryError(str(err)) from err
-        raise InvalidInput(
-            f"not a readable {fmt.name} file: {_first_line(err)}", field="content"
-        ) from err
+    result = _read(kreuzberg, data, fmt, "markdown")
     layout = Layout(checksum="", format="markdown")
     pages = [
         (int(p["page_number"]), str(p.get("content") or "").replace("\r\n", "\n"))
@@ -247,9 +284,7 @@ def _converted(data: bytes, fmt: Format, bounds: Bounds) -> tuple[str, Layout]:
     if layout.unit == "slide":
         # kreuzberg's markdown leaves speaker notes out; its plain text has them, each
         # slide's after a "Notes:" paragraph.
-        plain = kreuzberg.extract_bytes_sync(
-            _text_bytes(data, fmt), fmt.mime_type, _config(kreuzberg, "plain")
-        )
+        plain = _read(kreuzberg, data, fmt, "plain")
         notes = {}
         for number, text in _pieces(str(plain.content)):
             _, said, note = text.rpartition("\n\nNotes:\n\n")
@@ -260,6 +295,27 @@ def _converted(data: bytes, fmt: Format, bounds: Bounds) -> tuple[str, Layout]:
             for n, text in pieces
         ]
     return _joined(pieces, layout), layout
+
+
+def _read(kreuzberg: Any, data: bytes, fmt: Format, output_format: str) -> Any:
+    """kreuzberg's result, its reports put in Python's terms: a failed allocation (at the
+    child's memory limit) is a MemoryError, whatever kreuzberg wraps it in (`OSError('out of
+    memory')`, `ParsingError('... IO error: out of memory')`); its own errors say the
+    document cannot be read. Anything else it raises goes on as it is: the sandbox says what
+    that means for the document."""
+    content = _text_bytes(data, fmt)
+    try:
+        return kreuzberg.extract_bytes_sync(
+            content, fmt.mime_type, _config(kreuzberg, output_format)
+        )
+    except Exception as err:
+        if "out of memory" in str(err).lower():
+            raise MemoryError(str(err)) from err
+        if isinstance(err, kreuzberg.KreuzbergError):
+            raise InvalidInput(
+                f"not a readable {fmt.name} file: {first_line(err)}", field="content"
+            ) from err
+        raise
 
 
 def _config(kreuzberg: Any, output_format: str) -> Any:
@@ -325,5 +381,5 @@ def _decode(data: bytes, fmt: Format) -> str:
     return text.removeprefix("\ufeff")
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]

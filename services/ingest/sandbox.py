@@ -8,7 +8,8 @@ their latency while a document is read. The time limit is CPU time (a profiling 
 afresh for each document): a reader that runs only when the cores are otherwise idle must
 not fail a document because the machine was busy. A document that burns its CPU seconds is
 killed with its process, which the pool replaces; a wall-clock backstop of `WALL_FACTOR`
-times the limit catches a reader that waits instead of computing.
+times the limit catches a reader that waits instead of computing. `failure` says what each
+way of failing means for the document.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import logging
 import multiprocessing
 import os
 import signal
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 
 from pebble import ProcessExpired, ProcessPool
 
-from services.common.domain.errors import InvalidInput
+from services.common.domain.errors import InvalidInput, KbmeshError, Transient
 from services.common.domain.limits import LimitSettings
-from services.ingest.extract import Bounds, Extracted, extract
+from services.ingest.extract import Bounds, Extracted, NeedsOcr, extract, first_line
 
 log = logging.getLogger("kbmesh.ingest")
 SETTING = "KBMESH_LIMITS__"
@@ -37,16 +40,57 @@ TASKS_PER_CHILD = 100
 WALL_FACTOR = 10
 
 
-def _too_long(seconds: float) -> ExtractionFailed:
+class ExtractionFailed(InvalidInput):
+    """The document took more memory or time than a document may, or the reader failed on
+    it: permanent, since the same bytes fail the same way again."""
+
+
+def failure(err: BaseException, limits: LimitSettings) -> KbmeshError:
+    """What a failed reading means for the document: the one place that decides. Runs in
+    the child for what the reader raised, in the serving process for what became of the
+    child. (kbmesh's own refusals, such as TooLarge for what a zip inflates to, never come
+    here: they stand as they are.)
+
+    A limit the document broke (memory, CPU time) or a reader that failed on it (an
+    exception outside kreuzberg's own, a panic, its process dying) is permanent: the same
+    bytes fail the same way, so the document fails on its first delivery (422, dead
+    letter). Only a broken pool is transient: the next try gets a new one."""
+    memory = f"over the limit of {limits.extract_memory_mb} MB ({SETTING}EXTRACT_MEMORY_MB)"
+    if isinstance(err, FutureTimeout) or (
+        isinstance(err, ProcessExpired) and err.exitcode == -signal.SIGPROF
+    ):
+        return ExtractionFailed(
+            f"reading the document took longer than {limits.extract_seconds:g} s of CPU time "
+            f"and was stopped ({SETTING}EXTRACT_SECONDS)",
+            field="content",
+        )
+    if isinstance(err, MemoryError):
+        return ExtractionFailed(
+            f"reading the document ran out of memory: {memory}", field="content"
+        )
+    if isinstance(err, ProcessExpired):
+        # Killed by the kernel: most often an allocation past RLIMIT_AS in native code (Rust
+        # aborts on one), or the machine's out-of-memory killer.
+        return ExtractionFailed(
+            f"the reader's process died ({_exit(err.exitcode)}) reading the document: most "
+            f"often it ran out of memory, {memory}; else the reader crashed on it",
+            field="content",
+        )
+    if isinstance(err, BrokenProcessPool):
+        return Transient(
+            f"the document readers' process pool broke ({first_line(err)}); reading again"
+        )
     return ExtractionFailed(
-        f"reading the document took longer than {seconds:g} s of CPU time and was stopped "
-        f"({SETTING}EXTRACT_SECONDS)",
+        f"the reader failed on this document: {type(err).__name__}: {first_line(err)}",
         field="content",
     )
 
 
-class ExtractionFailed(InvalidInput):
-    """The document took more memory or time than a document may."""
+def _exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+    return f"exit code {code}"
 
 
 def _limit_child(memory_bytes: int) -> None:
@@ -64,19 +108,29 @@ def _limit_child(memory_bytes: int) -> None:
     import kreuzberg  # noqa: F401  loaded once per child, not per document
 
 
-def _run(
-    data: bytes, declared: str | None, name: str, bounds: Bounds, cpu_seconds: float
-) -> Extracted:
+def _run(data: bytes, declared: str | None, name: str, limits: LimitSettings) -> Extracted:
     # This document's CPU seconds, counted by the kernel for the whole child; when they run
     # out it sends SIGPROF, which ends the child. (RLIMIT_CPU counts whole seconds of the
     # child's life, so it allowed up to a second more than the limit.)
-    signal.setitimer(signal.ITIMER_PROF, cpu_seconds)
+    signal.setitimer(signal.ITIMER_PROF, limits.extract_seconds)
     try:
-        return extract(data, declared, name, bounds)
-    except MemoryError as err:
-        raise ExtractionFailed("reading the document ran out of memory") from err
+        return extract(data, declared, name, _bounds(limits))
+    except (NeedsOcr, KbmeshError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:
+        # Decided here, so that only kbmesh's errors cross back: a reader's own exception
+        # (pyo3's PanicException is a BaseException) may not unpickle in the serving
+        # process, which would read as a broken pool and be retried.
+        raise failure(err, limits) from None
     finally:
         signal.setitimer(signal.ITIMER_PROF, 0)
+
+
+def _bounds(limits: LimitSettings) -> Bounds:
+    return Bounds(
+        expanded_bytes=limits.extract_expanded_bytes,
+        expansion_ratio=limits.extract_expansion_ratio,
+    )
 
 
 class Extractor:
@@ -84,10 +138,6 @@ class Extractor:
 
     def __init__(self, limits: LimitSettings) -> None:
         self.limits = limits
-        self.bounds = Bounds(
-            expanded_bytes=limits.extract_expanded_bytes,
-            expansion_ratio=limits.extract_expansion_ratio,
-        )
         self._pool: ProcessPool | None = None
 
     def _started(self) -> ProcessPool:
@@ -109,33 +159,27 @@ class Extractor:
         self._started().schedule(os.getpid)
 
     async def extract(self, data: bytes, declared: str | None, name: str) -> Extracted:
-        """The document's text and layout; InvalidInput (or its ExtractionFailed) when it
-        cannot be read within the limits, NeedsOcr when it has no text layer."""
-        seconds = self.limits.extract_seconds
-        future = self._started().schedule(
-            _run, args=(data, declared, name, self.bounds, seconds), timeout=seconds * WALL_FACTOR
-        )
+        """The document's text and layout; NeedsOcr when it has no text layer; otherwise
+        the error `failure` makes of what went wrong."""
         try:
-            return await asyncio.wrap_future(future)
-        except FutureTimeout as err:
-            raise _too_long(seconds) from err
-        except ProcessExpired as err:
-            if err.exitcode == -signal.SIGPROF:
-                raise _too_long(seconds) from err
-            # Killed by the kernel: most often an allocation past RLIMIT_AS in native code.
-            log.warning("extraction child died name=%s exitcode=%s", name, err.exitcode)
-            raise ExtractionFailed(
-                f"reading the document exceeded the memory limit of "
-                f"{self.limits.extract_memory_mb} MB, or crashed the reader "
-                f"({SETTING}EXTRACT_MEMORY_MB)",
-                field="content",
-            ) from err
-        except ExtractionFailed as err:
-            raise ExtractionFailed(
-                f"{err.message}: over the limit of {self.limits.extract_memory_mb} MB "
-                f"({SETTING}EXTRACT_MEMORY_MB)",
-                field="content",
-            ) from err
+            return await asyncio.wrap_future(self._schedule(data, declared, name))
+        except (NeedsOcr, KbmeshError):
+            raise
+        except Exception as err:
+            refused = failure(err, self.limits)
+            if isinstance(err, ProcessExpired):
+                log.warning("extraction child died name=%s exitcode=%s", name, err.exitcode)
+            raise refused from err
+
+    def _schedule(self, data: bytes, declared: str | None, name: str) -> Future[Extracted]:
+        try:
+            return self._started().schedule(
+                _run,
+                args=(data, declared, name, self.limits),
+                timeout=self.limits.extract_seconds * WALL_FACTOR,
+            )
+        except RuntimeError as err:  # pebble's pool broke after `_started` looked at it
+            raise BrokenProcessPool(str(err)) from err
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,13 +1,16 @@
 """Documents read within bounds, through the real pipeline: a decompression bomb fails alone
-with the limit it broke named in its reason, the serving process (this one: the whole stack
-runs in it) does not grow, and searches keep their latency while the bomb is being read in its
-child process."""
+with the limit it broke named in its reason, on its first delivery (a document that broke a
+limit, or broke the reader, would break it again), the serving process (this one: the whole
+stack runs in it) does not grow, and searches keep their latency while the bomb is being read
+in its child process."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import os
+import signal
 import statistics
 import time
 import zipfile
@@ -20,7 +23,8 @@ import httpx
 import pytest
 
 from tests.conftest import running_stack
-from tests.support.domain import create_kb, upload
+from tests.support.archives import damaged_deck, lying_deck
+from tests.support.domain import create_kb, uid, upload
 
 # The static guards (expansion ratio and size) are opened wide here so that the bombs reach
 # the extraction child and meet its memory and time limits; tests/unit/test_extract.py
@@ -32,6 +36,9 @@ LIMITS = {
     "extract_expanded_bytes": 4 * 1024**3,
 }
 SAMPLES = 80
+# A redelivered upload waits 0.5 s, then 2 s, 5 s and 15 s before its next tries: a refusal
+# within this many seconds was refused on its first delivery.
+FIRST_DELIVERY_SECONDS = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +47,22 @@ async def stack(tmp_path_factory, embedders) -> AsyncIterator[tuple[Any, httpx.A
         tmp_path_factory.mktemp("limits"), embedders=embedders, limits=LIMITS
     ) as (rt, client):
         yield rt, client
+
+
+@pytest.fixture(scope="module")
+async def default_stack(tmp_path_factory, embedders) -> AsyncIterator[httpx.AsyncClient]:
+    """The limits of a fresh `kbmesh up`."""
+    async with running_stack(tmp_path_factory.mktemp("defaults"), embedders=embedders) as (
+        _rt,
+        client,
+    ):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def lying_bomb() -> bytes:
+    """0.6 MB: a presentation whose slide inflates to 600 MB while it declares 3 kB."""
+    return lying_deck(600 * 1024 * 1024)
 
 
 def gzip_bomb(expanded: int) -> bytes:
@@ -74,6 +97,28 @@ def docx_bomb(paragraphs: int) -> bytes:
 async def upload_bytes(client: httpx.AsyncClient, name: str, data: bytes) -> httpx.Response:
     body = {"name": name, "content": base64.b64encode(data).decode(), "content_encoding": "base64"}
     return await client.post("/v1/documents?wait=true", json=body)
+
+
+async def refused_once(
+    client: httpx.AsyncClient, data: bytes, status: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Upload `data` (wait=true) and return the problem body and the dead letter of a refusal
+    on the first delivery: answered `status` within seconds, dead-lettered after one
+    delivery, nothing stored."""
+    name = f"deck-{uid()}.pptx"
+    started = time.perf_counter()
+    r = await upload_bytes(client, name, data)
+    elapsed = time.perf_counter() - started
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/problem+json", r.headers
+    assert elapsed < FIRST_DELIVERY_SECONDS, f"answered after {elapsed:.1f} s"
+    letters = (await client.get("/v1/dead-letters", params={"subject": "doc.uploaded"})).json()
+    (letter,) = [item for item in letters["items"] if item["name"] == name]
+    assert letter["delivered"] == 1, letter
+    assert letter["error_type"] == r.json()["error_type"], (letter, r.text)
+    gone = await client.get(f"/v1/documents/{letter['document_id']}")
+    assert gone.status_code == 404, gone.text
+    return r.json(), letter
 
 
 def peak_rss_mb() -> float:
@@ -115,6 +160,41 @@ async def test_bombs_fail_alone_with_the_limit_named(stack):
     assert any("EXTRACT_MEMORY_MB" in reason for reason in reasons), reasons
     ok = await upload(client, "fine.md", "# Fine\n\nReadable after the bombs.", kb_id="default")
     assert ok["status"] == "complete", ok
+
+
+async def test_a_zip_bomb_that_lies_about_its_sizes_is_refused_on_its_first_delivery(
+    default_stack, lying_bomb
+):
+    """With the limits of a fresh `kbmesh up`, a presentation whose slide inflates to 600 MB
+    while both its headers declare 3 kB is refused as too large (413, naming the setting)
+    within seconds: its members are inflated and counted before the reader gets them. It is
+    dead-lettered on its first delivery and nothing is stored."""
+    problem, letter = await refused_once(default_stack, lying_bomb, 413)
+    assert problem["error_type"] == "ContentTooLarge", problem
+    assert "KBMESH_LIMITS__EXTRACT_EXPANDED_BYTES" in problem["detail"], problem
+    assert "KBMESH_LIMITS__EXTRACT_EXPANDED_BYTES" in letter["error"], letter
+
+
+async def test_a_lying_bomb_past_the_size_guards_meets_the_memory_cap_once(stack, lying_bomb):
+    """With the size guards opened wide, the same bomb reaches the reader, which runs out of
+    memory at the child's cap: that is the memory limit (422 naming its setting) on the first
+    delivery, not an error to retry."""
+    _rt, client = stack
+    problem, letter = await refused_once(client, lying_bomb, 422)
+    assert "KBMESH_LIMITS__EXTRACT_MEMORY_MB" in problem["detail"], problem
+    assert "KBMESH_LIMITS__EXTRACT_MEMORY_MB" in letter["error"], letter
+
+
+async def test_a_document_that_breaks_the_reader_fails_without_retries(default_stack):
+    """A presentation whose slide's checksum is wrong makes the reader fail with an error
+    outside its own error types (an I/O error): the document failed (422 with the reader's
+    reason) on its first delivery, since the same bytes would fail the same way again."""
+    problem, letter = await refused_once(default_stack, damaged_deck(), 422)
+    assert problem["error_type"] == "ValidationError", problem
+    assert "checksum" in problem["detail"].lower(), problem
+    assert "checksum" in letter["error"].lower(), letter
+    ok = await upload(default_stack, "fine.md", "# Fine\n\nRead after the damaged deck.")
+    assert ok["status"] in ("stored", "complete"), ok
 
 
 async def test_searches_keep_their_latency_and_the_server_its_memory_during_a_bomb(stack):
@@ -177,6 +257,44 @@ async def test_a_document_past_the_time_limit_is_stopped_and_the_next_one_reads(
             await extractor.extract(docx_bomb(16_000_000), None, "empty.docx")
         read = await extractor.extract(b"# Fine\n\nStill read.", None, "fine.md")
         assert read.text.startswith("# Fine") and read.layout.format == "markdown"
+    finally:
+        extractor.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_a_reader_process_that_dies_fails_its_document_once_and_the_next_one_reads():
+    """A reader whose process dies while it reads a document (killed here, as the kernel's
+    out-of-memory killer or a crash in native code ends it) fails that document for good,
+    naming the signal; the pool replaces the process, and the next document is read."""
+    import multiprocessing
+
+    from services.common.domain.limits import LimitSettings
+    from services.ingest.sandbox import ExtractionFailed, Extractor
+
+    limits = {**LIMITS, "extract_workers": 1, "extract_memory_mb": 4096}
+    extractor = Extractor(LimitSettings(**limits))
+    before = set(multiprocessing.active_children())
+    try:
+        await extractor.extract(b"# Warm\n\nThe reader is up.", None, "warm.md")
+        (child,) = set(multiprocessing.active_children()) - before
+        idle = cpu_seconds(child.pid)
+        reading = asyncio.create_task(extractor.extract(docx_bomb(16_000_000), None, "empty.docx"))
+        deadline = time.monotonic() + 60
+        # An idle reader uses no CPU: once it has, it is reading the document.
+        while cpu_seconds(child.pid) < idle + 0.2:
+            assert time.monotonic() < deadline and not reading.done(), "it never read"
+            await asyncio.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
+        with pytest.raises(ExtractionFailed, match="SIGKILL") as refused:
+            await reading
+        assert not refused.value.retryable
+        read = await extractor.extract(b"# Fine\n\nStill read.", None, "fine.md")
+        assert read.text.startswith("# Fine")
     finally:
         extractor.close()
 

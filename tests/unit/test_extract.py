@@ -126,6 +126,36 @@ def test_decompression_bombs_are_refused_by_ratio_and_by_size() -> None:
         extract(docx.getvalue(), None, "bomb.docx", Bounds(100 * 1024 * 1024, 200))
 
 
+def test_a_zip_that_lies_about_its_sizes_is_refused_by_what_its_members_inflate_to() -> None:
+    """Declared sizes can lie: a presentation whose slide declares 3 kB but inflates to 20 MB
+    is refused by the bytes its members really inflate to, before the reader gets it (the
+    members are inflated in bounded steps, counted, and dropped)."""
+    from tests.support.archives import lying_deck
+
+    bomb = lying_deck(20 * 1024 * 1024)
+    with zipfile.ZipFile(io.BytesIO(bomb)) as z:
+        assert sum(info.file_size for info in z.infolist()) < 200 * 1024, "it declares little"
+    with pytest.raises(TooLarge, match="EXTRACT_EXPANDED_BYTES"):
+        extract(bomb, None, "deck.pptx", BOUNDS)
+    with pytest.raises(TooLarge, match="EXTRACT_EXPANSION_RATIO"):
+        extract(bomb, None, "deck.pptx", Bounds(expanded_bytes=10**9, expansion_ratio=200))
+
+
+def test_zip_members_in_another_compression_method_than_office_files_use_are_refused() -> None:
+    """Office files, OpenDocument and EPUB store their members stored or deflated; a member
+    in another method could not be counted before the reader inflates it, so it is refused."""
+    deck = io.BytesIO()
+    with (
+        zipfile.ZipFile(FORMATS / "deck.pptx") as src,
+        zipfile.ZipFile(deck, "w", zipfile.ZIP_DEFLATED) as dst,
+    ):
+        for info in src.infolist():
+            method = zipfile.ZIP_BZIP2 if info.filename.endswith("slide1.xml") else None
+            dst.writestr(info.filename, src.read(info), compress_type=method)
+    with pytest.raises(InvalidInput, match="stored or deflated"):
+        extract(deck.getvalue(), None, "deck.pptx", BOUNDS)
+
+
 def test_an_outlook_message_is_known_by_its_bytes() -> None:
     """A compound file whose directory names MAPI property streams is an Outlook message
     under any name; another compound file under a .msg name is refused, not guessed."""
