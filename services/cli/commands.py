@@ -316,9 +316,16 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
         tasks = [asyncio.create_task(start_consuming(rt))]
         if "gateway" in rt.services:
             from services.cli.runtime import gateway_app
+            from services.gateway.bodylimit import largest_body_bytes
             from services.gateway.server import server_config
 
-            config = server_config(gateway_app(rt), settings.host, settings.port, settings.http)
+            config = server_config(
+                gateway_app(rt),
+                settings.host,
+                settings.port,
+                settings.http,
+                max_body_bytes=largest_body_bytes(settings),
+            )
             server = uvicorn.Server(config)
             tasks.append(asyncio.create_task(server.serve()))
             base = f"http://{settings.host}:{settings.port}"

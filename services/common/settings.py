@@ -163,13 +163,14 @@ class HttpSettings(BaseModel):
         20.0,
         gt=0,
         description="a request's body must arrive within this once its headers have, plus "
-        "the time its declared length takes at body_min_bytes_per_second",
+        "the time its declared length (at most the largest body the gateway takes) needs at "
+        "body_min_bytes_per_second",
     )
     body_min_bytes_per_second: int = Field(
         100_000,
         ge=1,
-        description="the slowest upload rate a body's deadline allows for (a 20 MB body, the "
-        "largest upload in base64, gets 20 s + 200 s at the defaults)",
+        description="the slowest upload rate a body's deadline allows for (the largest body, "
+        "a 10 MiB document in JSON, ~32 MB, gets 20 s + 319 s at the defaults)",
     )
     connections_per_client: int = Field(
         256,

@@ -33,6 +33,7 @@ from services.gateway.api import types as formats
 from services.gateway.apidocs import mount_api_docs
 from services.gateway.auth import KeyResolver
 from services.gateway.bodyguard import JsonBodyGuard
+from services.gateway.bodylimit import BodyLimit
 from services.gateway.console import mount_console
 from services.gateway.guard import BrowserGuard, HostGuard, HostRule, KeyGate
 from services.gateway.mcp import KbmeshMCP, MountRoot
@@ -125,9 +126,11 @@ def create_app(
         # HTTP metrics of its own beside /metrics. (An older FastAPI keeps this as `extra`.)
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    # Outermost last: the span, then Host, CORS, browser writes, the key, the JSON body.
+    # Outermost last: the span, then Host, CORS, browser writes, the key, the body's size
+    # (the first to read a body), the JSON body.
     settings = service.settings
     app.add_middleware(JsonBodyGuard)
+    app.add_middleware(BodyLimit, settings=settings)
     app.add_middleware(KeyGate, keys=keys)
     app.add_middleware(BrowserGuard, cors_origins=settings.cors_origins)
     if settings.cors_origins:

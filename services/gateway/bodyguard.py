@@ -6,6 +6,8 @@ can handle is refused with a 422 problem body before any route sees it.
 - Lone surrogates (`"\\ud800"`): valid JSON escapes, but not Unicode; encoding them as UTF-8
   for the bus, the object store or a reply fails.
 
+It reads the whole body; `BodyLimit` (bodylimit.py), in front of it, bounds how much there is.
+
 Most bodies cost one `bytes.count`: fewer brackets than `max_depth` cannot nest too deep, and
 without a `\\uD8xx`-`\\uDFxx` escape there is no surrogate to find.
 """

@@ -14,10 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.transport_security import (
-    DEFAULT_MAX_REQUEST_BODY_SIZE,
-    TransportSecuritySettings,
-)
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from mcp_types import Tool as MCPTool
 from starlette.applications import Starlette
@@ -29,6 +26,7 @@ from services.common.bus.client import BUS_UNAVAILABLE, unavailable
 from services.common.domain.errors import KbmeshError, NotFound
 from services.common.settings import Settings
 from services.gateway.auth import KeyResolver, Principal, Unauthorized
+from services.gateway.bodylimit import body_limit
 from services.gateway.guard import resolved_principal
 from services.gateway.problems import RETRY_AFTER
 from services.gateway.service import GatewayService
@@ -144,11 +142,15 @@ class KbmeshMCP(MCPServer):
         return Principal(org_id=self.gateway_settings.default_org)
 
     def streamable_http_app(self, **kwargs: Any) -> Starlette:
-        """The SDK's app, with the gateway's Host rule in place of the SDK's, a body limit
-        that lets a maximum-size upload reach the tool (which then answers with a clear
-        error past it), and API keys checked before the MCP session sees the request."""
+        """The SDK's app, with the gateway's Host rule in place of the SDK's, the gateway's
+        body limit in place of the SDK's (`BodyLimit` holds /mcp to it before the SDK reads
+        a byte; it lets a maximum-size upload reach the tool, which then answers with a
+        clear error past it), and API keys checked before the MCP session sees the request."""
         kwargs.setdefault("transport_security", transport_security(self.gateway_settings))
-        kwargs.setdefault("max_request_body_size", request_body_limit(self.gateway_settings))
+        kwargs.setdefault(
+            "max_request_body_size",
+            body_limit(self.gateway_settings, "POST", "/mcp", "application/json"),
+        )
         app = super().streamable_http_app(**kwargs)
         if self.keys is not None:
             app.add_middleware(ApiKeyGuard, keys=self.keys)
@@ -188,11 +190,6 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
     """The SDK's own Host and Origin checks stay off: the gateway's `HostGuard` and
     `BrowserGuard` hold every route, /mcp included, to one rule (`KBMESH_ALLOWED_HOSTS`)."""
     return TransportSecuritySettings(enable_dns_rebinding_protection=False)
-
-
-def request_body_limit(settings: Settings) -> int:
-    # Base64 inflates by 4/3 and JSON escaping adds more: twice the content limit plus room.
-    return max(DEFAULT_MAX_REQUEST_BODY_SIZE, settings.max_content_bytes * 2 + 1024 * 1024)
 
 
 class ApiKeyGuard:

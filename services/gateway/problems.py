@@ -104,7 +104,7 @@ _DESCRIPTIONS = {
     "a web page of another origin sent the write",
     404: "No such resource in the caller's org and scope",
     409: "Conflicts with the current state (a limit, a duplicate name, a concurrent change)",
-    413: "The content is larger than the configured limit",
+    413: "The body, or a document's content, is larger than its limit",
     415: "The body is not `application/json`",
     422: "The request is invalid; `errors` lists every field at fault",
     503: "NATS or a service is unavailable; retry after `Retry-After` seconds",

@@ -7,7 +7,8 @@ it likes, and a few thousand of them exhaust the server. The protocol here close
 connection whose request line and headers have not arrived within `header_timeout_seconds`
 of the connection (or of the request's first byte) with 408, one whose body has not arrived
 within `body_timeout_seconds` of its headers (plus its declared length at
-`body_min_bytes_per_second`: a large upload on a slow link is not cut off), and answers a
+`body_min_bytes_per_second`: a large upload on a slow link is not cut off; but never more
+than the largest body the app takes, whatever length a client declares), and answers a
 client address past `connections_per_client` open connections with 503 at once. Everything
 else is uvicorn's httptools protocol unchanged.
 """
@@ -34,9 +35,10 @@ TOO_MANY_CONNECTIONS = (
 )
 
 
-def guarded_protocol(limits: HttpSettings) -> type[HttpToolsProtocol]:
-    """An httptools protocol class that enforces `limits`; one class (and one count of
-    connections per client address) per server."""
+def guarded_protocol(limits: HttpSettings, max_body_bytes: int) -> type[HttpToolsProtocol]:
+    """An httptools protocol class that enforces `limits` for an app whose largest body is
+    `max_body_bytes`; one class (and one count of connections per client address) per
+    server."""
     open_connections: Counter[str] = Counter()
     cap = limits.connections_per_client
 
@@ -72,7 +74,7 @@ def guarded_protocol(limits: HttpSettings) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
-            self._arm(body_deadline(self.headers, limits), headers=False)
+            self._arm(body_deadline(self.headers, limits, max_body_bytes), headers=False)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
@@ -99,22 +101,30 @@ def guarded_protocol(limits: HttpSettings) -> type[HttpToolsProtocol]:
     return GuardedHttpProtocol
 
 
-def body_deadline(headers: list[tuple[bytes, bytes]], limits: HttpSettings) -> float:
-    """Seconds a request's body may take: a grace, plus its declared length at the slowest
-    rate allowed (a chunked body, of no declared length, gets the grace alone)."""
+def body_deadline(
+    headers: list[tuple[bytes, bytes]], limits: HttpSettings, max_body_bytes: int
+) -> float:
+    """Seconds a request's body may take: a grace, plus its declared length, up to
+    `max_body_bytes`, at the slowest rate allowed (a chunked body, of no declared length,
+    gets the grace alone). Capped, because a body the app refuses unread may still be
+    drained to keep its connection, and a client declares what length it likes."""
     for name, value in headers:
         if name == b"content-length" and value.strip().isdigit():
-            return limits.body_timeout_seconds + int(value) / limits.body_min_bytes_per_second
+            length = min(int(value), max_body_bytes)
+            return limits.body_timeout_seconds + length / limits.body_min_bytes_per_second
     return limits.body_timeout_seconds
 
 
-def server_config(app: Any, host: str, port: int, limits: HttpSettings) -> uvicorn.Config:
-    """The uvicorn configuration every gateway (and test server) runs with."""
+def server_config(
+    app: Any, host: str, port: int, limits: HttpSettings, *, max_body_bytes: int
+) -> uvicorn.Config:
+    """The uvicorn configuration every gateway (and test server) runs with; `max_body_bytes`
+    is the largest body `app` takes (the gateway's: `bodylimit.largest_body_bytes`)."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level="warning",
         lifespan="on",
-        http=guarded_protocol(limits),
+        http=guarded_protocol(limits, max_body_bytes),
     )

@@ -12,17 +12,24 @@ import uvicorn
 
 from services.common.bus.nats_server import free_port
 from services.common.settings import HttpSettings
+from services.gateway.bodylimit import JSON_BODY_BYTES
 from services.gateway.server import server_config
 
 
 @contextlib.asynccontextmanager
 async def serve_app(
-    app: Any, *, lifespan: str = "on", limits: HttpSettings | None = None
+    app: Any,
+    *,
+    lifespan: str = "on",
+    limits: HttpSettings | None = None,
+    max_body_bytes: int = JSON_BODY_BYTES,
 ) -> AsyncIterator[str]:
     """`app` behind uvicorn on 127.0.0.1:<free port>, with the gateway's client deadlines and
-    connection cap (`limits`, default the settings' defaults); yields the base URL."""
+    connection cap (`limits`, default the settings' defaults) for an app whose largest body
+    is `max_body_bytes`; yields the base URL."""
     port = free_port()
-    config = server_config(app, "127.0.0.1", port, limits or HttpSettings())
+    limits = limits or HttpSettings()
+    config = server_config(app, "127.0.0.1", port, limits, max_body_bytes=max_body_bytes)
     config.lifespan = lifespan
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
