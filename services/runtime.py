@@ -24,6 +24,7 @@ from services.common.infra.audit import sink as audit_sink
 from services.common.infra.bus import Bus
 from services.common.infra.datadir import CURRENT_FORMAT, DataDirError, open_data_dir
 from services.common.infra.egress import egress_policy
+from services.common.infra.files import write_private
 from services.common.infra.natsproc import NatsServer
 from services.common.infra.registry import Registries
 from services.common.infra.store import VectorStore, create_store
@@ -85,7 +86,7 @@ class Runtime:
 
 def prepare_data_dir(data_dir: Path) -> None:
     """The data directory holds credentials, documents and vectors: its owner's only (0700;
-    files inside are created 0600 by the CLI's umask and by `busauth.write_private`)."""
+    files inside are created 0600 by the CLI's umask and by `files.write_private`)."""
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(data_dir, 0o700)
 
@@ -97,7 +98,7 @@ def start_private_nats(data_dir: Path) -> NatsServer:
     server = NatsServer(
         data_dir / "nats", accounts=lambda: busauth.local_accounts(data_dir)
     ).start()
-    busauth.write_private(data_dir / "nats.url", server.url)
+    write_private(data_dir / "nats.url", server.url)
     return server
 
 
