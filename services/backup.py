@@ -42,7 +42,6 @@ import shutil
 import tarfile
 import time
 import zlib
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -92,6 +91,8 @@ RECORDS: dict[str, type[BaseModel]] = {
     "kv/documents": DocumentRecord,
 }
 _PART = re.compile(r"\d{6}\.jsonl")
+# What a restore counts as it writes it.
+COUNTED = ("kbs", "documents", "objects", "keys", "prompts", "audit", "events")
 
 MiB = 1 << 20
 # Restore holds one member in memory at a time, at most this many bytes (or the largest
@@ -113,6 +114,7 @@ INGEST_CONSUMERS = (
     (Subject.TAGS_CHANGED, "ingest-tags-changed"),
     (Subject.DOC_DELETED, "ingest-doc-deleted"),
 )
+INGEST_SUBJECTS = frozenset(str(subject) for subject, _ in INGEST_CONSUMERS)
 RESTORE_WRITER = Writer(kind="operator", name="kbmesh restore")
 
 
@@ -152,11 +154,9 @@ class PendingEvent(BaseModel):
     @classmethod
     def _ingest_takes_it(cls, subject: str) -> str:
         # Replayed as the stack's own user: only what ingest consumes, never (say) kb.index.
-        parts = subject.split(".")
-        upstream = len(parts) == 5 and busauth.publisher_of(subject) is not None
-        if ".".join(parts[:2]) not in {str(s) for s, _ in INGEST_CONSUMERS} or not (
-            len(parts) == 2 or upstream
-        ):
+        # An upstream publisher's arrives as `<subject>.upstream.<org>.<publisher>`.
+        upstream = busauth.publisher_of(subject) is not None
+        if (".".join(subject.split(".")[:2]) if upstream else subject) not in INGEST_SUBJECTS:
             raise ValueError(f"subject {subject} is not one ingest takes")
         return subject
 
@@ -661,7 +661,7 @@ async def restore(
         creds = busauth.local_credentials(data_dir)["operator"]
         nc = await nats.connect(rt.bus.url or "", user=creds.user, password=creds.password)
         try:
-            restorer = _Restorer(rt, nc.jetstream(), path, with_keys, with_prompts)
+            restorer = _Restorer(rt, nc.jetstream(), path, manifest, with_keys, with_prompts)
             # Read and checked again as it is written: the file may have changed since.
             with _Reader(path, limit) as reader:
                 for section, name, data in reader.members(reader.manifest()):
@@ -677,7 +677,7 @@ async def restore(
             # The archive changed under the restore, or the bus failed: no half-written data
             # dir is left to be taken for a restored one.
             _discard(data_dir, created)
-    return Restored(dict(restorer.counts), dict(restorer.left_out), manifest.skipped_documents)
+    return Restored(restorer.counts, restorer.left_out, manifest.skipped_documents)
 
 
 def _check_space(path: Path, manifest: Manifest, data_dir: Path) -> None:
@@ -707,79 +707,75 @@ class _Restorer:
         rt: Runtime,
         operator: JetStreamContext,
         path: Path,
+        manifest: Manifest,
         with_keys: bool,
         with_prompts: bool,
     ) -> None:
         self.rt = rt
         self.operator = operator
         self.path = path
+        self.manifest = manifest
         self.with_keys = with_keys
         self.with_prompts = with_prompts
-        self.counts: Counter[str] = Counter(
-            dict.fromkeys(("kbs", "documents", "objects", "keys", "prompts", "audit", "events"), 0)
-        )
-        self.left_out: Counter[str] = Counter()
+        self.counts = dict.fromkeys(COUNTED, 0)
+        self.left_out: dict[str, int] = {}
         self.kbs: list[KnowledgeBase] = []
         self.keys: list[ApiKey] = []
         self.orgs: set[str] = set()
         self.settled = False
 
     async def take(self, section: str, name: str, data: bytes) -> None:
-        reg = self.rt.registries
         if section == "objects":
-            await reg.texts.put(name.removeprefix("objects/"), data)
+            await self.rt.registries.texts.put(name.removeprefix("objects/"), data)
             self.counts["objects"] += 1
-            return
-        if section == "events":
+        elif section == "audit":
+            # The archive's trail as it was, each entry under its own id (de-duplicated).
+            for entry, raw in _rows(self.path, name, data, _audit_entry):
+                await self.operator.publish(
+                    audit_subject(entry.org_id, entry.kind),
+                    raw,
+                    headers={"Nats-Msg-Id": entry.event_id},
+                    stream=AUDIT_STREAM,
+                )
+                self.counts["audit"] += 1
+        elif section == "events":
             await self.settle()
-        for row in _parse(self.path, section, name, data):
-            await self._row(section, row)
+            for event in _rows(self.path, name, data, PendingEvent.model_validate_json):
+                await self.rt.bus.js.publish(
+                    event.subject, event.payload(), headers=event.headers or None, stream=STREAM
+                )
+                self.counts["events"] += 1
+        else:
+            for key, record in _rows(self.path, name, data, _record_reader(RECORDS[section])):
+                await self._record(key, record)
 
-    async def _row(self, section: str, row: Any) -> None:
+    async def _record(self, key: str, record: BaseModel) -> None:
         reg = self.rt.registries
-        if section == "kv/kbs":
-            key, kb = row
+        if isinstance(record, KnowledgeBase):
             # The collections a rebuild was reading from are not in the archive: the
             # restored KB serves the generation that restore builds.
-            kb.cancel_rebuild()
-            await reg.kbs.put(key, kb)
-            self.kbs.append(kb)
-            self._count("kbs", kb.org_id)
-        elif section == "kv/keys":
-            key, api_key = row
-            if not self.with_keys:
-                self.left_out["keys"] += 1
-                return
-            kv = await self.operator.key_value(busauth.KEYS_BUCKET)
-            await kv.put(key, api_key.model_dump_json().encode())
-            self.keys.append(api_key)
-            self._count("keys", api_key.org_id)
-        elif section == "kv/prompts":
-            key, prompt = row
-            if not self.with_prompts:
-                self.left_out["prompts"] += 1
-                return
-            await reg.prompts.put(key, prompt)
-            self._count("prompts", prompt.org_id)
-        elif section == "kv/documents":
-            key, record = row
+            record.cancel_rebuild()
+            await reg.kbs.put(key, record)
+            self.kbs.append(record)
+            self._count("kbs", record.org_id)
+        elif isinstance(record, DocumentRecord):
             record.kb_ids, record.kb_errors = [], {}  # membership is decided again below
             await reg.documents.put(key, record)
             self._count("documents", record.org_id)
-        elif section == "audit":
-            entry, raw = row
-            await self.operator.publish(
-                audit_subject(entry.org_id, entry.kind),
-                raw,
-                headers={"Nats-Msg-Id": entry.event_id},
-                stream=AUDIT_STREAM,
-            )
-            self.counts["audit"] += 1
-        elif section == "events":
-            await self.rt.bus.js.publish(
-                row.subject, row.payload(), headers=row.headers or None, stream=STREAM
-            )
-            self.counts["events"] += 1
+        elif isinstance(record, ApiKey):
+            if not self.with_keys:
+                self.left_out["keys"] = self.left_out.get("keys", 0) + 1
+                return
+            kv = await self.operator.key_value(busauth.KEYS_BUCKET)
+            await kv.put(key, record.model_dump_json().encode())
+            self.keys.append(record)
+            self._count("keys", record.org_id)
+        elif isinstance(record, Prompt):
+            if not self.with_prompts:
+                self.left_out["prompts"] = self.left_out.get("prompts", 0) + 1
+                return
+            await reg.prompts.put(key, record)
+            self._count("prompts", record.org_id)
 
     def _count(self, what: str, org_id: str) -> None:
         self.counts[what] += 1
@@ -801,7 +797,7 @@ class _Restorer:
                     kind="backup",
                     action="restored",
                     writer=RESTORE_WRITER,
-                    name=self.path.name,
+                    name=f"{self.path.name} (written {self.manifest.created_at})",
                 )
             )
         for key in self.keys:
