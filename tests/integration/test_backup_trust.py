@@ -33,7 +33,7 @@ from services.cli import main
 from services.common.infra.registry import ApiKey
 from services.gateway.auth import hash_key, key_id, new_key
 from tests.conftest import running_stack
-from tests.support.bus import OperatorKeys
+from tests.support.bus import OperatorKeys, bus_env
 from tests.support.domain import create_kb, uid, upload
 from tests.support.procs import KBMESH, ROOT, kbmesh_env
 
@@ -179,14 +179,16 @@ runpy.run_module("services.cli", run_name="__main__", alter_sys=True)
 """
 
 
-async def kbmesh(*args: str, address_space: int | None = None) -> tuple[int, str, str]:
+async def kbmesh(
+    *args: str, address_space: int | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
     command = [*KBMESH, *args]
     if address_space is not None:
         command = [sys.executable, "-c", BOUNDED, str(address_space), *args]
     proc = await asyncio.create_subprocess_exec(
         *command,
         cwd=ROOT,
-        env=kbmesh_env(),
+        env=kbmesh_env(**(env or {})),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -432,31 +434,35 @@ async def test_keys_restored_with_with_keys_work_and_each_is_audited(
 async def test_backup_never_writes_through_a_link_planted_where_it_writes(
     tmp_path: Path, embedders
 ) -> None:
-    """Links planted at the archive's old temporary name and at the archive's own name: their
-    targets keep their content and mode; the archive is a new regular file, 0600."""
-    out = tmp_path / "out"
-    out.mkdir()
+    """`kbmesh backup` with links planted at the archive's old temporary name and at the
+    archive's own name: their targets keep their content and mode; the archive is a new
+    regular file, 0600."""
+    folder = tmp_path / "out"
+    folder.mkdir()
     victims = {}
     for name in ("partial-victim", "final-victim"):
         victims[name] = tmp_path / name
         victims[name].write_text("precious")
         victims[name].chmod(0o644)
-    archive = out / "stack.tar.gz"
-    (out / f".{archive.name}.partial").symlink_to(victims["partial-victim"])
+    archive = folder / "stack.tar.gz"
+    (folder / f".{archive.name}.partial").symlink_to(victims["partial-victim"])
     archive.symlink_to(victims["final-victim"])
 
     async with running_stack(tmp_path / "a", embedders=embedders) as (rt, client):
         await create_kb(client)
-        await backup(rt.bus.js, archive)
+        # `kbmesh backup` as an operator runs it against a stack: its NATS URL and user.
+        rc, out, err = await kbmesh("backup", str(archive), env=bus_env(rt, "operator"))
 
     for victim in victims.values():
         assert victim.read_text() == "precious"
         assert victim.stat().st_mode & 0o777 == 0o644
+    assert rc == 0, (out, err)
+    assert out.startswith(f"wrote {archive}: 2 KBs,"), out
     assert not archive.is_symlink()
     assert archive.stat().st_mode & 0o777 == 0o600
     assert manifest(members_of(archive))["counts"]["kbs"] == 2  # the default KB and ours
     # Nothing of the backup's own is left beside the archive.
-    assert sorted(p.name for p in out.iterdir()) == sorted(
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
         [archive.name, f".{archive.name}.partial"]
     )
-    assert os.readlink(out / f".{archive.name}.partial") == str(victims["partial-victim"])
+    assert os.readlink(folder / f".{archive.name}.partial") == str(victims["partial-victim"])
