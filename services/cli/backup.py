@@ -1,10 +1,11 @@
 """Backup and restore of a stack: `kbmesh backup FILE` and `kbmesh restore FILE --data-dir DIR`.
 
 The archive holds the source of truth, read over the bus while the stack keeps serving:
-KB definitions, API keys, stored prompts, and every document whose text is extracted, with
-its text and original bytes. Each document is taken with the text its record describes (the
-text's checksum is the record's; a document that changes while it is read is read again), so
-the archive never pairs one revision's record with another's text.
+KB definitions, API keys (their hashes), stored prompts, every document whose text is
+extracted, with its text and original bytes, the audit trail, and the uploads accepted but
+not ingested yet. Each document is taken with the text its record describes (the text's
+checksum is the record's; a document that changes while it is read is read again), so the
+archive never pairs one revision's record with another's text.
 
 Vectors are not in the archive: they are recomputed from the texts. `restore` builds a new
 data dir, writes what the archive holds, and runs ingest and embed over it until every
@@ -12,41 +13,98 @@ document is indexed in every KB it belongs to, so `kbmesh up` on that dir answer
 backed-up stack did. Documents still being extracted when the backup ran are left out and
 listed in the archive's manifest: upload them again.
 
-The archive is a gzip'd tar: `manifest.json`, `kv/<bucket>.jsonl` (key and value per line)
-and `objects/<name>` (the `texts` object store).
+The archive is a gzip'd tar. `manifest.json` comes first and lists every other member in
+order with its size and SHA-256; then `kv/<bucket>/NNNNNN.jsonl` (key and value per line),
+`objects/<name>` (the `texts` object store), `audit/NNNNNN.jsonl` (the trail, oldest first)
+and `events/NNNNNN.jsonl` (pending uploads).
+
+Restore trusts nothing it has not checked. It reads the archive front to back with a running
+count of the bytes taken (so no header or member can make it hold more than the manifest
+declares, and no member more than `member_limit`), checks every member's size and SHA-256
+and parses every record before it writes anything, then reads it again to write it,
+checking each member again. A malformed or altered archive is one `BackupError` and leaves no
+data dir. The checksums catch damage and any edit that does not also rewrite the manifest;
+they are no signature: whoever can rewrite the archive can rewrite its manifest, so archives
+are protected like the key store. API keys and stored prompts are restored only when asked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import gzip
+import hashlib
 import io
 import json
+import re
+import shutil
 import tarfile
 import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError, NotFoundError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from services.cli.runtime import SERVICES, build_runtime, start_consuming
+from services.cli.runtime import SERVICES, Runtime, build_runtime, start_consuming
 from services.common.bus import auth as busauth
-from services.common.bus.registry import Registries, TextStore
+from services.common.bus.audit import (
+    AuditEntry,
+    audit_subject,
+)
+from services.common.bus.audit import (
+    sink as audit_sink,
+)
+from services.common.bus.registry import ApiKey, KbRegistry, Registries, TextStore
 from services.common.domain.content import checksum, content_checksum
+from services.common.domain.ids import new_id
 from services.common.domain.layout import layout_object
-from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase
+from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase, Writer
+from services.common.messages.answers import Prompt
 from services.common.messages.events import STREAM, KbChanged, Subject
-from services.common.messages.names import KEYS_BUCKET
+from services.common.messages.names import AUDIT_PREFIX, AUDIT_STREAM, KEYS_BUCKET
 from services.common.ops.datadir import CURRENT_FORMAT, read_format
+from services.common.ops.files import replacing
 from services.common.settings import Settings
 
-ARCHIVE_VERSION = 1
+# 2: every member's size and SHA-256 in the manifest, tables in parts, the audit trail.
+# 1 (no checksums) is refused: nothing in it could be verified.
+ARCHIVE_VERSION = 2
 # The index bucket is left out: its entries describe vectors, which restore rebuilds.
 BUCKETS = ("kbs", "keys", "prompts", "documents")
+# The parts of an archive in the order backup writes them and restore applies them: KBs and
+# records before the texts, the old audit trail before anything this restore adds to it,
+# pending uploads last (ingest takes them on top of everything else).
+SECTIONS = ("kv/kbs", "kv/keys", "kv/prompts", "kv/documents", "objects", "audit", "events")
+RECORDS: dict[str, type[BaseModel]] = {
+    "kv/kbs": KnowledgeBase,
+    "kv/keys": ApiKey,
+    "kv/prompts": Prompt,
+    "kv/documents": DocumentRecord,
+}
+_PART = re.compile(r"\d{6}\.jsonl")
+# What a restore counts as it writes it.
+COUNTED = ("kbs", "documents", "objects", "keys", "prompts", "audit", "events")
+
+MiB = 1 << 20
+# Restore holds one member in memory at a time, at most this many bytes (or the largest
+# document the stack accepts, where the operator raised that): tables are cut into parts of
+# TABLE_PART_BYTES, and an object is one document's text or original bytes.
+MEMBER_BYTES = 64 * MiB
+TABLE_PART_BYTES = 8 * MiB
+MANIFEST_BYTES = 64 * MiB  # about 350,000 members
+# What a tar reader takes beyond the members' data: headers (a long name's extended header
+# too), padding, read-ahead. A header larger than this is refused before it is read whole.
+HEADER_BYTES = 64 * 1024
+READ_CHUNK = MiB
+
 READS_PER_DOCUMENT = 5
 # What ingest consumes from upstream and the gateway, with its durable consumers' names.
 INGEST_CONSUMERS = (
@@ -55,20 +113,82 @@ INGEST_CONSUMERS = (
     (Subject.TAGS_CHANGED, "ingest-tags-changed"),
     (Subject.DOC_DELETED, "ingest-doc-deleted"),
 )
+INGEST_SUBJECTS = frozenset(str(subject) for subject, _ in INGEST_CONSUMERS)
+RESTORE_WRITER = Writer(kind="operator", name="kbmesh restore")
 
 
 class BackupError(Exception):
     """The archive cannot be written or restored; the message says why."""
 
 
-@dataclass
-class Manifest:
+class Member(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=1024)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
     archive_version: int = ARCHIVE_VERSION
     data_format: int = CURRENT_FORMAT
-    created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
-    counts: dict[str, int] = field(default_factory=dict)
+    created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+    counts: dict[str, int] = Field(default_factory=dict)
     # Documents not extracted yet when the backup ran: upload them again after a restore.
-    skipped_documents: list[str] = field(default_factory=list)
+    skipped_documents: list[str] = Field(default_factory=list)
+    members: list[Member] = Field(default_factory=list)
+
+
+class PendingEvent(BaseModel):
+    """An upload (or tag change, delete, OCR result) ingest had not taken when the backup ran."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq: int
+    subject: str
+    headers: dict[str, str] = Field(default_factory=dict)
+    data: str = Field(description="the message, base64")
+
+    @field_validator("subject")
+    @classmethod
+    def _ingest_takes_it(cls, subject: str) -> str:
+        # Replayed as the stack's own user: only what ingest consumes, never (say) kb.index.
+        # An upstream publisher's arrives as `<subject>.upstream.<org>.<publisher>`.
+        upstream = busauth.publisher_of(subject) is not None
+        if (".".join(subject.split(".")[:2]) if upstream else subject) not in INGEST_SUBJECTS:
+            raise ValueError(f"subject {subject} is not one ingest takes")
+        return subject
+
+    @field_validator("data")
+    @classmethod
+    def _base64(cls, data: str) -> str:
+        base64.b64decode(data, validate=True)
+        return data
+
+    def payload(self) -> bytes:
+        return base64.b64decode(self.data)
+
+
+class _KvRow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    key: str
+    value: str
+
+
+def member_limit(settings: Settings) -> int:
+    """The most bytes one member may hold, for backup and restore alike."""
+    return max(MEMBER_BYTES, settings.max_content_bytes, settings.limits.text_bytes)
+
+
+def _section(name: str) -> str | None:
+    if name.startswith("objects/") and len(name) > len("objects/"):
+        return "objects"
+    folder, _, part = name.rpartition("/")
+    return folder if folder in SECTIONS and _PART.fullmatch(part) else None
+
+
+# --- backup -------------------------------------------------------------------------------
 
 
 def _original(record: DocumentRecord) -> str:
@@ -126,8 +246,9 @@ async def _document(
     raise BackupError(f"document {key} kept changing while it was read; run the backup again")
 
 
-async def backup(js: JetStreamContext, path: Path) -> Manifest:
-    """Write the archive of the stack behind `js` to `path` (replaced only when complete)."""
+async def backup(js: JetStreamContext, path: Path, *, limit: int = MEMBER_BYTES) -> Manifest:
+    """Write the archive of the stack behind `js` to `path` (replaced only when complete);
+    no member larger than `limit` (`member_limit`), or a restore would refuse it."""
     texts = TextStore(await js.object_store("texts"))
     manifest = Manifest()
     # Events first, then the registries: an upload ingest finishes in between is then in
@@ -150,22 +271,47 @@ async def backup(js: JetStreamContext, path: Path) -> Manifest:
     for name in await _object_names(texts) if events else []:
         if name not in objects and (data := await texts.get(name)) is not None:
             objects[name] = data
-    manifest.counts = {bucket: len(entries) for bucket, entries in buckets.items()}
-    manifest.counts["objects"] = len(objects)
-    manifest.counts["pending_events"] = len(events)
+    trail = await _audit_trail(js)
 
-    tmp = path.with_name(f".{path.name}.partial")
-    with tarfile.open(tmp, "w:gz") as tar:
-        _add(tar, "manifest.json", json.dumps(manifest.__dict__, indent=2).encode())
-        for bucket, entries in buckets.items():
-            lines = (json.dumps({"key": k, "value": v.decode("utf-8")}) for k, v in entries.items())
-            _add(tar, f"kv/{bucket}.jsonl", "\n".join(lines).encode())
-        for name, data in objects.items():
-            _add(tar, f"objects/{name}", data)
-        _add(tar, "events.jsonl", "\n".join(json.dumps(e) for e in events).encode())
-    tmp.chmod(0o600)
-    tmp.replace(path)
+    members: list[tuple[str, bytes]] = []
+    for bucket, entries in buckets.items():
+        rows = (json.dumps({"key": k, "value": v.decode("utf-8")}) for k, v in entries.items())
+        members += _table(f"kv/{bucket}", (row.encode() for row in rows))
+    members += [(f"objects/{name}", data) for name, data in objects.items()]
+    members += _table("audit", trail)
+    members += _table("events", (json.dumps(e).encode() for e in events))
+    for name, data in members:
+        if len(data) > limit:
+            raise BackupError(
+                f"{name} is {len(data)} bytes, more than the {limit} a restore takes of one "
+                "member (KBMESH_MAX_CONTENT_BYTES raises it)"
+            )
+    manifest.counts = {bucket: len(entries) for bucket, entries in buckets.items()}
+    manifest.counts |= {"objects": len(objects), "audit": len(trail), "events": len(events)}
+    manifest.members = [
+        Member(name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        for name, data in members
+    ]
+
+    # A fresh temporary file beside `path`, renamed into place: see services/common/infra/files.py.
+    with replacing(path) as out, tarfile.open(fileobj=out, mode="w:gz") as tar:
+        _add(tar, "manifest.json", manifest.model_dump_json(indent=1).encode())
+        for name, data in members:
+            _add(tar, name, data)
     return manifest
+
+
+def _table(folder: str, rows: Iterable[bytes]) -> list[tuple[str, bytes]]:
+    """JSON lines in parts of about TABLE_PART_BYTES (a longer line is a part of its own)."""
+    parts: list[list[bytes]] = []
+    size = 0
+    for row in rows:
+        if not parts or (size + len(row) > TABLE_PART_BYTES and parts[-1]):
+            parts.append([])
+            size = 0
+        parts[-1].append(row)
+        size += len(row) + 1
+    return [(f"{folder}/{i:06d}.jsonl", b"\n".join(part)) for i, part in enumerate(parts)]
 
 
 async def _object_names(texts: TextStore) -> list[str]:
@@ -204,6 +350,26 @@ async def _pending_events(js: JetStreamContext) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: e["seq"])
 
 
+async def _audit_trail(js: JetStreamContext) -> list[bytes]:
+    """Every entry of the audit trail, oldest first, as stored."""
+    try:
+        info = await js.stream_info(AUDIT_STREAM)
+    except NotFoundError:
+        return []
+    if not info.state.messages:
+        return []
+    entries: list[bytes] = []
+    sub = await js.subscribe(f"{AUDIT_PREFIX}>", stream=AUDIT_STREAM, ordered_consumer=True)
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=10)
+            entries.append(msg.data)
+            if msg.metadata.sequence.stream >= info.state.last_seq:
+                return entries
+    finally:
+        await sub.unsubscribe()
+
+
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)
@@ -212,109 +378,443 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+# --- reading an archive -------------------------------------------------------------------
+
+
+_T = TypeVar("_T")
+
+
+class _Overrun(Exception):
+    pass
+
+
+class _Metered(io.RawIOBase):
+    """The uncompressed archive with a running count: reading past `ceiling` raises, so no
+    tar header, however large it says it is, is ever read whole."""
+
+    def __init__(self, inner: io.BufferedIOBase, ceiling: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.taken = 0
+        self.ceiling = ceiling
+
+    def allow(self, size: int) -> None:
+        """Room for the next header and `size` bytes of data."""
+        self.ceiling = self.taken + HEADER_BYTES + size
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        room = self.ceiling - self.taken + 1
+        data = self.inner.read(room if size is None or size < 0 else min(size, room))
+        self.taken += len(data)
+        if self.taken > self.ceiling:
+            raise _Overrun
+        return data
+
+
+class _Reader:
+    """One pass over an archive, front to back: the manifest, checked, then each member it
+    lists, in its order, checked against it before it is handed out."""
+
+    def __init__(self, path: Path, limit: int) -> None:
+        self.path = path
+        self.limit = limit
+        self._files = contextlib.ExitStack()
+
+    def __enter__(self) -> _Reader:
+        try:
+            raw = self._files.enter_context(self.path.open("rb"))
+        except OSError as err:
+            raise self.error(f"cannot be read: {err.strerror or err}") from None
+        unzipped = self._files.enter_context(gzip.GzipFile(fileobj=raw))
+        self._meter = _Metered(unzipped, HEADER_BYTES + MANIFEST_BYTES)
+        try:
+            # Streaming ("r|"): headers are read in order, never looked up by offset.
+            opened = self._guard("manifest.json", self._open_tar)
+        except BaseException:
+            self._files.close()
+            raise
+        self._tar = self._files.enter_context(opened)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._files.close()
+
+    def _open_tar(self) -> tarfile.TarFile:
+        return tarfile.open(fileobj=self._meter, mode="r|")
+
+    def error(self, message: str) -> BackupError:
+        return BackupError(f"{self.path}: {message}")
+
+    def _guard(self, before: str, step: Callable[[], _T]) -> _T:
+        """`step`, its read errors said as what they mean for the archive."""
+        try:
+            return step()
+        except _Overrun:
+            raise self.error(
+                f"a tar header before {before} is larger than {HEADER_BYTES} bytes, or data "
+                "there that the manifest does not declare: not an archive kbmesh wrote"
+            ) from None
+        except (OSError, EOFError, zlib.error, tarfile.TarError) as err:
+            raise self.error(
+                f"damaged or not a kbmesh backup (reading {before}: {err or type(err).__name__})"
+            ) from None
+
+    def _next(self, before: str) -> tarfile.TarInfo | None:
+        return self._guard(before, self._tar.next)
+
+    def _take(self, info: tarfile.TarInfo, size: int) -> bytes:
+        """The member's data, read with a running count: never more than `size` bytes."""
+        if info.issparse() or not info.isreg():
+            raise self.error(f"{info.name} is not a regular file (kbmesh writes no other kind)")
+        if info.size != size:
+            raise self.error(f"{info.name} is {info.size} bytes; its manifest says {size}")
+        source = self._guard(info.name, lambda: self._tar.extractfile(info))
+        assert source is not None  # a regular file always has data
+        data = bytearray()
+        while chunk := self._guard(info.name, lambda: source.read(READ_CHUNK)):
+            data += chunk
+            if len(data) > size:
+                raise self.error(f"{info.name} holds more than its {size} bytes")
+        if len(data) != size:
+            raise self.error(f"{info.name} ends after {len(data)} of its {size} bytes")
+        return bytes(data)
+
+    def manifest(self) -> Manifest:
+        info = self._next("manifest.json")
+        if info is None or info.name != "manifest.json":
+            raise self.error("manifest.json is not its first member: not a kbmesh backup")
+        if info.size > MANIFEST_BYTES:
+            raise self.error(f"manifest.json is {info.size} bytes, over {MANIFEST_BYTES}")
+        try:
+            raw = json.loads(self._take(info, info.size))
+        except ValueError as err:
+            raise self.error(f"manifest.json is not JSON ({err})") from None
+        if not isinstance(raw, dict):
+            raise self.error("manifest.json is not a JSON object")
+        version = raw.get("archive_version")
+        if type(version) is not int:
+            raise self.error(f"manifest.json names no archive version: {version!r}")
+        if version > ARCHIVE_VERSION:
+            raise self.error(
+                f"written by a newer kbmesh (archive version {version}); this one reads "
+                f"version {ARCHIVE_VERSION}"
+            )
+        if version < ARCHIVE_VERSION:
+            raise self.error(
+                f"archive version {version} was written before archives carried checksums, "
+                "so nothing in it can be verified: restore it with the kbmesh that wrote it "
+                "and take a new backup"
+            )
+        try:
+            manifest = Manifest.model_validate(raw)
+        except ValidationError as err:
+            raise self.error(f"manifest.json is malformed: {_reason(err)}") from None
+        order, names = 0, set()
+        for member in manifest.members:
+            section = _section(member.name)
+            if section is None or member.name in names or SECTIONS.index(section) < order:
+                raise self.error(
+                    f"manifest.json lists {member.name}: not a part of an archive, out of "
+                    "order, or twice"
+                )
+            order = SECTIONS.index(section)
+            names.add(member.name)
+            if member.size > self.limit:
+                raise self.error(
+                    f"{member.name} is {member.size} bytes, more than the {self.limit} "
+                    "restore takes of one member (KBMESH_MAX_CONTENT_BYTES raises it)"
+                )
+        return manifest
+
+    def members(self, manifest: Manifest) -> Iterator[tuple[str, str, bytes]]:
+        """(section, name, data) of every member, each checked against the manifest."""
+        for expected in manifest.members:
+            self._meter.allow(expected.size)
+            info = self._next(expected.name)
+            if info is None:
+                raise self.error(f"{expected.name} is missing: the archive ends before it")
+            if info.name != expected.name:
+                raise self.error(f"holds {info.name} where its manifest lists {expected.name}")
+            data = self._take(info, expected.size)
+            if hashlib.sha256(data).hexdigest() != expected.sha256:
+                raise self.error(
+                    f"{info.name} does not match its checksum: changed or damaged since the "
+                    "backup was written"
+                )
+            section = _section(info.name)
+            assert section is not None  # the manifest's names were checked
+            yield section, info.name, data
+        self._meter.allow(0)
+        extra = self._next("the end")
+        if extra is not None:
+            raise self.error(f"holds {extra.name}, which its manifest does not list")
+
+
+def _reason(err: ValueError) -> str:
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return f"{where}: {first['msg']}" if where else first["msg"]
+    return str(err)
+
+
+def _rows(path: Path, name: str, data: bytes, read: Callable[[bytes], _T]) -> list[_T]:
+    rows: list[_T] = []
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if line.strip():
+            try:
+                rows.append(read(line))
+            except ValueError as err:  # JSON, UTF-8, base64 and validation errors alike
+                raise BackupError(f"{path}: {name} line {number}: {_reason(err)}") from None
+    return rows
+
+
+def _record_reader(model: type[BaseModel]) -> Callable[[bytes], tuple[str, BaseModel]]:
+    def read(line: bytes) -> tuple[str, BaseModel]:
+        row = _KvRow.model_validate_json(line)
+        record = model.model_validate_json(row.value)
+        if _key_of(record) != row.key:
+            raise ValueError(f"key {row.key!r} is not its record's ({_key_of(record)!r})")
+        return row.key, record
+
+    return read
+
+
+def _key_of(record: BaseModel) -> str:
+    if isinstance(record, KnowledgeBase):
+        return KbRegistry.key(record.org_id, record.kb_id)
+    if isinstance(record, ApiKey):
+        return record.key_hash
+    assert isinstance(record, Prompt | DocumentRecord)
+    return record.key
+
+
+def _audit_entry(line: bytes) -> tuple[AuditEntry, bytes]:
+    return AuditEntry.model_validate_json(line), line
+
+
+def _parse(path: Path, section: str, name: str, data: bytes) -> list[Any]:
+    """A member's rows, each checked; objects are bytes and stay as they are."""
+    if section in RECORDS:
+        return _rows(path, name, data, _record_reader(RECORDS[section]))
+    if section == "audit":
+        return _rows(path, name, data, _audit_entry)
+    if section == "events":
+        return _rows(path, name, data, PendingEvent.model_validate_json)
+    return []
+
+
+def check_archive(path: Path, limit: int = MEMBER_BYTES) -> Manifest:
+    """The archive's manifest, once every member is read, its size and checksum compared
+    with the manifest and every row in it parsed; BackupError naming what is wrong."""
+    with _Reader(path, limit) as reader:
+        manifest = reader.manifest()
+        for section, name, data in reader.members(manifest):
+            _parse(path, section, name, data)
+        return manifest
+
+
+# --- restore ------------------------------------------------------------------------------
+
+
 @dataclass
-class Archive:
-    manifest: dict[str, Any]
-    buckets: dict[str, dict[str, bytes]]
-    objects: dict[str, bytes]
-    events: list[dict[str, Any]]
+class Restored:
+    """What a restore wrote (`counts`: kbs, documents, objects, keys, prompts, audit,
+    events), what it left out because it was not asked to (`left_out`: keys, prompts), and
+    the documents the backup itself left out."""
+
+    counts: dict[str, int]
+    left_out: dict[str, int]
+    skipped_documents: list[str] = field(default_factory=list)
 
 
-def read_archive(path: Path) -> Archive:
-    try:
-        with tarfile.open(path, "r:gz") as tar:
-            files = {
-                m.name: f.read()
-                for m in tar.getmembers()
-                if m.isfile() and (f := tar.extractfile(m)) is not None
-            }
-    except (OSError, tarfile.TarError) as err:
-        raise BackupError(f"{path} is not a kbmesh backup: {err}") from err
-    if "manifest.json" not in files:
-        raise BackupError(f"{path} is not a kbmesh backup: no manifest.json")
-    manifest = json.loads(files["manifest.json"])
-    if manifest.get("archive_version", 0) > ARCHIVE_VERSION:
-        raise BackupError(
-            f"{path} was written by a newer kbmesh (archive version "
-            f"{manifest['archive_version']}); this one reads up to {ARCHIVE_VERSION}"
-        )
-    buckets: dict[str, dict[str, bytes]] = {}
-    for bucket in BUCKETS:
-        text = files.get(f"kv/{bucket}.jsonl", b"").decode("utf-8")
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        buckets[bucket] = {row["key"]: row["value"].encode("utf-8") for row in rows}
-    objects = {
-        name.removeprefix("objects/"): data
-        for name, data in files.items()
-        if name.startswith("objects/")
-    }
-    events = [
-        json.loads(line)
-        for line in files.get("events.jsonl", b"").decode("utf-8").splitlines()
-        if line.strip()
-    ]
-    return Archive(manifest, buckets, objects, events)
-
-
-async def restore(path: Path, data_dir: Path, *, timeout: float = 3600.0) -> Manifest:
+async def restore(
+    path: Path,
+    data_dir: Path,
+    *,
+    with_keys: bool = False,
+    with_prompts: bool = False,
+    timeout: float = 3600.0,
+) -> Restored:
     """A new data dir at `data_dir` holding what the archive at `path` holds, its vectors
-    rebuilt: when this returns, `kbmesh up` on it serves the backed-up KBs and documents."""
-    archive = read_archive(path)
+    rebuilt: when this returns, `kbmesh up` on it serves the backed-up KBs and documents.
+    API keys and stored prompts only `with_keys` / `with_prompts`."""
     if read_format(data_dir) is not None:
         raise BackupError(f"{data_dir} is not empty: restore makes a new data dir")
     settings = Settings(data_dir=data_dir, nats_url=None)
+    limit = member_limit(settings)
+    manifest = check_archive(path, limit)  # before anything is written
+    _check_space(path, manifest, data_dir)
+    created = not data_dir.exists()
     # Ingest and embed rebuild the index. The gateway is wired but never started (started,
     # it would add a default KB of its own beside the restored one).
     rt = await build_runtime(settings, SERVICES, embedded_nats=True)
+    written = False
     try:
         await start_consuming(rt)
-        reg = rt.registries
-        for name, data in archive.objects.items():
-            await reg.texts.put(name, data)
-        kbs: list[KnowledgeBase] = []
-        for value in archive.buckets["kbs"].values():
-            kb = KnowledgeBase.model_validate_json(value)
-            # The collections a rebuild was reading from are not in the archive: the
-            # restored KB serves the generation that restore builds.
-            kb.cancel_rebuild()
-            kbs.append(kb)
-            await reg.kbs.put(f"{kb.org_id}.{kb.kb_id}", kb)
-        await _restore_keys(rt.bus.url or "", data_dir, archive.buckets["keys"])
-        for key, value in archive.buckets["prompts"].items():
-            await reg.prompts.kv.put(key, value)
-        for value in archive.buckets["documents"].values():
-            record = DocumentRecord.model_validate_json(value)
-            record.kb_ids, record.kb_errors = [], {}  # membership is decided again below
-            await reg.documents.put(record.key, record)
-        for kb in kbs:
-            await rt.bus.publish(
-                Subject.KB_CHANGED, KbChanged(org_id=kb.org_id, kb_id=kb.kb_id, change="created")
-            )
-        for event in archive.events:
-            await rt.bus.js.publish(
-                event["subject"],
-                base64.b64decode(event["data"]),
-                headers=event["headers"] or None,
-                stream=STREAM,
-            )
-        await _indexed(rt.bus.js, reg, timeout)
+        # The operator's connection: the only user that may write API keys, and the audit
+        # trail of every kind.
+        creds = busauth.local_credentials(data_dir)["operator"]
+        nc = await nats.connect(rt.bus.url or "", user=creds.user, password=creds.password)
+        try:
+            restorer = _Restorer(rt, nc.jetstream(), path, manifest, with_keys, with_prompts)
+            # Read and checked again as it is written: the file may have changed since.
+            with _Reader(path, limit) as reader:
+                for section, name, data in reader.members(reader.manifest()):
+                    await restorer.take(section, name, data)
+            await restorer.settle()
+        finally:
+            await nc.close()
+        written = True
+        await _indexed(rt.bus.js, rt.registries, timeout)
     finally:
         await rt.close()
-    return Manifest(**{k: v for k, v in archive.manifest.items() if k in Manifest.__annotations__})
+        if not written:
+            # The archive changed under the restore, or the bus failed: no half-written data
+            # dir is left to be taken for a restored one.
+            _discard(data_dir, created)
+    return Restored(restorer.counts, restorer.left_out, manifest.skipped_documents)
 
 
-async def _restore_keys(url: str, data_dir: Path, keys: dict[str, bytes]) -> None:
-    """The API keys, written as the operator: no service's NATS user may write them."""
-    if not keys:
+def _check_space(path: Path, manifest: Manifest, data_dir: Path) -> None:
+    needed = sum(member.size for member in manifest.members)
+    where = next(p for p in (data_dir, *data_dir.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        raise BackupError(f"{path}: holds {needed} bytes; {where} has {free} free")
+
+
+def _discard(data_dir: Path, created: bool) -> None:
+    if created:
+        shutil.rmtree(data_dir, ignore_errors=True)
         return
-    creds = busauth.local_credentials(data_dir)["operator"]
-    nc = await nats.connect(url, user=creds.user, password=creds.password)
-    try:
-        kv = await nc.jetstream().key_value(KEYS_BUCKET)
-        for key, value in keys.items():
-            await kv.put(key, value)
-    finally:
-        await nc.close()
+    for child in data_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+
+
+class _Restorer:
+    """Writes the checked members of an archive into a new stack, section by section."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        operator: JetStreamContext,
+        path: Path,
+        manifest: Manifest,
+        with_keys: bool,
+        with_prompts: bool,
+    ) -> None:
+        self.rt = rt
+        self.operator = operator
+        self.path = path
+        self.manifest = manifest
+        self.with_keys = with_keys
+        self.with_prompts = with_prompts
+        self.counts = dict.fromkeys(COUNTED, 0)
+        self.left_out: dict[str, int] = {}
+        self.kbs: list[KnowledgeBase] = []
+        self.keys: list[ApiKey] = []
+        self.orgs: set[str] = set()
+        self.settled = False
+
+    async def take(self, section: str, name: str, data: bytes) -> None:
+        if section == "objects":
+            await self.rt.registries.texts.put(name.removeprefix("objects/"), data)
+            self.counts["objects"] += 1
+        elif section == "audit":
+            # The archive's trail as it was, each entry under its own id (de-duplicated).
+            for entry, raw in _rows(self.path, name, data, _audit_entry):
+                await self.operator.publish(
+                    audit_subject(entry.org_id, entry.kind),
+                    raw,
+                    headers={"Nats-Msg-Id": entry.event_id},
+                    stream=AUDIT_STREAM,
+                )
+                self.counts["audit"] += 1
+        elif section == "events":
+            await self.settle()
+            for event in _rows(self.path, name, data, PendingEvent.model_validate_json):
+                await self.rt.bus.js.publish(
+                    event.subject, event.payload(), headers=event.headers or None, stream=STREAM
+                )
+                self.counts["events"] += 1
+        else:
+            for key, record in _rows(self.path, name, data, _record_reader(RECORDS[section])):
+                await self._record(key, record)
+
+    async def _record(self, key: str, record: BaseModel) -> None:
+        reg = self.rt.registries
+        if isinstance(record, KnowledgeBase):
+            # The collections a rebuild was reading from are not in the archive: the
+            # restored KB serves the generation that restore builds.
+            record.cancel_rebuild()
+            await reg.kbs.put(key, record)
+            self.kbs.append(record)
+            self._count("kbs", record.org_id)
+        elif isinstance(record, DocumentRecord):
+            record.kb_ids, record.kb_errors = [], {}  # membership is decided again below
+            await reg.documents.put(key, record)
+            self._count("documents", record.org_id)
+        elif isinstance(record, ApiKey):
+            if not self.with_keys:
+                self.left_out["keys"] = self.left_out.get("keys", 0) + 1
+                return
+            kv = await self.operator.key_value(KEYS_BUCKET)
+            await kv.put(key, record.model_dump_json().encode())
+            self.keys.append(record)
+            self._count("keys", record.org_id)
+        elif isinstance(record, Prompt):
+            if not self.with_prompts:
+                self.left_out["prompts"] = self.left_out.get("prompts", 0) + 1
+                return
+            await reg.prompts.put(key, record)
+            self._count("prompts", record.org_id)
+
+    def _count(self, what: str, org_id: str) -> None:
+        self.counts[what] += 1
+        self.orgs.add(org_id)
+
+    async def settle(self) -> None:
+        """Once everything but the pending uploads is written: the restore and each key it
+        brought on the audit trail (after the archive's own entries), and ingest told of
+        every KB, so it decides membership before it takes the uploads."""
+        if self.settled:
+            return
+        self.settled = True
+        audit = audit_sink(lambda: self.operator)
+        for org_id in sorted(self.orgs or {self.rt.settings.default_org}):
+            await audit(
+                AuditEntry(
+                    event_id=new_id(),
+                    org_id=org_id,
+                    kind="backup",
+                    action="restored",
+                    writer=RESTORE_WRITER,
+                    name=f"{self.path.name} (written {self.manifest.created_at})",
+                )
+            )
+        for key in self.keys:
+            await audit(
+                AuditEntry(
+                    event_id=new_id(),
+                    org_id=key.org_id,
+                    kind="key",
+                    action="restored",
+                    writer=RESTORE_WRITER,
+                    key_id=key.key_hash[:12],  # its public id (gateway.auth.key_id)
+                    name=key.name or None,
+                )
+            )
+        for kb in self.kbs:
+            await self.rt.bus.publish(
+                Subject.KB_CHANGED, KbChanged(org_id=kb.org_id, kb_id=kb.kb_id, change="created")
+            )
 
 
 async def _indexed(js: JetStreamContext, reg: Registries, timeout: float) -> None:

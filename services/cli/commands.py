@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     backup = sub.add_parser(
         "backup",
         help="write an archive of a running stack (KBs, keys, prompts, documents and their "
-        "texts) without stopping it",
+        "texts, the audit trail) without stopping it; protect it like the key store",
     )
     backup.add_argument("file", type=Path, help="the archive to write (.tar.gz)")
     backup.add_argument(
@@ -159,14 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument(
         "--data-dir", type=Path, required=True, help="the new data dir (must not exist or be empty)"
     )
+    restore.add_argument(
+        "--with-keys",
+        action="store_true",
+        help="restore the archive's API keys too (without: the new stack has none, and serves "
+        "loopback clients keyless until `kbmesh keys create`)",
+    )
+    restore.add_argument(
+        "--with-prompts", action="store_true", help="restore the archive's stored prompts too"
+    )
     audit = sub.add_parser(
         "audit", help="the audit trail of an org: one JSON line per entry, oldest first"
     )
     audit.add_argument("--org", help="default: the default org (KBMESH_DEFAULT_ORG)")
     audit.add_argument("--writer", help="an API key's id or name, a publisher, local, bus")
-    audit.add_argument("--kind", choices=["document", "kb", "key"], help="what changed")
+    audit.add_argument("--kind", choices=["document", "kb", "key", "backup"], help="what changed")
     audit.add_argument(
-        "--action", choices=["uploaded", "changed", "deleted", "created"], help="how it changed"
+        "--action",
+        choices=["uploaded", "changed", "deleted", "created", "restored"],
+        help="how it changed",
     )
     audit.add_argument("--document", dest="document_id", help="entries about this document")
     audit.add_argument("--kb", dest="kb_id", help="entries about this KB id")
@@ -515,27 +526,59 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
             nats_server.stop()
 
 
+# What `kbmesh backup` and `restore` count, as they print it.
+_ARCHIVE_COUNTS = {
+    "kbs": "KBs",
+    "documents": "documents",
+    "objects": "objects",
+    "keys": "API keys",
+    "prompts": "prompts",
+    "audit": "audit entries",
+    "events": "pending uploads",
+}
+
+
+def _counted(counts: dict[str, int]) -> str:
+    return ", ".join(f"{counts.get(k, 0)} {label}" for k, label in _ARCHIVE_COUNTS.items())
+
+
 async def _backup_or_restore(args: argparse.Namespace) -> int:
-    from services.cli.backup import BackupError, backup, restore
+    from services.cli.backup import BackupError, backup, member_limit, restore
 
     try:
         if args.command == "backup":
-            async with _cli_bus(_settings(args)) as bus:
-                manifest = await backup(bus.js, args.file)
-            print(
-                f"wrote {args.file}: " + ", ".join(f"{n} {k}" for k, n in manifest.counts.items())
-            )
+            settings = _settings(args)
+            async with _cli_bus(settings) as bus:
+                manifest = await backup(bus.js, args.file, limit=member_limit(settings))
+            print(f"wrote {args.file}: {_counted(manifest.counts)}")
+            skipped = manifest.skipped_documents
         else:
-            manifest = await restore(args.file, args.data_dir)
-            print(
-                f"restored {args.file} into {args.data_dir}: "
-                + ", ".join(f"{n} {k}" for k, n in manifest.counts.items())
-                + f"; start it with `kbmesh up --data-dir {args.data_dir}`"
+            restored = await restore(
+                args.file,
+                args.data_dir,
+                with_keys=args.with_keys,
+                with_prompts=args.with_prompts,
             )
+            # What was written, counted as it was written: not what the archive claims.
+            print(f"restored {args.file} into {args.data_dir}: {_counted(restored.counts)}")
+            left = restored.left_out
+            if left:
+                flags = {"keys": "--with-keys", "prompts": "--with-prompts"}
+                print(
+                    "  not restored: "
+                    + ", ".join(f"{n} {_ARCHIVE_COUNTS[k]} ({flags[k]})" for k, n in left.items())
+                )
+            if left.get("keys"):
+                print(
+                    "  the restored stack has no API key: it serves loopback clients without "
+                    "one until `kbmesh keys create` makes one"
+                )
+            print(f"start it with `kbmesh up --data-dir {args.data_dir}`")
+            skipped = restored.skipped_documents
     except BackupError as err:
         print(f"kbmesh {args.command}: {err}", file=sys.stderr)
         return 1
-    for key in manifest.skipped_documents:
+    for key in skipped:
         print(f"  not in the archive (still being extracted): {key}", file=sys.stderr)
     return 0
 

@@ -26,6 +26,7 @@ from services.common.bus.registry import Registries
 from services.common.embedders import EmbedderPool, LocalEmbedder
 from services.common.ops import metrics
 from services.common.ops.datadir import CURRENT_FORMAT, DataDirError, open_data_dir
+from services.common.ops.files import write_private
 from services.common.ops.telemetry import configure_telemetry
 from services.common.outbound.egress import egress_policy
 from services.common.settings import Settings
@@ -86,7 +87,7 @@ class Runtime:
 
 def prepare_data_dir(data_dir: Path) -> None:
     """The data directory holds credentials, documents and vectors: its owner's only (0700;
-    files inside are created 0600 by the CLI's umask and by `busauth.write_private`)."""
+    files inside are created 0600 by the CLI's umask and by `files.write_private`)."""
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(data_dir, 0o700)
 
@@ -98,7 +99,7 @@ def start_private_nats(data_dir: Path) -> NatsServer:
     server = NatsServer(
         data_dir / "nats", accounts=lambda: busauth.local_accounts(data_dir)
     ).start()
-    busauth.write_private(data_dir / "nats.url", server.url)
+    write_private(data_dir / "nats.url", server.url)
     return server
 
 

@@ -1,11 +1,13 @@
 """The audit trail: every write, delete, KB change and key change, with who made it, on the
-subject `audit.<org_id>.<kind>` (kind: document, kb, key).
+subject `audit.<org_id>.<kind>` (kind: document, kb, key, backup).
 
 Entries are kept in the JetStream stream `KBMESH_AUDIT` (file storage, its own limits:
 `KBMESH_AUDIT__MAX_AGE_DAYS`, `KBMESH_AUDIT__MAX_BYTES`; the oldest entries go first), apart
 from the work stream, so replaying or trimming work never touches the record of who did it.
 Ingest writes the document entries when it applies a change (whoever sent it: the gateway or
 an upstream publisher); the gateway writes KB entries, and whoever creates a key its entry.
+`kbmesh restore` carries the trail over from the archive, then records the restore itself
+(kind `backup`) and every key it brings back (action `restored`).
 Org admins read them with `GET /v1/audit` or `kbmesh audit`.
 """
 
@@ -26,8 +28,8 @@ from services.common.messages.events import Event
 from services.common.messages.names import AUDIT_PREFIX, AUDIT_STREAM
 from services.common.settings import AuditSettings
 
-AuditKind = Literal["document", "kb", "key"]
-AuditAction = Literal["uploaded", "changed", "deleted", "created"]
+AuditKind = Literal["document", "kb", "key", "backup"]
+AuditAction = Literal["uploaded", "changed", "deleted", "created", "restored"]
 MAX_READ = 1000
 
 
@@ -45,7 +47,9 @@ class AuditEntry(Event):
     )
     key_id: str | None = Field(None, description="for a key: its id")
     revision: int | None = None
-    name: str | None = Field(None, description="the document's, KB's or key's name")
+    name: str | None = Field(
+        None, description="the document's, KB's or key's name; for a backup, the archive's"
+    )
 
 
 AuditSink = Callable[[AuditEntry], Awaitable[None]]

@@ -16,7 +16,7 @@ same rendering with passwords taken from the environment (`kbmesh bus config`).
   refuses (dead-letters) an event whose `org_id` is not the org of its subject. Its status
   notifications, `doc.indexed` and `doc.failed`, come from `upstream.<org>.<subject>`: its
   own org's only.
-- Data directory files holding secrets are written 0600 (`write_private`).
+- Data directory files holding secrets are written 0600 (`files.write_private`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from services.common.messages.names import (
     KV_BUCKETS,
     OBJECT_STORE,
 )
+from services.common.ops.files import write_private
 
 ACCOUNT = "KBMESH"
 PUBLISHER_ACCOUNT_PREFIX = "PUB_"
@@ -333,16 +334,6 @@ def server_accounts(
 
 
 # --- the data directory's credentials -----------------------------------------------------
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` readable by its owner only (0600), whatever the umask; the
-    folder is made 0700."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
 
 
 def new_password() -> str:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from services.common.ops.files import write_private
+
 log = logging.getLogger("kbmesh.nats")
 
 # Delays before restart attempts after an exit; a server that ran for a minute starts over.
@@ -56,10 +58,7 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
 
 def _write_private_json(path: Path, config: dict[str, Any]) -> None:
     # The configuration holds passwords: the owner's only. JSON is valid server config.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f, indent=1)
-    os.chmod(path, 0o600)
+    write_private(path, json.dumps(config, indent=1))
 
 
 def reload_running(store_dir: Path, accounts: dict[str, Any]) -> bool:
@@ -173,7 +172,8 @@ class NatsServer:
     def _spawn(self) -> None:
         config = self._write_config()
         log_path = self.store_dir / "nats-server.log"
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # Appended across restarts, so opened in place: never through a link planted there.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         log = os.fdopen(fd, "ab")
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)],

@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from services.common.ops.files import write_private
+
 FORMAT_FILE = "FORMAT"
 # 1: the layout of format 0, with its version recorded.
 CURRENT_FORMAT = 1
@@ -85,10 +87,4 @@ def _open_locked(path: Path) -> int:
 
 def _write_format(path: Path, version: int) -> None:
     # Written whole or not at all: a crash mid-write must not leave an unreadable marker.
-    tmp = path / f".{FORMAT_FILE}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump({"format": version}, out)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path / FORMAT_FILE)
+    write_private(path / FORMAT_FILE, json.dumps({"format": version}))

@@ -26,9 +26,9 @@ async def list_audit(
             "operator / key",
         ),
     ] = None,
-    kind: Annotated[AuditKind | None, Query(description="document, kb or key")] = None,
+    kind: Annotated[AuditKind | None, Query(description="document, kb, key or backup")] = None,
     action: Annotated[
-        AuditAction | None, Query(description="uploaded, changed, deleted or created")
+        AuditAction | None, Query(description="uploaded, changed, deleted, created or restored")
     ] = None,
     document_id: Annotated[str | None, Query(max_length=64)] = None,
     kb_id: Annotated[str | None, Query(max_length=64)] = None,
