@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--writer", help="an API key's id or name, a publisher, local, bus")
     audit.add_argument("--kind", choices=["document", "kb", "key"], help="what changed")
     audit.add_argument(
-        "--action", choices=["uploaded", "changed", "deleted", "created"], help="how it changed"
+        "--action",
+        choices=["uploaded", "changed", "deleted", "created", "failed"],
+        help="how it changed",
     )
     audit.add_argument("--document", dest="document_id", help="entries about this document")
     audit.add_argument("--kb", dest="kb_id", help="entries about this KB id")

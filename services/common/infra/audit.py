@@ -1,11 +1,13 @@
-"""The audit trail: every write, delete, KB change and key change, with who made it, on the
-subject `audit.<org_id>.<kind>` (kind: document, kb, key).
+"""The audit trail: every write, delete, KB change and key change, with who made it, and every
+upload that failed after it was accepted, on the subject `audit.<org_id>.<kind>` (kind:
+document, kb, key).
 
 Entries are kept in the JetStream stream `KBMESH_AUDIT` (file storage, its own limits:
 `KBMESH_AUDIT__MAX_AGE_DAYS`, `KBMESH_AUDIT__MAX_BYTES`; the oldest entries go first), apart
 from the work stream, so replaying or trimming work never touches the record of who did it.
 Ingest writes the document entries when it applies a change (whoever sent it: the gateway or
-an upstream publisher); the gateway writes KB entries, and whoever creates a key its entry.
+an upstream publisher) and when it gives up on an upload (`failed`, with the reason); the
+gateway writes KB entries, and whoever creates a key its entry.
 Org admins read them with `GET /v1/audit` or `kbmesh audit`.
 """
 
@@ -28,7 +30,7 @@ from services.common.settings import AuditSettings
 AUDIT_STREAM = "KBMESH_AUDIT"
 AUDIT_PREFIX = "audit."
 AuditKind = Literal["document", "kb", "key"]
-AuditAction = Literal["uploaded", "changed", "deleted", "created"]
+AuditAction = Literal["uploaded", "changed", "deleted", "created", "failed"]
 MAX_READ = 1000
 
 
@@ -47,6 +49,7 @@ class AuditEntry(Event):
     key_id: str | None = Field(None, description="for a key: its id")
     revision: int | None = None
     name: str | None = Field(None, description="the document's, KB's or key's name")
+    error: str | None = Field(None, description="for `failed`: why the upload was not applied")
 
 
 AuditSink = Callable[[AuditEntry], Awaitable[None]]

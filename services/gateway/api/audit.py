@@ -28,7 +28,7 @@ async def list_audit(
     ] = None,
     kind: Annotated[AuditKind | None, Query(description="document, kb or key")] = None,
     action: Annotated[
-        AuditAction | None, Query(description="uploaded, changed, deleted or created")
+        AuditAction | None, Query(description="uploaded, changed, deleted, created or failed")
     ] = None,
     document_id: Annotated[str | None, Query(max_length=64)] = None,
     kb_id: Annotated[str | None, Query(max_length=64)] = None,
