@@ -18,12 +18,12 @@ import pytest
 
 from services.common.infra.audit import AUDIT_STREAM
 from services.common.infra.busauth import inbox_prefix
-from services.common.messages.events import DocUploaded, Subject
+from services.common.messages.events import DocUploaded, OcrDone, Subject
 from services.gateway.auth import Principal, hash_key, key_id
 from services.gateway.schemas import UploadBody
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys, bus_env, bus_url
-from tests.support.domain import create_kb, wait_until
+from tests.support.domain import blank_pdf, create_kb, wait_until
 from tests.support.procs import ROOT, kbmesh_env
 
 
@@ -207,7 +207,8 @@ async def test_uploads_that_fail_after_acceptance_are_on_the_audit_trail(stack):
     """An upload accepted (202) whose content ingest cannot read, and an upstream upload that
     ingest refuses (its KB does not exist), are both dead-lettered and each leaves a `failed`
     entry with its writer (the key; the bus publisher), the document and the reason; the
-    uploader with a KB-scoped key reads its document as failed."""
+    uploader with a KB-scoped key reads its document as failed. A scan whose OCR fails is on
+    the trail as failed too, with the OCR's reason."""
     broken = base64.b64encode(b"%PDF-1.4 this is not really a pdf").decode()
     r = await stack.client.post(
         f"/v1/kbs/{stack.kb['kb_id']}/documents",
@@ -242,9 +243,27 @@ async def test_uploads_that_fail_after_acceptance_are_on_the_audit_trail(stack):
     finally:
         await nc.close()
 
+    r = await stack.client.post(
+        "/v1/documents?wait=true",
+        json={
+            "name": "scan.pdf",
+            "content": base64.b64encode(blank_pdf()).decode(),
+            "content_encoding": "base64",
+            "mime_type": "application/pdf",
+        },
+    )
+    assert r.json()["status"] == "awaiting_ocr", r.text
+    scan = r.json()["document_id"]
+    await stack.rt.bus.publish(
+        Subject.OCR_DONE,
+        OcrDone(org_id=stack.org, document_id=scan, ok=False, error="page 1 is unreadable"),
+    )
+
+    bus = {"kind": "bus", "key_id": None, "name": None}
     for document_id, writer, reason in (
         (rejected, {"kind": "key", "key_id": id_of(stack, "scoped"), "name": "scoped"}, "PDF"),
-        (unknown_kb, {"kind": "bus", "key_id": None, "name": None}, "no-such-kb"),
+        (unknown_kb, bus, "no-such-kb"),
+        (scan, bus, "page 1 is unreadable"),
     ):
         entries = await wait_until(
             lambda document_id=document_id: audit(stack, document_id=document_id, action="failed"),
@@ -255,6 +274,7 @@ async def test_uploads_that_fail_after_acceptance_are_on_the_audit_trail(stack):
         (entry,) = entries
         assert entry["kind"] == "document" and entry["writer"] == writer, entry
         assert reason in entry["error"], entry
+    for document_id in (rejected, unknown_kb):
         assert not await audit(stack, document_id=document_id, action="uploaded")
     view = await stack.client.get(f"/v1/documents/{rejected}", headers=auth(stack, "scoped"))
     assert view.status_code == 200, view.text
