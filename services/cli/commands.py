@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--kind", choices=["document", "kb", "key", "backup"], help="what changed")
     audit.add_argument(
         "--action",
-        choices=["uploaded", "changed", "deleted", "created", "restored"],
+        choices=["uploaded", "changed", "deleted", "created", "failed", "restored"],
         help="how it changed",
     )
     audit.add_argument("--document", dest="document_id", help="entries about this document")

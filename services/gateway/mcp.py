@@ -3,7 +3,10 @@ and over stdio (`kbmesh mcp` serves it on the process's stdin/stdout).
 
 Built on the SDK's `MCPServer`; only `list_tools` and `call_tool` are ours, so kbmesh validates
 arguments itself and every failure comes back as the structured tool error with `isError`.
-Over HTTP each call runs as the principal of its own request's API key, exactly as REST does.
+Over HTTP each call runs as the principal of its own request's API key, exactly as REST does,
+and each session belongs to the key that opened it: the SDK's session manager compares the
+request's user (`scope["user"]`, set here from the key) with the session's owner, so another
+key gets 404 for it, and a key may hold `SESSIONS_PER_KEY` sessions at once.
 """
 
 from __future__ import annotations
@@ -13,13 +16,23 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser, AuthorizationContext
+from mcp.server.auth.provider import AccessToken
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.streamable_http import StreamableHTTPServerTransport
+from mcp.server.streamable_http_manager import (
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_IDLE_TIMEOUT,
+    StreamableHTTPASGIApp,
+    StreamableHTTPSessionManager,
+)
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from mcp_types import Tool as MCPTool
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
+from starlette.middleware import Middleware
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.common.bus.client import BUS_UNAVAILABLE, unavailable
@@ -27,8 +40,7 @@ from services.common.domain.errors import KbmeshError, NotFound
 from services.common.settings import Settings
 from services.gateway.auth import KeyResolver, Principal, Unauthorized
 from services.gateway.bodylimit import body_limit
-from services.gateway.guard import resolved_principal
-from services.gateway.problems import RETRY_AFTER
+from services.gateway.guard import PRINCIPAL, refusal, resolved_principal
 from services.gateway.service import GatewayService
 from services.gateway.tools import ToolOutcome, ToolSpec, error_outcome, run_tool, tools_for
 
@@ -36,6 +48,9 @@ log = logging.getLogger("kbmesh.mcp")
 VERSION = "0.1.0"
 # Where a tool error's error_type, message and field travel in a CallToolResult's `_meta`.
 ERROR_META = "kbmesh/error"
+# A tenth of the SDK's cap on the server's sessions: no one key (leaked, or a runaway agent
+# loop) can take them all, while a fleet of agents sharing a key still has room.
+SESSIONS_PER_KEY = DEFAULT_MAX_SESSIONS // 10
 INSTRUCTIONS = {
     "core": "kbmesh holds knowledge bases of documents. To answer from them, call kb_search "
     "and cite the document names it returns; kb_get_chunk expands a hit and kb_list shows "
@@ -59,6 +74,7 @@ class KbmeshMCP(MCPServer):
         *,
         keys: KeyResolver | None,
         principal: Principal | None,
+        sessions_per_key: int = SESSIONS_PER_KEY,
     ) -> None:
         # MCPServer() calls logging.basicConfig; a placeholder handler makes that a no-op, so
         # logging stays configured where the process configures it (the CLI).
@@ -83,6 +99,8 @@ class KbmeshMCP(MCPServer):
         self.tools = tools
         self.keys = keys
         self.principal = principal
+        self.sessions_per_key = sessions_per_key
+        self._sessions: StreamableHTTPSessionManager | None = None
 
     async def list_tools(self) -> list[MCPTool]:
         return [
@@ -122,39 +140,54 @@ class KbmeshMCP(MCPServer):
         return await run_tool(spec, self.service, principal, arguments)
 
     async def principal_for(self, context: Context[Any, Any] | None) -> Principal:
-        """HTTP: the request's API key, like REST. stdio: the principal the process runs as."""
+        """HTTP: the principal of the request's API key, which `SessionOwner` resolved (or
+        the gateway's `KeyGate` before it). stdio: the principal the process runs as."""
         request = None
         if context is not None:
             with contextlib.suppress(ValueError):
                 request = context.request_context.request
-        headers = getattr(request, "headers", None)
         scope = getattr(request, "scope", None)
         resolved = resolved_principal(scope) if scope is not None else None
         if resolved is not None:
             return resolved
-        if headers is not None and self.keys is not None:
-            client = getattr(request, "client", None)
-            return await self.keys.resolve(
-                headers.get("authorization"), client.host if client else None
-            )
         if self.principal is not None:
             return self.principal
-        return Principal(org_id=self.gateway_settings.default_org)
+        raise Unauthorized("an API key is required ('Authorization: Bearer <key>')")
 
-    def streamable_http_app(self, **kwargs: Any) -> Starlette:
-        """The SDK's app, with the gateway's Host rule in place of the SDK's, the gateway's
-        body limit in place of the SDK's (`BodyLimit` holds /mcp to it before the SDK reads
-        a byte; it lets a maximum-size upload reach the tool, which then answers with a
-        clear error past it), and API keys checked before the MCP session sees the request."""
-        kwargs.setdefault("transport_security", transport_security(self.gateway_settings))
-        kwargs.setdefault(
-            "max_request_body_size",
-            body_limit(self.gateway_settings, "POST", "/mcp", "application/json"),
+    def streamable_http_app(self, *, streamable_http_path: str = "/mcp", **fixed: Any) -> Starlette:
+        """The SDK's stateful streamable HTTP transport with the gateway's Host rule in place
+        of the SDK's, the gateway's body limit in place of the SDK's (`BodyLimit` holds /mcp
+        to it before the SDK reads a byte; it lets a maximum-size upload reach the tool, which
+        then answers with a clear error past it), API keys checked before the MCP session sees
+        the request, and each session bound to, and counted against, the key that opened it.
+
+        Built here rather than by `MCPServer.streamable_http_app` because the session manager
+        is ours (`KeyedSessionManager`); the route and lifespan are the SDK's own. The SDK's
+        other options are fixed here: passing one is an error, not silently ignored."""
+        if fixed:
+            raise TypeError(f"the kbmesh MCP app sets {', '.join(sorted(fixed))} itself")
+        sessions = KeyedSessionManager(
+            self._lowlevel_server,
+            security_settings=transport_security(self.gateway_settings),
+            max_request_body_size=body_limit(
+                self.gateway_settings, "POST", "/mcp", "application/json"
+            ),
+            sessions_per_key=self.sessions_per_key,
         )
-        app = super().streamable_http_app(**kwargs)
-        if self.keys is not None:
-            app.add_middleware(ApiKeyGuard, keys=self.keys)
-        return app
+        self._sessions = sessions
+        middleware = [Middleware(SessionOwner, keys=self.keys)] if self.keys is not None else []
+        return Starlette(
+            routes=[Route(streamable_http_path, endpoint=StreamableHTTPASGIApp(sessions))],
+            middleware=middleware,
+            lifespan=lambda app: sessions.run(),
+        )
+
+    @property
+    def session_manager(self) -> StreamableHTTPSessionManager:
+        """The session manager of `streamable_http_app()` (enter its `run()` in a lifespan)."""
+        if self._sessions is None:
+            raise RuntimeError("call streamable_http_app() before using the session manager")
+        return self._sessions
 
 
 def call_result(outcome: ToolOutcome) -> CallToolResult:
@@ -176,14 +209,23 @@ def create_mcp(
     keys: KeyResolver | None = None,
     principal: Principal | None = None,
     toolsets: Sequence[str] | None = None,
+    sessions_per_key: int = SESSIONS_PER_KEY,
 ) -> KbmeshMCP:
     """The MCP server with `toolsets` (default: `KBMESH_MCP_TOOLSETS`). Over HTTP, pass the
-    app's `KeyResolver`; stdio passes the fixed `principal` it runs as instead."""
+    app's `KeyResolver`; stdio passes the fixed `principal` it runs as instead. Over HTTP one
+    key (or keyless loopback, all together) may hold `sessions_per_key` sessions at once."""
     if keys is None and principal is None:
         raise ValueError("create_mcp needs the API keys (HTTP) or a fixed principal (stdio)")
     settings = service.settings
     chosen = tools_for(list(toolsets) if toolsets is not None else settings.toolsets)
-    return KbmeshMCP(service, settings, chosen, keys=keys, principal=principal)
+    return KbmeshMCP(
+        service,
+        settings,
+        chosen,
+        keys=keys,
+        principal=principal,
+        sessions_per_key=sessions_per_key,
+    )
 
 
 def transport_security(settings: Settings) -> TransportSecuritySettings:
@@ -192,35 +234,102 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
     return TransportSecuritySettings(enable_dns_rebinding_protection=False)
 
 
-class ApiKeyGuard:
-    """Rejects a missing or unknown API key with 401 before any MCP session work, so clients
-    see an authentication error rather than a session that fails call by call."""
+class TooManySessions(KbmeshError):
+    """A key already holds the most MCP sessions one key may."""
+
+    status_code = 429
+    error_type = "TooManySessions"
+
+
+class KeyUser(AuthenticatedUser):
+    """A request's principal in the form the SDK's session manager checks: it binds a session
+    to the `authorization_context` (client id, issuer, subject) of the user that opened it,
+    and serves that session to requests of the same user only."""
+
+    def __init__(self, principal: Principal, token: str) -> None:
+        writer = principal.writer
+        super().__init__(
+            AccessToken(
+                token=token,
+                # The key's id (never the key); every keyless loopback client is one `local`.
+                client_id=writer.key_id or writer.kind,
+                subject=principal.org_id,
+                scopes=[],  # rights are the principal's, checked by every tool
+            )
+        )
+        self.principal = principal
+
+
+class KeyedSessionManager(StreamableHTTPSessionManager):
+    """The SDK's session manager, admitting at most `sessions_per_key` open sessions per owner
+    besides its own cap on all of them (`DEFAULT_MAX_SESSIONS`)."""
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        security_settings: TransportSecuritySettings,
+        max_request_body_size: int,
+        sessions_per_key: int,
+    ) -> None:
+        super().__init__(
+            app,
+            security_settings=security_settings,
+            max_request_body_size=max_request_body_size,
+        )
+        self.sessions_per_key = sessions_per_key
+
+    def _admit_session(
+        self, requestor: AuthorizationContext | None
+    ) -> StreamableHTTPServerTransport | None:
+        # The SDK's admission step, run under its session-creation lock: counting here makes
+        # concurrent openings by one key unable to pass the cap together.
+        if requestor is not None:
+            held = sum(1 for owner in self._session_owners.values() if owner == requestor)
+            if held >= self.sessions_per_key:
+                minutes = int(DEFAULT_SESSION_IDLE_TIMEOUT // 60)
+                raise TooManySessions(
+                    f"{held} MCP sessions are open with this API key, the most one key may "
+                    "hold; end one (DELETE /mcp with its Mcp-Session-Id header) or wait until "
+                    f"idle ones expire ({minutes} minutes without a request)"
+                )
+        return super()._admit_session(requestor)
+
+
+class SessionOwner:
+    """Resolves every /mcp request's API key before any MCP session work and hands it to the
+    SDK as the request's user, which binds sessions to keys. A missing or unknown key is 401,
+    so clients see an authentication error rather than a session that fails call by call."""
 
     def __init__(self, app: ASGIApp, keys: KeyResolver) -> None:
         self.app = app
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        authorization = Headers(scope=scope).get("authorization")
         # A POST's key was resolved by the gateway's `KeyGate` already; GET and DELETE's here.
-        if scope["type"] == "http" and resolved_principal(scope) is None:
+        principal = resolved_principal(scope)
+        if principal is None:
             client = scope.get("client")
             try:
-                await self.keys.resolve(
-                    Headers(scope=scope).get("authorization"), client[0] if client else None
-                )
+                principal = await self.keys.resolve(authorization, client[0] if client else None)
             except Unauthorized as err:
-                body = {"status": "error", "error_type": err.error_type, "message": err.message}
-                response = JSONResponse(
-                    body, status_code=401, headers={"WWW-Authenticate": 'Bearer realm="kbmesh"'}
-                )
-                await response(scope, receive, send)
+                await refusal(scope, 401, err.error_type, err.message)(scope, receive, send)
                 return
             except BUS_UNAVAILABLE as err:
                 down = unavailable(err)
-                body = {"status": "error", "error_type": down.error_type, "message": down.message}
-                await JSONResponse(body, status_code=503, headers=RETRY_AFTER)(scope, receive, send)
+                await refusal(scope, 503, down.error_type, down.message)(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+            scope.setdefault("state", {})[PRINCIPAL] = principal
+        scope["user"] = KeyUser(principal, (authorization or "").partition(" ")[2])
+        try:
+            await self.app(scope, receive, send)
+        except TooManySessions as err:
+            # Raised while admitting a new session, before anything was sent.
+            await refusal(scope, err.status_code, err.error_type, err.message)(scope, receive, send)
 
 
 class MountRoot:

@@ -16,6 +16,7 @@ import nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import BaseModel, ValidationError
+from sse_starlette import ServerSentEvent
 
 from services.common.domain.models import (
     DocStatus,
@@ -29,6 +30,7 @@ from services.gateway.schemas import KbProgress, ReindexProgress
 
 # The KV bucket of KB records: every write is a message on `$KV.kbs.<org>.<kb>`.
 KB_RECORDS = "$KV.kbs.>"
+# Idle streams get a comment this often, so proxies and clients keep them open.
 KEEPALIVE_SECONDS = 15.0
 # Snapshots are recomputed at most this often while events pour in (each reads the registry).
 SNAPSHOT_EVERY_SECONDS = 0.25
@@ -147,9 +149,10 @@ async def event_stream(
     org_id: str,
     kb_id: str,
     snapshot: Callable[[], Awaitable[KbProgress | None]],
-) -> AsyncIterator[str]:
+) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events for one KB: `progress` (a snapshot, whenever it changed) and
-    `document` (one per status change); `deleted` ends the stream when the KB goes."""
+    `document` (one per status change); `deleted` ends the stream when the KB goes. The
+    response (sse-starlette's) frames them and keeps an idle stream alive."""
     queue = feed.subscribe(kb_id)
     try:
         last = await snapshot()
@@ -159,13 +162,10 @@ async def event_stream(
         yield _sse("progress", {"kb_id": kb_id, **last.model_dump()})
         dirty, next_at = False, 0.0
         while True:
-            wait = max(next_at - time.monotonic(), 0.0) if dirty else KEEPALIVE_SECONDS
+            wait = max(next_at - time.monotonic(), 0.0) if dirty else None
             try:
                 item = await asyncio.wait_for(queue.get(), wait)
             except TimeoutError:
-                if not dirty:
-                    yield ": keep-alive\n\n"
-                    continue
                 dirty, next_at = False, time.monotonic() + SNAPSHOT_EVERY_SECONDS
                 current = await snapshot()
                 if current is None:
@@ -209,5 +209,5 @@ def _document_event(item: Item) -> dict[str, Any] | None:
     return None
 
 
-def _sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _sse(event: str, data: dict[str, Any]) -> ServerSentEvent:
+    return ServerSentEvent(event=event, data=json.dumps(data, separators=(",", ":")))

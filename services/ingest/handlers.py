@@ -6,8 +6,6 @@ from faststream.nats import NatsRouter
 
 from services.common.bus.client import Bus, consume
 from services.common.domain.content import STAGING_PREFIX
-from services.common.domain.errors import KbmeshError
-from services.common.domain.models import DocStatus
 from services.common.messages.events import (
     DocDeleted,
     DocFailed,
@@ -17,7 +15,6 @@ from services.common.messages.events import (
     Subject,
     TagsChanged,
 )
-from services.common.ops import metrics
 from services.ingest.service import IngestService
 
 
@@ -35,28 +32,7 @@ def create_router(bus: Bus, service: IngestService) -> NatsRouter:
         if ev.object_ref and ev.object_ref.startswith(STAGING_PREFIX):
             # Dead-lettered for good: nothing will read the staged copy again.
             await service.reg.texts.delete(ev.object_ref)
-        document_id = ev.document_id
-        if document_id:
-            key = f"{ev.org_id}.{document_id}"
-            record = await service.reg.documents.get(key)
-            # Only this upload's own record says why it failed: a rejected re-upload (bad
-            # content, unknown KB) leaves the document as it was.
-            if record is not None and record.last_event_id == ev.event_id:
-                record.status = DocStatus.failed
-                record.error = str(err)
-                await service.reg.documents.put(key, record)
-        metrics.DOCUMENTS_FAILED.labels(stage="ingest").inc()
-        await bus.publish(
-            Subject.DOC_FAILED,
-            DocFailed(
-                org_id=ev.org_id,
-                document_id=document_id,
-                stage="ingest",
-                error=str(err),
-                error_type=err.error_type if isinstance(err, KbmeshError) else "InternalError",
-                cause=ev.event_id,
-            ),
-        )
+        await service.upload_failed(ev, err)
 
     async def on_ocr(ev: OcrDone) -> None:
         await service.ocr_done(ev)

@@ -3,6 +3,7 @@ turns every change into `kb.index` / `kb.remove` for the embed service."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -19,7 +20,7 @@ from services.common.domain.content import (
     content_checksum,
     decode_content,
 )
-from services.common.domain.errors import Conflict, InvalidInput, NotFound, Transient
+from services.common.domain.errors import Conflict, InvalidInput, KbmeshError, NotFound, Transient
 from services.common.domain.ids import check_id, new_id
 from services.common.domain.layout import Layout, layout_object
 from services.common.domain.limits import (
@@ -64,9 +65,13 @@ T = TypeVar("T")
 # write step. A race that keeps being lost is left to the bus's redelivery with backoff.
 CAS_ATTEMPTS = 10
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed compare-and-set
+# A failure's reason as kept on the document and the audit trail: as much as a dead letter's.
+REASON_LENGTH = 2000
+# The longest media type RFC 6838 allows (127 characters each side of the slash).
+MIME_LENGTH = 255
 
 
-def writer_for_bus_event(ev: DocUploaded | TagsChanged | DocDeleted) -> Writer:
+def writer_for_bus_event(ev: DocUploaded | TagsChanged | DocDeleted | OcrDone) -> Writer:
     """Who wrote the change an event carries. An upstream publisher's event (the bus names
     the publisher: `busauth.CURRENT_PUBLISHER`) is written by that publisher, whatever
     writer it states, so that it cannot pass itself off as an API key; an event from within
@@ -75,7 +80,7 @@ def writer_for_bus_event(ev: DocUploaded | TagsChanged | DocDeleted) -> Writer:
     publisher = CURRENT_PUBLISHER.get()
     if publisher is not None:
         return Writer(kind="bus", name=publisher.name)
-    if ev.writer is not None:
+    if not isinstance(ev, OcrDone) and ev.writer is not None:
         return ev.writer
     return Writer(kind="bus")
 
@@ -99,9 +104,10 @@ class IngestService:
 
     async def _audit(
         self,
-        ev: DocUploaded | TagsChanged | DocDeleted,
+        ev: DocUploaded | TagsChanged | DocDeleted | OcrDone,
         record: DocumentRecord,
         action: AuditAction,
+        error: str | None = None,
     ) -> None:
         if self.audit is None:
             return
@@ -118,6 +124,7 @@ class IngestService:
                 kb_ids=record.kb_ids,
                 revision=record.revision,
                 name=record.name,
+                error=error,
             )
         )
 
@@ -201,6 +208,117 @@ class IngestService:
             await self._audit(ev, record, "uploaded")
         return record
 
+    async def upload_failed(self, ev: DocUploaded, err: Exception) -> None:
+        """An upload given up on (refused, or still failing after its last delivery): the
+        document says why, the audit trail records the attempt, and `doc.failed` tells
+        whoever waits. The record that says why: this upload's own, when it wrote one before
+        failing; else, for a document id the uploader named that holds no content yet (a
+        new document, or one whose uploads all failed), a `failed` record with the upload's
+        name, source, labels and KB, so that its uploader can read the reason. A document
+        with content keeps it; an upload whose own fields are invalid stores nothing."""
+        reason = (str(err) or repr(err))[:REASON_LENGTH]
+        document_id = ev.document_id
+        record = None
+        if document_id:
+            record = await self._cas(
+                functools.partial(self._record_failure, ev, document_id, reason)
+            )
+        else:
+            with contextlib.suppress(InvalidInput):
+                document_id = _derived_id(ev.event_id)  # the id it would have had
+        if self.audit is not None:
+            await self.audit(
+                AuditEntry(
+                    event_id=f"{ev.event_id}.{document_id}.failed",
+                    org_id=ev.org_id,
+                    kind="document",
+                    action="failed",
+                    writer=writer_for_bus_event(ev),
+                    document_id=document_id,
+                    kb_id=ev.kb_id,
+                    kb_ids=record.kb_ids if record is not None else [],
+                    revision=record.revision if record is not None else None,
+                    name=ev.name,
+                    error=reason,
+                )
+            )
+        metrics.DOCUMENTS_FAILED.labels(stage="ingest").inc()
+        await self.publish(
+            Subject.DOC_FAILED,
+            DocFailed(
+                org_id=ev.org_id,
+                document_id=ev.document_id,
+                stage="ingest",
+                error=reason,
+                error_type=err.error_type if isinstance(err, KbmeshError) else "InternalError",
+                cause=ev.event_id,
+            ),
+        )
+
+    async def _record_failure(
+        self, ev: DocUploaded, document_id: str, reason: str
+    ) -> DocumentRecord | None:
+        key = f"{ev.org_id}.{document_id}"
+        existing, last = await self._get(key)
+        if existing is not None and existing.last_event_id == ev.event_id:
+            # This upload wrote the record, then failed (e.g. announcing it to embed).
+            existing.status = DocStatus.failed
+            existing.error = reason
+            existing.updated_at = utcnow()
+            await self._save(existing, last)
+            return existing
+        if existing is not None and (
+            existing.status != DocStatus.failed or existing.content_checksum is not None
+        ):
+            return None  # it holds content from an earlier upload, which stays
+        record = await self._failed_record(ev, document_id, reason)
+        if record is None:
+            return None
+        if existing is not None:
+            record.revision = existing.revision + 1
+            record.created_at = existing.created_at
+            record.writers = list(existing.writers)
+        record.written(writer_for_bus_event(ev))
+        await self._save(record, last)
+        return record
+
+    async def _failed_record(
+        self, ev: DocUploaded, document_id: str, reason: str
+    ) -> DocumentRecord | None:
+        """The record of a document whose upload failed before it held any content. Not
+        marked as the upload's own (`applied`): a replay of the dead letter runs again."""
+        try:
+            check_document_fields(
+                name=ev.name,
+                source_id=ev.source_id,
+                uri=ev.uri,
+                tags=ev.tags,
+                collection=ev.collection,
+                metadata=ev.metadata,
+                limits=self.settings.limits,
+            )
+        except InvalidInput:
+            return None
+        tags = list(ev.tags)
+        if ev.kb_id:
+            # The KB's tag shows the document where it was sent (and to keys scoped to it).
+            with contextlib.suppress(InvalidInput):
+                tags.append(kb_tag((await self._kb(ev.org_id, ev.kb_id)).kb_id))
+        visible, collection = split_tags(tags)
+        return DocumentRecord(
+            org_id=ev.org_id,
+            document_id=document_id,
+            name=ev.name,
+            mime_type=ev.mime_type[:MIME_LENGTH],
+            source_id=ev.source_id,
+            uri=ev.uri,
+            tags=join_tags(visible, ev.collection or collection),
+            metadata=ev.metadata,
+            accepted_at=ev.occurred_at,
+            status=DocStatus.failed,
+            error=reason,
+        )
+
     async def ocr_done(self, ev: OcrDone) -> DocumentRecord:
         key = f"{ev.org_id}.{ev.document_id}"
 
@@ -216,6 +334,7 @@ class IngestService:
                 metrics.DOCUMENTS_FAILED.labels(stage="ocr").inc()
                 record.updated_at = utcnow()
                 await self._save(record, last)
+                await self._audit(ev, record, "failed", record.error)
                 await self.publish(
                     Subject.DOC_FAILED,
                     DocFailed(

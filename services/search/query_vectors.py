@@ -21,6 +21,8 @@ class QueryVectors:
     def __init__(self, pool: EmbedderPool, size: int = QUERY_CACHE_SIZE) -> None:
         self._pool = pool
         self._size = max(0, size)
+        # Our own LRU, not functools.lru_cache: entries come from a call shared by concurrent
+        # callers and a failure must not be kept (no cache library is a dependency).
         self._cache: OrderedDict[_Key, list[float]] = OrderedDict()
         self._inflight: dict[_Key, asyncio.Task[list[float]]] = {}
         self.hits = 0

@@ -124,10 +124,11 @@ async def test_kb_search_bounds_min_score(mcp):
         assert body["field"] == "min_score"
 
 
-async def test_unreadable_or_empty_content_is_refused_and_nothing_is_stored(stack, mcp):
+async def test_unreadable_content_is_refused_and_empty_content_stores_nothing(stack, mcp):
     """A PDF that is no PDF, through kb_upload with wait, is a tool error naming `content`
-    (not a 'failed' result for a document that never appears); whitespace-only text is
-    refused before anything is published. Neither leaves a document behind."""
+    (not a 'failed' result); its document is listed as `failed` with the reason, holding
+    nothing. Whitespace-only text is refused before anything is published and leaves no
+    document behind."""
     name = uid("broken") + ".pdf"
     bad_pdf = base64.b64encode(b"%PDF-1.4 this is not really a pdf").decode()
     body = failed(
@@ -150,7 +151,8 @@ async def test_unreadable_or_empty_content_is_refused_and_nothing_is_stored(stac
     )
     assert body["field"] == "content", body
     listed = ok(await mcp.call_tool("kb_list_documents", {"name_search": name[:12]}))
-    assert listed["total"] == 0
+    assert [(d["status"], d["size_bytes"]) for d in listed["items"]] == [("failed", 0)]
+    assert "PDF" in listed["items"][0]["error"]
     listed = ok(await mcp.call_tool("kb_list_documents", {"name_search": blank[:11]}))
     assert listed["total"] == 0
 

@@ -27,6 +27,7 @@ from tests.support.domain import (
     uid,
     upload,
     vector_count,
+    wait_until,
 )
 
 ORG = "local"
@@ -321,6 +322,58 @@ async def test_bad_upstream_events_are_dead_lettered_and_change_nothing(stack):
     assert "base64" in reasons["reupload"]
     assert await registry_counts(rt) == before
     assert await rt.registries.documents.get(f"{ORG}.{existing['document_id']}") == kept
+
+
+async def test_a_new_document_whose_upload_fails_reads_failed_until_uploaded_again(stack):
+    """A new document's upload is accepted (202) and then fails: its content is no PDF.
+    GET /v1/documents/{id} answers its record, `failed` with the reason, as do the KB's
+    document list and stats; no text, vectors or index entries exist for it. Uploading it
+    again under the same id with readable content indexes it, and the error is gone."""
+    rt, client = stack
+    t = f"t-{uid()}"
+    kb = await create_kb(client, chunk_size=50, tag_ids=[t])
+    broken = base64.b64encode(b"%PDF-1.4 this is not really a pdf").decode()
+    r = await client.post(
+        f"/v1/kbs/{kb['kb_id']}/documents",
+        json={
+            "name": "report.pdf",
+            "content": broken,
+            "content_encoding": "base64",
+            "mime_type": "application/pdf",
+            "tags": [t],
+            "source_id": "reports",
+        },
+    )
+    assert r.status_code == 202, r.text
+    document_id = r.json()["document_id"]
+
+    async def failed_view() -> dict | None:
+        r = await client.get(f"/v1/documents/{document_id}")
+        return r.json() if r.status_code == 200 else None
+
+    view = await wait_until(failed_view, timeout=60, what="the failed document's record")
+    assert view["status"] == "failed" and "PDF" in view["error"], view
+    assert (view["name"], view["source_id"], sorted(view["tags"])) == (
+        "report.pdf",
+        "reports",
+        sorted([t, f"kb:{kb['kb_id']}"]),
+    )
+    assert view["kb_ids"] == [] and view["size_bytes"] == 0 and view["writer"]["kind"] == "local"
+    listed = (await client.get(f"/v1/kbs/{kb['kb_id']}/documents")).json()["items"]
+    assert [(d["document_id"], d["status"]) for d in listed] == [(document_id, "failed")]
+    stats = (await client.get(f"/v1/kbs/{kb['kb_id']}/stats")).json()
+    assert stats["failed_count"] == 1 and stats["document_count"] == 0
+    assert await vector_count(rt, kb["kb_id"], document_id) == 0
+    assert await rt.registries.texts.get(f"{ORG}/{document_id}/text") is None
+
+    again = await upload(
+        client, "report.md", LONG_DOCS["raft.md"], tags=[t], document_id=document_id
+    )
+    assert again["status"] == "complete" and again["document_id"] == document_id, again
+    view = (await client.get(f"/v1/documents/{document_id}")).json()
+    assert view["status"] == "complete" and view["error"] is None, view
+    assert view["kb_ids"] == [kb["kb_id"]] and view["revision"] == 2
+    assert await vector_count(rt, kb["kb_id"], document_id) > 0
 
 
 async def test_scanned_pdf_waits_for_ocr_then_indexes_and_ocr_failure_marks_failed(stack):

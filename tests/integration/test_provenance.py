@@ -5,6 +5,7 @@ planted document is found and removed by its writer."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -16,13 +17,13 @@ import nats
 import pytest
 
 from services.common.bus.auth import inbox_prefix
-from services.common.messages.events import DocUploaded, Subject
+from services.common.messages.events import DocUploaded, OcrDone, Subject
 from services.common.messages.names import AUDIT_STREAM
 from services.gateway.auth import Principal, hash_key, key_id
 from services.gateway.schemas import UploadBody
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys, bus_env, bus_url
-from tests.support.domain import create_kb, wait_until
+from tests.support.domain import blank_pdf, create_kb, wait_until
 from tests.support.procs import ROOT, kbmesh_env
 
 
@@ -200,6 +201,84 @@ async def test_kb_and_key_changes_are_audited_and_only_admins_read_the_trail(sta
     info = await stack.rt.bus.js.stream_info(AUDIT_STREAM)
     assert info.config.subjects == ["audit.>"]
     assert info.config.max_age and info.config.max_bytes and info.config.max_bytes > 0
+
+
+async def test_uploads_that_fail_after_acceptance_are_on_the_audit_trail(stack):
+    """An upload accepted (202) whose content ingest cannot read, and an upstream upload that
+    ingest refuses (its KB does not exist), are both dead-lettered and each leaves a `failed`
+    entry with its writer (the key; the bus publisher), the document and the reason; the
+    uploader with a KB-scoped key reads its document as failed. A scan whose OCR fails is on
+    the trail as failed too, with the OCR's reason."""
+    broken = base64.b64encode(b"%PDF-1.4 this is not really a pdf").decode()
+    r = await stack.client.post(
+        f"/v1/kbs/{stack.kb['kb_id']}/documents",
+        json={
+            "name": "broken.pdf",
+            "content": broken,
+            "content_encoding": "base64",
+            "mime_type": "application/pdf",
+        },
+        headers=auth(stack, "scoped"),
+    )
+    assert r.status_code == 202, r.text
+    rejected = r.json()["document_id"]
+    unknown_kb = f"up-{uid()}"
+    event = DocUploaded(
+        org_id=stack.org,
+        document_id=unknown_kb,
+        name="orphan.txt",
+        content="tide tables",
+        kb_id="no-such-kb",
+    )
+    nc = await nats.connect(
+        bus_url(stack.rt.bus.url, stack.rt.settings.data_dir, "gateway"),
+        inbox_prefix=inbox_prefix("gateway"),
+    )
+    try:
+        await nc.jetstream().publish(
+            Subject.DOC_UPLOADED,
+            event.model_dump_json(exclude_none=True).encode(),
+            headers={"Nats-Msg-Id": event.event_id},
+        )
+    finally:
+        await nc.close()
+
+    r = await stack.client.post(
+        "/v1/documents?wait=true",
+        json={
+            "name": "scan.pdf",
+            "content": base64.b64encode(blank_pdf()).decode(),
+            "content_encoding": "base64",
+            "mime_type": "application/pdf",
+        },
+    )
+    assert r.json()["status"] == "awaiting_ocr", r.text
+    scan = r.json()["document_id"]
+    await stack.rt.bus.publish(
+        Subject.OCR_DONE,
+        OcrDone(org_id=stack.org, document_id=scan, ok=False, error="page 1 is unreadable"),
+    )
+
+    bus = {"kind": "bus", "key_id": None, "name": None}
+    for document_id, writer, reason in (
+        (rejected, {"kind": "key", "key_id": id_of(stack, "scoped"), "name": "scoped"}, "PDF"),
+        (unknown_kb, bus, "no-such-kb"),
+        (scan, bus, "page 1 is unreadable"),
+    ):
+        entries = await wait_until(
+            lambda document_id=document_id: audit(stack, document_id=document_id, action="failed"),
+            timeout=60,
+            what="the failed upload on the audit trail",
+        )
+        assert len(entries) == 1, entries
+        (entry,) = entries
+        assert entry["kind"] == "document" and entry["writer"] == writer, entry
+        assert reason in entry["error"], entry
+    for document_id in (rejected, unknown_kb):
+        assert not await audit(stack, document_id=document_id, action="uploaded")
+    view = await stack.client.get(f"/v1/documents/{rejected}", headers=auth(stack, "scoped"))
+    assert view.status_code == 200, view.text
+    assert view.json()["status"] == "failed" and "PDF" in view.json()["error"]
 
 
 async def test_kbmesh_audit_prints_the_trail(stack):

@@ -1,13 +1,15 @@
-"""The audit trail: every write, delete, KB change and key change, with who made it, on the
-subject `audit.<org_id>.<kind>` (kind: document, kb, key, backup).
+"""The audit trail: every write, delete, KB change and key change, with who made it, every
+upload that failed after it was accepted, and every restore, on the subject
+`audit.<org_id>.<kind>` (kind: document, kb, key, backup).
 
 Entries are kept in the JetStream stream `KBMESH_AUDIT` (file storage, its own limits:
 `KBMESH_AUDIT__MAX_AGE_DAYS`, `KBMESH_AUDIT__MAX_BYTES`; the oldest entries go first), apart
 from the work stream, so replaying or trimming work never touches the record of who did it.
 Ingest writes the document entries when it applies a change (whoever sent it: the gateway or
-an upstream publisher); the gateway writes KB entries, and whoever creates a key its entry.
-`kbmesh restore` carries the trail over from the archive, then records the restore itself
-(kind `backup`) and every key it brings back (action `restored`).
+an upstream publisher) and when it gives up on an upload (`failed`, with the reason); the
+gateway writes KB entries, and whoever creates a key its entry. `kbmesh restore` carries the
+trail over from the archive, then records the restore itself (kind `backup`) and every key it
+brings back (action `restored`).
 Org admins read them with `GET /v1/audit` or `kbmesh audit`.
 """
 
@@ -29,7 +31,7 @@ from services.common.messages.names import AUDIT_PREFIX, AUDIT_STREAM
 from services.common.settings import AuditSettings
 
 AuditKind = Literal["document", "kb", "key", "backup"]
-AuditAction = Literal["uploaded", "changed", "deleted", "created", "restored"]
+AuditAction = Literal["uploaded", "changed", "deleted", "created", "failed", "restored"]
 MAX_READ = 1000
 
 
@@ -50,6 +52,7 @@ class AuditEntry(Event):
     name: str | None = Field(
         None, description="the document's, KB's or key's name; for a backup, the archive's"
     )
+    error: str | None = Field(None, description="for `failed`: why the upload was not applied")
 
 
 AuditSink = Callable[[AuditEntry], Awaitable[None]]

@@ -390,8 +390,12 @@ def consume(
             permanent = isinstance(err, KbmeshError) and not err.retryable
             if permanent or delivered >= settings.max_deliver:
                 if on_failure is not None:
-                    with contextlib.suppress(Exception):
+                    try:
                         await on_failure(event, err)
+                    except Exception:
+                        # The dead letter still goes out; why the owner's record of the
+                        # failure (document status, audit entry) is missing goes to the log.
+                        log.exception("failure hook raised subject=%s", subject)
                 error_type = err.error_type if isinstance(err, KbmeshError) else type(err).__name__
                 await dead_letter(bus, raw, str(err) or repr(err), error_type)
                 await msg.reject()

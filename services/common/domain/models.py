@@ -326,9 +326,13 @@ class DocumentRecord(BaseModel):
         while len(self.recent_events) > RECENT_EVENTS:
             del self.recent_events[next(iter(self.recent_events))]
         if writer is not None:
-            self.writers = [w for w in self.writers if w.revision != self.revision]
-            self.writers.append(RevisionWriter(revision=self.revision, writer=writer, at=utcnow()))
-            del self.writers[:-WRITER_HISTORY]
+            self.written(writer)
+
+    def written(self, writer: Writer) -> None:
+        """Record `writer` as the writer of the current revision."""
+        self.writers = [w for w in self.writers if w.revision != self.revision]
+        self.writers.append(RevisionWriter(revision=self.revision, writer=writer, at=utcnow()))
+        del self.writers[:-WRITER_HISTORY]
 
     @property
     def writer(self) -> Writer | None:

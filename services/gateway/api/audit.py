@@ -28,7 +28,8 @@ async def list_audit(
     ] = None,
     kind: Annotated[AuditKind | None, Query(description="document, kb, key or backup")] = None,
     action: Annotated[
-        AuditAction | None, Query(description="uploaded, changed, deleted, created or restored")
+        AuditAction | None,
+        Query(description="uploaded, changed, deleted, created, failed or restored"),
     ] = None,
     document_id: Annotated[str | None, Query(max_length=64)] = None,
     kb_id: Annotated[str | None, Query(max_length=64)] = None,

@@ -4,16 +4,15 @@ the process's Prometheus metrics."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
-from fastapi.responses import StreamingResponse
+from sse_starlette import EventSourceResponse
 
 from services.common.domain.errors import Forbidden
 from services.common.ops import metrics
 from services.gateway.api.deps import Caller, Gateway, Kbs, Keys
-from services.gateway.progress import event_stream
+from services.gateway.progress import KEEPALIVE_SECONDS, event_stream
 from services.gateway.schemas import Ack, KbProgress
 
 router = APIRouter(tags=["progress"])
-SSE = "text/event-stream"
 
 
 # The stream and the metrics are not JSON operations: they stay out of the OpenAPI document
@@ -30,9 +29,8 @@ async def kb_events(kb: str, service: Gateway, caller: Caller) -> Response:
         current = await service.reg.kbs.get(f"{found.org_id}.{found.kb_id}")
         return None if current is None else await service.kbs.progress(current)
 
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     stream = event_stream(service.progress, caller.org_id, found.kb_id, snapshot)
-    return StreamingResponse(stream, media_type=SSE, headers=headers)
+    return EventSourceResponse(stream, ping=KEEPALIVE_SECONDS)
 
 
 @router.post("/v1/kbs/{kb}/reindex/cancel", tags=["knowledge bases"])
