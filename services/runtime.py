@@ -149,8 +149,9 @@ async def build_runtime(
         url, provider, credentials, rules=settings.bus, auth=settings.nats, audit=settings.audit
     )
     try:
+        # Each step waits out a bus that is failing over (Bus.starting).
         await bus.connect()
-        registries = await Registries.open(bus.js)
+        registries = await bus.starting("registries", lambda: Registries.open(bus.js))
         pool = embedders or EmbedderPool(
             batch_size=settings.embed_batch_size,
             max_batch=settings.embed_max_batch,
@@ -233,7 +234,8 @@ def require_store(rt: Runtime) -> VectorStore:
 
 
 async def start_consuming(rt: Runtime) -> None:
-    """Load the model(s) the local services need, then start the subscribers."""
+    """Load the model(s) the local services need, then start the subscribers (waiting out a
+    bus that is failing over: `Bus.start`)."""
     if rt.ingest is not None:
         rt.ingest.extractor.start()
     if "embed" in rt.services or "search" in rt.services:

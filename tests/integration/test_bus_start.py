@@ -1,0 +1,56 @@
+"""How a service's start meets the bus: what NATS refuses for good (credentials) ends the
+start at once with a message that says what to fix; a bus that never answers ends it at the
+start deadline, not never. Real nats-server processes; the failover case, where the start
+waits and then succeeds, is tests/e2e/test_start_during_failover.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from opentelemetry import trace
+
+from services.common.infra.bus import Bus, BusStartError
+from services.common.infra.busauth import Credentials, new_password, server_accounts
+from services.common.infra.natsproc import NatsServer, free_port
+
+
+async def test_a_wrong_password_ends_the_start_at_once_naming_the_user(tmp_path):
+    """NATS answers "Authorization Violation": retrying cannot help, so the start fails
+    within seconds (not after the deadline, and not never) and names the user and the
+    settings to check."""
+    ingest = Credentials("ingest", new_password())
+    server = NatsServer(
+        tmp_path / "nats", accounts=lambda: server_accounts({"ingest": ingest})
+    ).start()
+    bus = Bus(server.url, trace.get_tracer_provider(), Credentials("ingest", "not-the-password"))
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(30):
+            with pytest.raises(BusStartError) as refused:
+                await bus.connect()
+    finally:
+        await bus.close()
+        server.stop()
+    assert time.monotonic() - started < 10
+    message = str(refused.value)
+    assert "'ingest'" in message and "Authorization Violation" in message
+    assert "KBMESH_NATS__PASSWORD" in message
+
+
+async def test_a_bus_that_never_answers_ends_the_start_at_its_deadline(tmp_path):
+    """Nothing listens at the URL for the whole start: the start gives up once its
+    deadline has passed, saying for how long it waited and what it last saw."""
+    url = f"nats://127.0.0.1:{free_port()}"
+    bus = Bus(url, trace.get_tracer_provider(), start_deadline_seconds=2.0)
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(30):
+            with pytest.raises(BusStartError) as gave_up:
+                await bus.connect()
+    finally:
+        await bus.close()
+    assert 2.0 <= time.monotonic() - started < 10
+    assert "did not answer within 2 s" in str(gave_up.value)
+    assert url in str(gave_up.value)
