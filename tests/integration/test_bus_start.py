@@ -9,11 +9,13 @@ import asyncio
 import time
 
 import pytest
+from nats.js.errors import ServerError
 from opentelemetry import trace
 
 from services.common.infra.bus import Bus, BusStartError
 from services.common.infra.busauth import Credentials, new_password, server_accounts
 from services.common.infra.natsproc import NatsServer, free_port
+from services.common.settings import BusSettings
 
 
 async def test_a_wrong_password_ends_the_start_at_once_naming_the_user(tmp_path):
@@ -54,3 +56,20 @@ async def test_a_bus_that_never_answers_ends_the_start_at_its_deadline(tmp_path)
     assert 2.0 <= time.monotonic() - started < 10
     assert "did not answer within 2 s" in str(gave_up.value)
     assert url in str(gave_up.value)
+
+
+async def test_a_configuration_jetstream_refuses_ends_the_start_at_once(tmp_path):
+    """Three replicas asked of a single server: JetStream answers 500 "replicas > 1 not
+    supported in non-clustered mode", which no retry changes; the start fails at once with
+    JetStream's words, not after the deadline."""
+    server = NatsServer(tmp_path / "nats").start()
+    bus = Bus(server.url, trace.get_tracer_provider(), rules=BusSettings(replicas=3))
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(30):
+            with pytest.raises(ServerError, match="replicas > 1 not supported"):
+                await bus.connect()
+    finally:
+        await bus.close()
+        server.stop()
+    assert time.monotonic() - started < 10

@@ -31,7 +31,7 @@ from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError, ServerError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
 from tenacity import (
@@ -110,10 +110,10 @@ class BusStartError(RuntimeError):
 
 def start_transient(err: BaseException) -> bool:
     """What a start waits out: the bus unavailable (a node restarting, no JetStream leader
-    while one is elected, no quorum) and JetStream's server errors (a stream whose replicas
-    are being placed or recovered). Anything else (a refused configuration, a bug) ends the
-    start at once."""
-    return isinstance(err, (*BUS_UNAVAILABLE, ServerError))
+    while one is elected, no quorum: timeouts, no responders, 503). Anything else ends the
+    start at once: JetStream's 4xx and 500 answers are about the request (500 is also what
+    three replicas on a single server get), and a bug is a bug."""
+    return isinstance(err, BUS_UNAVAILABLE)
 
 
 def refused_for_good(err: BaseException) -> bool:
@@ -127,9 +127,11 @@ def refused_for_good(err: BaseException) -> bool:
         | nats.errors.SecureConnWantedError,
     ):
         return True
+    # The server's words (an "Authentication Timeout", by contrast, is a slow client).
     text = str(err).lower()
-    return isinstance(err, nats.errors.Error) and (
-        "authorization violation" in text or "authentication" in text
+    return isinstance(err, nats.errors.Error) and any(
+        words in text
+        for words in ("authorization violation", "authentication expired", "authentication revoked")
     )
 
 
