@@ -66,10 +66,11 @@ def _restarting() -> AsyncRetrying:
     after 0.2 s, then 0.5, 1, 2, 5, 10 and 30 s while it keeps dying."""
 
     def restarting(state: RetryCallState) -> None:
-        log.error(
-            "nats-server down (%r); restarting in %.1fs",
-            state.outcome.exception() if state.outcome else None,
+        log.warning(
+            "nats_server_restart attempt=%d in=%.1fs reason=%s",
+            state.attempt_number,
             state.next_action.sleep if state.next_action else 0.0,
+            state.outcome.exception() if state.outcome else None,
         )
 
     return AsyncRetrying(
@@ -279,11 +280,7 @@ class NatsServer:
         if self.proc is None:
             return  # stopped on purpose
         self.last_exit_code = self.proc.returncode
-        log.error(
-            "nats-server exited code=%s restarts=%d; restarting",
-            self.last_exit_code,
-            self.restarts,
-        )
+        log.error("nats-server exited code=%s restarts=%d", self.last_exit_code, self.restarts)
         if time.monotonic() - started < STABLE_AFTER_SECONDS:
             raise ServerDown(f"exit code {self.last_exit_code}")
 
