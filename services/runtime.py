@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 from services.common.embedders import EmbedderPool, LocalEmbedder
 from services.common.infra import busauth, metrics
 from services.common.infra.audit import sink as audit_sink
-from services.common.infra.bus import Bus
+from services.common.infra.bus import STARTING_STREAMS, Bus
 from services.common.infra.datadir import CURRENT_FORMAT, DataDirError, open_data_dir
 from services.common.infra.egress import egress_policy
 from services.common.infra.natsproc import NatsServer
@@ -151,7 +151,9 @@ async def build_runtime(
     try:
         # Each step waits out a bus that is failing over (Bus.starting).
         await bus.connect()
-        registries = await bus.starting("registries", lambda: Registries.open(bus.js))
+        registries = await bus.starting(
+            "registries", lambda: Registries.open(bus.js), waits_for=STARTING_STREAMS
+        )
         pool = embedders or EmbedderPool(
             batch_size=settings.embed_batch_size,
             max_batch=settings.embed_max_batch,

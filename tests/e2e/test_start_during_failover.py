@@ -31,8 +31,9 @@ DOCUMENTS = 12
 def test_services_started_while_jetstream_has_no_majority_wait_and_then_index(tmp_path):
     """`serve embed search` loses JetStream's majority right after it connected (while it
     loads its model, before its consumers exist) and a gateway is started while it is lost:
-    neither exits; the gateway's /readyz answers 503 "starting"; once the nodes are back
-    both become ready, and uploaded documents are indexed and found."""
+    neither exits; the gateway's /readyz answers 503 "starting" (its API 503 with
+    Retry-After); once the nodes are back both become ready, and uploaded documents are
+    indexed and found."""
     with NatsCluster(tmp_path / "cluster") as cluster:
         wait_until(
             lambda: asyncio.run(jetstream_ready(cluster.url)), 60, "the JetStream meta leader"
@@ -69,6 +70,11 @@ def test_services_started_while_jetstream_has_no_majority_wait_and_then_index(tm
                 return r.json()["status"] == "starting"
 
             wait_until(starting, 60, "/readyz to say starting while JetStream has no majority")
+            # Meanwhile the API says to come back, as it does while NATS is away.
+            r = httpx.get(f"{base}/v1/kbs", timeout=5)
+            assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+            assert r.headers["content-type"] == "application/problem+json"
+            assert r.json()["error_type"] == "Unavailable"
             wait_for_line(procs["embed"], "start_waiting")
             assert procs["gateway"].proc.poll() is None
             for node in down:

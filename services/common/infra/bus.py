@@ -31,7 +31,12 @@ from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
 from tenacity import (
@@ -84,6 +89,8 @@ BUS_UNAVAILABLE: tuple[type[Exception], ...] = (
     nats.errors.StaleConnectionError,
     nats.errors.FlushTimeoutError,
     ServiceUnavailableError,
+    # A JetStream publish that no stream leader answered (it died, the next is not elected).
+    NoStreamResponseError,
 )
 # How long one step of a start (connecting, declaring the streams, opening the registries,
 # starting the consumers) waits for an unavailable bus: far longer than a JetStream leader
@@ -94,6 +101,10 @@ START_DEADLINE_SECONDS = 300.0
 # started together do not ask the new leader in step.
 START_RETRY_INITIAL_SECONDS = 0.5
 START_RETRY_MAX_SECONDS = 5.0
+# What a start step that opens streams or buckets also waits for: a stream "not found" while
+# it is being created (on a cluster, one created a moment ago may not be found at once from
+# every server; a stream that the operator's setup creates may come after the service).
+STARTING_STREAMS: tuple[type[Exception], ...] = (NotFoundError,)
 
 
 def unavailable(err: BaseException) -> Transient:
@@ -108,12 +119,13 @@ class BusStartError(RuntimeError):
     TLS settings), or the bus stayed unavailable for a whole start deadline."""
 
 
-def start_transient(err: BaseException) -> bool:
+def start_transient(err: BaseException, waits_for: tuple[type[Exception], ...] = ()) -> bool:
     """What a start waits out: the bus unavailable (a node restarting, no JetStream leader
     while one is elected, no quorum: timeouts, no responders, 503). Anything else ends the
     start at once: JetStream's 4xx and 500 answers are about the request (500 is also what
-    three replicas on a single server get), and a bug is a bug."""
-    return isinstance(err, BUS_UNAVAILABLE)
+    three replicas on a single server get), and a bug is a bug. A step may wait for more
+    (`waits_for`): e.g. for streams that are being created."""
+    return isinstance(err, (*BUS_UNAVAILABLE, *waits_for))
 
 
 def refused_for_good(err: BaseException) -> bool:
@@ -135,7 +147,9 @@ def refused_for_good(err: BaseException) -> bool:
     )
 
 
-def start_retrying(step: str, deadline_seconds: float) -> AsyncRetrying:
+def start_retrying(
+    step: str, deadline_seconds: float, waits_for: tuple[type[Exception], ...] = ()
+) -> AsyncRetrying:
     """The retry policy of a start step: transient bus errors (`start_transient`) are tried
     again with jittered exponential backoff while the next try would begin within
     `deadline_seconds` of the first; the last error is then raised as it is."""
@@ -152,7 +166,7 @@ def start_retrying(step: str, deadline_seconds: float) -> AsyncRetrying:
         )
 
     return AsyncRetrying(
-        retry=retry_if_exception(start_transient),
+        retry=retry_if_exception(lambda err: start_transient(err, waits_for)),
         wait=wait_exponential_jitter(
             initial=START_RETRY_INITIAL_SECONDS, max=START_RETRY_MAX_SECONDS
         ),
@@ -311,29 +325,36 @@ class Bus:
 
     def _gave_up(self, step: str, err: BaseException) -> str:
         return (
-            f"the message bus at {self.url} did not answer within "
+            f"the message bus at {self.url} was not ready within "
             f"{self.start_deadline_seconds:g} s while starting ({step}); last error: {err!r}"
         )
 
-    async def starting(self, step: str, call: Callable[[], Awaitable[T]]) -> T:
+    async def starting(
+        self,
+        step: str,
+        call: Callable[[], Awaitable[T]],
+        *,
+        waits_for: tuple[type[Exception], ...] = (),
+    ) -> T:
         """`call()`, one idempotent step of this process's start, under `start_retrying`:
-        while the bus is unavailable it is tried again, for up to the start deadline; then
-        `BusStartError`. Errors that are not the bus's absence are raised at once."""
+        while the bus is unavailable (or `call` raises one of `waits_for`) it is tried
+        again, for up to the start deadline; then `BusStartError`. Other errors are raised
+        at once."""
 
         async def attempt() -> T:  # tenacity awaits only what a coroutine function returns
             return await call()
 
         try:
-            return await start_retrying(step, self.start_deadline_seconds)(attempt)
+            return await start_retrying(step, self.start_deadline_seconds, waits_for)(attempt)
         except Exception as err:
-            if start_transient(err):
+            if start_transient(err, waits_for):
                 raise BusStartError(self._gave_up(step, err)) from err
             raise
 
     async def start(self) -> None:
         """Start consuming and answering (after every router and responder was added),
         waiting out an unavailable bus like `connect`."""
-        await self.starting("consumers", self._start_consumers)
+        await self.starting("consumers", self._start_consumers, waits_for=STARTING_STREAMS)
 
     async def _start_consumers(self) -> None:
         try:
@@ -629,6 +650,7 @@ __all__ = [
     "JSTREAM",
     "KV_BUCKETS",
     "OBJECT_STORE",
+    "STARTING_STREAMS",
     "START_DEADLINE_SECONDS",
     "Bus",
     "BusStartError",
