@@ -341,7 +341,12 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
 
     async def start() -> None:
         nonlocal rt
-        rt = await build_runtime(settings, names, embedded_nats=embedded)
+        try:
+            rt = await build_runtime(settings, names, embedded_nats=embedded)
+        except SystemExit as refused:
+            # A setting or data dir refused before anything opened: end as a failed start,
+            # so that the HTTP side stops in order (SystemExit would escape the loop).
+            raise RuntimeError(str(refused.code).removeprefix("kbmesh: ")) from None
         print(f"kbmesh {' '.join(rt.services)} on {rt.bus.url}", flush=True)
         if front is not None:
             await front.open(gateway_app(rt))
