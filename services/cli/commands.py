@@ -313,66 +313,95 @@ def _run_server(main: Coroutine[Any, Any, None]) -> None:
 async def _serve(settings, services: list[str] | None, *, embedded: bool) -> None:  # type: ignore[no-untyped-def]
     import uvicorn
 
-    from services.cli.runtime import SERVICES, build_runtime, start_consuming
+    from services.cli.runtime import (
+        SERVICES,
+        Runtime,
+        build_runtime,
+        check_services,
+        gateway_app,
+        start_consuming,
+    )
 
     if not embedded and not settings.nats_url:
         sys.exit("kbmesh serve needs KBMESH_NATS_URL (or use `kbmesh up`)")
-    names = list(SERVICES) if services is None else services
-    rt = await build_runtime(settings, names, embedded_nats=embedded)
+    names = check_services(list(SERVICES) if services is None else services, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    rt: Runtime | None = None
+    front = None
     server = None
-    failure: BaseException | None = None
-    try:
-        tasks = [asyncio.create_task(start_consuming(rt))]
-        if "gateway" in rt.services:
-            from services.cli.runtime import gateway_app
-            from services.gateway.bodylimit import largest_body_bytes
-            from services.gateway.server import server_config
+    tasks: list[asyncio.Task[None]] = []
+    if "gateway" in names:
+        from services.gateway.bodylimit import largest_body_bytes
+        from services.gateway.server import server_config
+        from services.gateway.starting import StartingGateway
 
-            config = server_config(
-                gateway_app(rt),
-                settings.host,
-                settings.port,
-                settings.http,
-                max_body_bytes=largest_body_bytes(settings),
-            )
-            server = uvicorn.Server(config)
-            tasks.append(asyncio.create_task(server.serve()))
-            base = f"http://{settings.host}:{settings.port}"
-            print(f"kbmesh {' '.join(rt.services)} on {rt.bus.url}", flush=True)
-            print(f"  console  {base}/", flush=True)
-            print(f"  REST     {base}/v1", flush=True)
-            print(f"  docs     {base}/docs", flush=True)
-            print(f"  MCP      {base}/mcp", flush=True)
-            print(f"  ready    {base}/readyz", flush=True)
-        else:
-            print(f"kbmesh {' '.join(rt.services)} on {rt.bus.url}", flush=True)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        # A failed start (model load, NATS) ends the process non-zero instead of idling.
-        waiters = [asyncio.create_task(stop.wait()), *tasks]
+        # HTTP from the first moment: the probes answer (liveness ok, readiness "starting")
+        # while the start below waits out a NATS failover.
+        front = StartingGateway(names)
+        config = server_config(
+            front,
+            settings.host,
+            settings.port,
+            settings.http,
+            max_body_bytes=largest_body_bytes(settings),
+        )
+        server = uvicorn.Server(config)
+        tasks.append(asyncio.create_task(server.serve()))
+        base = f"http://{settings.host}:{settings.port}"
+        print(f"kbmesh {' '.join(names)}", flush=True)
+        print(f"  console  {base}/", flush=True)
+        print(f"  REST     {base}/v1", flush=True)
+        print(f"  docs     {base}/docs", flush=True)
+        print(f"  MCP      {base}/mcp", flush=True)
+        print(f"  ready    {base}/readyz", flush=True)
+
+    async def start() -> None:
+        nonlocal rt
+        try:
+            rt = await build_runtime(settings, names, embedded_nats=embedded)
+        except SystemExit as refused:
+            # A setting or data dir refused before anything opened: end as a failed start,
+            # so that the HTTP side stops in order (SystemExit would escape the loop).
+            raise RuntimeError(str(refused.code).removeprefix("kbmesh: ")) from None
+        print(f"kbmesh {' '.join(rt.services)} on {rt.bus.url}", flush=True)
+        if front is not None:
+            await front.open(gateway_app(rt))
+        await start_consuming(rt)
+        print(f"kbmesh {' '.join(rt.services)} ready", flush=True)
+
+    failure: BaseException | None = None
+    starting = asyncio.create_task(start())
+    try:
+        # A failed start (model load, NATS refusing us or away past the start deadline)
+        # ends the process non-zero instead of idling.
+        waiters = [asyncio.create_task(stop.wait()), starting, *tasks]
         while True:
             done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            if tasks[0] in done and tasks[0].exception() is None and len(done) == 1:
-                waiters.remove(tasks[0])  # started: keep serving
+            if starting in done and starting.exception() is None and len(done) == 1:
+                waiters.remove(starting)  # started: keep serving
                 _freeze_heap()
                 continue
             break
-        if tasks[0].done() and not tasks[0].cancelled() and tasks[0].exception() is not None:
-            failure = tasks[0].exception()
+        if starting.done() and not starting.cancelled() and starting.exception() is not None:
+            failure = starting.exception()
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
         if server is not None:
-            if rt.gateway is not None:  # open event streams: the server would wait for them
-                rt.gateway.progress.close_streams()
+            if rt is not None and rt.gateway is not None:
+                rt.gateway.progress.close_streams()  # open event streams: the server waits
             server.should_exit = True
             with contextlib.suppress(Exception):
-                await tasks[1]
-        tasks[0].cancel()
+                await tasks[0]
     finally:
-        await rt.close()
+        if rt is not None:
+            await rt.close()
         print("kbmesh stopped", flush=True)
     if failure is not None:
-        sys.exit(f"kbmesh failed to start: {failure!r}")
+        sys.exit(f"kbmesh failed to start: {failure or repr(failure)}")
 
 
 def _freeze_heap() -> None:

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 
 from services.common.bus import auth as busauth
 from services.common.bus.audit import sink as audit_sink
-from services.common.bus.client import Bus
+from services.common.bus.client import STARTING_STREAMS, Bus
 from services.common.bus.nats_server import NatsServer
 from services.common.bus.registry import Registries
 from services.common.embedders import EmbedderPool, LocalEmbedder
@@ -151,8 +151,11 @@ async def build_runtime(
         url, provider, credentials, rules=settings.bus, auth=settings.nats, audit=settings.audit
     )
     try:
+        # Each step waits out a bus that is failing over (Bus.starting).
         await bus.connect()
-        registries = await Registries.open(bus.js)
+        registries = await bus.starting(
+            "registries", lambda: Registries.open(bus.js), waits_for=STARTING_STREAMS
+        )
         pool = embedders or EmbedderPool(
             batch_size=settings.embed_batch_size,
             max_batch=settings.embed_max_batch,
@@ -235,7 +238,8 @@ def require_store(rt: Runtime) -> VectorStore:
 
 
 async def start_consuming(rt: Runtime) -> None:
-    """Load the model(s) the local services need, then start the subscribers."""
+    """Load the model(s) the local services need, then start the subscribers (waiting out a
+    bus that is failing over: `Bus.start`)."""
     if rt.ingest is not None:
         rt.ingest.extractor.start()
     if "embed" in rt.services or "search" in rt.services:

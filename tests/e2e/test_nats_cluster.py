@@ -14,7 +14,6 @@ losing or duplicating work — does not depend on the vector store.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import nats
@@ -24,8 +23,15 @@ from services.common.messages.names import KV_BUCKETS, OBJECT_STORE
 from services.common.store import Match
 from services.common.store.base import Filter
 from services.common.store.edge import EdgeStore
-from tests.support.cluster import NatsCluster, jetstream_ready
-from tests.support.procs import Proc, free_port, kbmesh_env, wait_ready, wait_until
+from tests.support.cluster import NatsCluster, jetstream_ready, upload
+from tests.support.procs import (
+    Proc,
+    free_port,
+    kbmesh_env,
+    wait_ready,
+    wait_started,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,25 +48,6 @@ def document(i: int) -> dict[str, str]:
     topic = TOPICS[i % len(TOPICS)]
     text = f"Note {i}. {topic}. " + " ".join(f"Remark {i}.{j} on {topic}." for j in range(12))
     return {"document_id": f"doc-{i:03d}", "name": f"note-{i:03d}.txt", "content": text}
-
-
-def upload(client: httpx.Client, body: dict[str, str], statuses: list[int]) -> None:
-    """A client that retries what the API says is temporary (503 with Retry-After), and
-    connection errors; the explicit document id makes a retry replace, never duplicate."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            r = client.post("/v1/kbs/default/documents", json=body)
-        except httpx.TransportError:
-            time.sleep(0.5)
-            continue
-        statuses.append(r.status_code)
-        if r.status_code == 202:
-            return
-        assert r.status_code == 503, r.text
-        assert r.headers["content-type"].startswith("application/problem+json")
-        time.sleep(min(float(r.headers["retry-after"]), 2.0))
-    raise TimeoutError(f"{body['document_id']} not accepted in 120 s")
 
 
 async def replicas(url: str) -> dict[str, int]:
@@ -93,7 +80,11 @@ def test_two_hundred_documents_survive_a_killed_and_a_restarted_node(tmp_path):
         base = f"http://127.0.0.1:{port}"
         statuses: list[int] = []
         try:
+            # Every service consuming before the first node dies (a start during a failover
+            # is test_start_during_failover.py's).
             wait_ready(base, procs["gateway"])
+            wait_started(procs["ingest"], "ingest")
+            wait_started(procs["embed"], "embed search")
             assert set(asyncio.run(replicas(cluster.url)).values()) == {3}
             killed, restarted = cluster.nodes[0], cluster.nodes[1]
             with httpx.Client(base_url=base, timeout=30) as client:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import nats
 
 from services.common.bus.nats_server import free_port, nats_server_binary, wait_for_port
@@ -105,3 +107,22 @@ async def jetstream_ready(url: str) -> bool:
         return False
     finally:
         await nc.close()
+
+
+def upload(client: httpx.Client, body: dict[str, str], statuses: list[int]) -> None:
+    """A client that retries what the API says is temporary (503 with Retry-After), and
+    connection errors; the explicit document id makes a retry replace, never duplicate."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            r = client.post("/v1/kbs/default/documents", json=body)
+        except httpx.TransportError:
+            time.sleep(0.5)
+            continue
+        statuses.append(r.status_code)
+        if r.status_code == 202:
+            return
+        assert r.status_code == 503, r.text
+        assert r.headers["content-type"].startswith("application/problem+json")
+        time.sleep(min(float(r.headers["retry-after"]), 2.0))
+    raise TimeoutError(f"{body['document_id']} not accepted in 120 s")

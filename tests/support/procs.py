@@ -82,6 +82,24 @@ def wait_ready(base: str, proc: Proc, timeout: float = 120) -> None:
     raise TimeoutError(f"not ready after {timeout}s:\n{proc.output()[-4000:]}")
 
 
+def wait_for_line(proc: Proc, text: str, timeout: float = 120) -> None:
+    """Wait until `proc` has written `text` (a line it prints or logs), failing at once with
+    its output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in proc.output():
+            return
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"kbmesh exited before {text!r}:\n{proc.output()[-4000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"no {text!r} after {timeout}s:\n{proc.output()[-4000:]}")
+
+
+def wait_started(proc: Proc, services: str, timeout: float = 120) -> None:
+    """Wait for a `kbmesh serve` worker's readiness: the line it prints once it consumes."""
+    wait_for_line(proc, f"kbmesh {services} ready", timeout)
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.3):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -92,4 +110,12 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.3):  # 
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-__all__ = ["Proc", "free_port", "kbmesh_env", "wait_ready", "wait_until"]
+__all__ = [
+    "Proc",
+    "free_port",
+    "kbmesh_env",
+    "wait_for_line",
+    "wait_ready",
+    "wait_started",
+    "wait_until",
+]

@@ -31,9 +31,21 @@ from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_before_delay,
+    wait_exponential_jitter,
+)
 
 from services.common.bus import replies
 from services.common.bus.audit import declare_audit_stream
@@ -61,6 +73,7 @@ from services.common.settings import AuditSettings, BusSettings, NatsAuthSetting
 log = logging.getLogger("kbmesh.bus")
 
 E = TypeVar("E", bound=Event)
+T = TypeVar("T")
 Handler = Callable[[Any], Awaitable[None]]
 FailureHook = Callable[[Any, Exception], Awaitable[None]]
 
@@ -76,14 +89,90 @@ BUS_UNAVAILABLE: tuple[type[Exception], ...] = (
     nats.errors.StaleConnectionError,
     nats.errors.FlushTimeoutError,
     ServiceUnavailableError,
+    # A JetStream publish that no stream leader answered (it died, the next is not elected).
+    NoStreamResponseError,
 )
-TOPOLOGY_RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)
+# How long one step of a start (connecting, declaring the streams, opening the registries,
+# starting the consumers) waits for an unavailable bus: far longer than a JetStream leader
+# election or a NATS node's restart, so that a start during a failover succeeds. Past it the
+# process exits non-zero and its supervisor (compose, Kubernetes) starts it again.
+START_DEADLINE_SECONDS = 300.0
+# Between tries of a start step: 0.5 s doubling to 5 s, with jitter so that the replicas
+# started together do not ask the new leader in step.
+START_RETRY_INITIAL_SECONDS = 0.5
+START_RETRY_MAX_SECONDS = 5.0
+# What a start step that opens streams or buckets also waits for: a stream "not found" while
+# it is being created (on a cluster, one created a moment ago may not be found at once from
+# every server; a stream that the operator's setup creates may come after the service).
+STARTING_STREAMS: tuple[type[Exception], ...] = (NotFoundError,)
 
 
 def unavailable(err: BaseException) -> Transient:
     """What a caller is told when NATS (or JetStream's quorum) did not answer in time."""
     return Transient(
         f"the message bus is unavailable ({type(err).__name__}); retry in a few seconds"
+    )
+
+
+class BusStartError(RuntimeError):
+    """A start that cannot go on: NATS refused this process for good (its credentials or its
+    TLS settings), or the bus stayed unavailable for a whole start deadline."""
+
+
+def start_transient(err: BaseException, waits_for: tuple[type[Exception], ...] = ()) -> bool:
+    """What a start waits out: the bus unavailable (a node restarting, no JetStream leader
+    while one is elected, no quorum: timeouts, no responders, 503). Anything else ends the
+    start at once: JetStream's 4xx and 500 answers are about the request (500 is also what
+    three replicas on a single server get), and a bug is a bug. A step may wait for more
+    (`waits_for`): e.g. for streams that are being created."""
+    return isinstance(err, (*BUS_UNAVAILABLE, *waits_for))
+
+
+def refused_for_good(err: BaseException) -> bool:
+    """What NATS answers to this process's credentials or certificates: the same on every
+    try, so retrying only hides it."""
+    if isinstance(
+        err,
+        ssl.SSLCertVerificationError
+        | nats.errors.AuthorizationError
+        | nats.errors.SecureConnRequiredError
+        | nats.errors.SecureConnWantedError,
+    ):
+        return True
+    # The server's words (an "Authentication Timeout", by contrast, is a slow client).
+    text = str(err).lower()
+    return isinstance(err, nats.errors.Error) and any(
+        words in text
+        for words in ("authorization violation", "authentication expired", "authentication revoked")
+    )
+
+
+def start_retrying(
+    step: str, deadline_seconds: float, waits_for: tuple[type[Exception], ...] = ()
+) -> AsyncRetrying:
+    """The retry policy of a start step: transient bus errors (`start_transient`) are tried
+    again with jittered exponential backoff while the next try would begin within
+    `deadline_seconds` of the first; the last error is then raised as it is."""
+
+    def waiting(state: RetryCallState) -> None:
+        err = state.outcome.exception() if state.outcome else None
+        log.warning(
+            "start_waiting step=%s attempt=%d retry_in=%.1f waited=%.1f error=%r",
+            step,
+            state.attempt_number,
+            state.next_action.sleep if state.next_action else 0.0,
+            state.seconds_since_start,
+            err,
+        )
+
+    return AsyncRetrying(
+        retry=retry_if_exception(lambda err: start_transient(err, waits_for)),
+        wait=wait_exponential_jitter(
+            initial=START_RETRY_INITIAL_SECONDS, max=START_RETRY_MAX_SECONDS
+        ),
+        stop=stop_before_delay(deadline_seconds),
+        before_sleep=waiting,
+        reraise=True,
     )
 
 
@@ -118,7 +207,9 @@ class Bus:
         rules: BusSettings | None = None,
         auth: NatsAuthSettings | None = None,
         audit: AuditSettings | None = None,
+        start_deadline_seconds: float = START_DEADLINE_SECONDS,
     ) -> None:
+        self.start_deadline_seconds = start_deadline_seconds
         # Delivery rules (redelivery, dead letters, retention), the NATS user and TLS, and
         # the audit stream's retention: the settings groups the bus reads, and no other.
         self.rules = rules or BusSettings()
@@ -167,31 +258,121 @@ class Bus:
         return self._js
 
     async def connect(self) -> None:
-        """Connect and declare streams, buckets and the object store (idempotent)."""
-        self.nc = await nats.connect(
-            self.servers, name="kbmesh", max_reconnect_attempts=-1, **self._options
+        """Connect and declare streams, buckets and the object store (idempotent).
+
+        Like every step of a start (`starting`), it waits out a bus that is unavailable for
+        now (a node restarting, a cluster electing its JetStream leader) for up to the start
+        deadline, and ends at once when NATS refuses this process for good (credentials,
+        TLS); either way with a `BusStartError` that says what happened."""
+        self.nc = await self._open_connection()
+        js = self._js = self.nc.jetstream()
+        await self.starting("streams", lambda: declare_topology(js, self.rules, self._audit))
+        # FastStream's own connection to the same servers, with the same credentials.
+        await self.starting(
+            "connection",
+            lambda: asyncio.wait_for(self.broker.connect(), self.start_deadline_seconds),
         )
-        self._js = self.nc.jetstream()
-        attempt = 0
-        while True:
-            try:
-                await declare_topology(self._js, self.rules, self._audit)
-                break
-            except BUS_UNAVAILABLE as err:
-                # A cluster that is still electing its JetStream leader, or a server that
-                # is restarting: wait for it like for the connection itself.
-                delay = TOPOLOGY_RETRY_SECONDS[min(attempt, len(TOPOLOGY_RETRY_SECONDS) - 1)]
-                attempt += 1
-                log.warning("jetstream_unavailable error=%r retry_in=%.1f", err, delay)
-                await asyncio.sleep(delay)
-        await self.broker.connect()
+
+    async def _open_connection(self) -> nats.NATS:
+        """nats-py tries the servers in turn for as long as it is let (so that the process
+        survives any outage once it runs): bounded here by the start deadline, and cut short
+        by the first answer that no retry can change."""
+        nc = nats.NATS()
+        connected = False
+        last: list[BaseException] = []
+
+        async def on_error(err: Exception) -> None:
+            if not connected and refused_for_good(err):
+                # Raised through nats-py's connect loop, which ends with it.
+                raise BusStartError(self._refusal(err)) from err
+            last[:] = [err]
+            log.warning("nats_connection_error error=%r", err)
+
+        try:
+            async with asyncio.timeout(self.start_deadline_seconds):
+                await nc.connect(
+                    self.servers,
+                    name="kbmesh",
+                    max_reconnect_attempts=-1,
+                    error_cb=on_error,
+                    **self._options,
+                )
+        except BaseException as err:
+            # Bounded: closing after a failed TLS handshake waits for a goodbye that never
+            # comes.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 2.0)
+            if isinstance(err, TimeoutError):
+                raise BusStartError(self._gave_up("connecting", last[0] if last else err)) from err
+            raise
+        connected = True
+        return nc
+
+    def _refusal(self, err: Exception) -> str:
+        where = f"NATS at {self.url}"
+        if isinstance(err, ssl.SSLCertVerificationError):
+            return (
+                f"{where}: the server's certificate is not trusted ({err.verify_message}); set "
+                "KBMESH_NATS__TLS_CA_FILE to the CA that signed it"
+            )
+        if isinstance(err, nats.errors.SecureConnRequiredError | nats.errors.SecureConnWantedError):
+            return f"{where}: TLS required by one side only ({err}); check KBMESH_NATS__TLS_*"
+        reason = str(err).removeprefix("nats: ").strip("'")
+        who = f"user {self.user!r}" if self.user else "a connection without credentials"
+        return f"{where} refused {who}: {reason}; check KBMESH_NATS__USER and KBMESH_NATS__PASSWORD"
+
+    def _gave_up(self, step: str, err: BaseException) -> str:
+        return (
+            f"the message bus at {self.url} was not ready within "
+            f"{self.start_deadline_seconds:g} s while starting ({step}); last error: {err!r}"
+        )
+
+    async def starting(
+        self,
+        step: str,
+        call: Callable[[], Awaitable[T]],
+        *,
+        waits_for: tuple[type[Exception], ...] = (),
+    ) -> T:
+        """`call()`, one idempotent step of this process's start, under `start_retrying`:
+        while the bus is unavailable (or `call` raises one of `waits_for`) it is tried
+        again, for up to the start deadline; then `BusStartError`. Other errors are raised
+        at once."""
+
+        async def attempt() -> T:  # tenacity awaits only what a coroutine function returns
+            return await call()
+
+        try:
+            return await start_retrying(step, self.start_deadline_seconds, waits_for)(attempt)
+        except Exception as err:
+            if start_transient(err, waits_for):
+                raise BusStartError(self._gave_up(step, err)) from err
+            raise
 
     async def start(self) -> None:
-        """Start consuming and answering (after every router and responder was added)."""
-        await self._update_consumers()
-        await self.broker.start()
+        """Start consuming and answering (after every router and responder was added),
+        waiting out an unavailable bus like `connect`."""
+        await self.starting("consumers", self._start_consumers, waits_for=STARTING_STREAMS)
+
+    async def _start_consumers(self) -> None:
+        try:
+            await self._update_consumers()
+            await self.broker.start()
+            for responder in self.responders:
+                await responder.start(self._connection(), self._tracer)
+        except BaseException:
+            # Undo what did start, so that the next try starts each subscriber once.
+            await self._stop_consumers()
+            raise
+
+    async def _stop_consumers(self) -> None:
         for responder in self.responders:
-            await responder.start(self._connection(), self._tracer)
+            await responder.stop()
+        for subscriber in self.broker.subscribers:
+            try:
+                await subscriber.stop()
+            except Exception as err:  # the bus that failed the start may fail this too
+                log.warning("subscriber_not_stopped error=%r", err)
 
     async def _update_consumers(self) -> None:
         """Durable consumers outlive processes and binding to one keeps its old settings:
@@ -469,9 +650,15 @@ __all__ = [
     "BUS_UNAVAILABLE",
     "CURRENT_PUBLISHER",
     "JSTREAM",
+    "STARTING_STREAMS",
+    "START_DEADLINE_SECONDS",
     "Bus",
+    "BusStartError",
     "InvalidInput",
     "consume",
     "dead_letter",
+    "refused_for_good",
+    "start_retrying",
+    "start_transient",
     "unavailable",
 ]

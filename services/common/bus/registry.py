@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
@@ -47,14 +48,23 @@ class Registry(Generic[M]):
         if self._mirror is not None:
             return
         watcher = await self.kv.watch(">", inactive_threshold=60.0)
-        self._mirror = await self._read_initial(watcher, ">")
+        try:
+            self._mirror = await self._read_initial(watcher, ">")
+        except BaseException:
+            # A start retries this while JetStream fails over: leave no watch behind.
+            await watcher.stop()
+            raise
 
         async def follow() -> None:
             assert self._mirror is not None
-            async for entry in watcher:
-                if entry is None:
-                    continue
-                self._apply(self._mirror, entry)
+            try:
+                async for entry in watcher:
+                    if entry is None:
+                        continue
+                    self._apply(self._mirror, entry)
+            finally:  # closed (also when a start's later step failed and is tried again)
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
 
         self._mirror_task = asyncio.create_task(follow())
 
@@ -403,8 +413,12 @@ class Registries:
             Registry(prompts, Prompt),
         )
         # Both read on every request: KBs to resolve names, keys to know whether any exist.
-        await registries.kbs.mirror()
-        await registries.keys.mirror()
+        try:
+            await registries.kbs.mirror()
+            await registries.keys.mirror()
+        except BaseException:
+            await registries.close()  # a start tries the whole again
+            raise
         return registries
 
     async def close(self) -> None:

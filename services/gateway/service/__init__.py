@@ -53,7 +53,10 @@ class GatewayService:
             raise RuntimeError("the gateway needs a connected bus")
         await self.waiting.events.start(self.bus.nc)
         await self.progress.start(self.bus.nc)
-        await self.kbs.ensure_default(self.settings.default_org)
+        # A step of the process's start: waits out a bus that is failing over.
+        await self.bus.starting(
+            "default knowledge base", lambda: self.kbs.ensure_default(self.settings.default_org)
+        )
 
     async def stop(self) -> None:
         await self.waiting.events.stop()
