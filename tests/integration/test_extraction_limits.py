@@ -104,7 +104,7 @@ async def refused_once(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Upload `data` (wait=true) and return the problem body and the dead letter of a refusal
     on the first delivery: answered `status` within seconds, dead-lettered after one
-    delivery, nothing stored."""
+    delivery, none of its content stored (the new document reads `failed` with the reason)."""
     name = f"deck-{uid()}.pptx"
     started = time.perf_counter()
     r = await upload_bytes(client, name, data)
@@ -116,8 +116,10 @@ async def refused_once(
     (letter,) = [item for item in letters["items"] if item["name"] == name]
     assert letter["delivered"] == 1, letter
     assert letter["error_type"] == r.json()["error_type"], (letter, r.text)
-    gone = await client.get(f"/v1/documents/{letter['document_id']}")
-    assert gone.status_code == 404, gone.text
+    record = (await client.get(f"/v1/documents/{letter['document_id']}")).json()
+    assert record["status"] == "failed", record
+    assert record["error"][:200] == letter["error"][:200], (record, letter)
+    assert record["size_bytes"] == 0 and record["content_checksum"] is None, record
     return r.json(), letter
 
 
