@@ -34,6 +34,10 @@ from faststream.nats.annotations import NatsMessage
 from faststream.nats.testing import PatchedMessage
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import TracerProvider as AnyTracerProvider
 
 from services.common.bus.auth import Publisher, upstream_subject
 from services.common.bus.client import CURRENT_PUBLISHER, Bus, consume
@@ -300,10 +304,12 @@ async def in_memory(
     *,
     upstream: bool = False,
     ack_wait: float = 10.0,
+    tracer_provider: AnyTracerProvider | None = None,
 ) -> AsyncIterator[InMemory]:
     rules = BusSettings(max_deliver=MAX_DELIVER, backoff_seconds=BACKOFF, ack_wait_seconds=ack_wait)
+    provider = tracer_provider or trace.get_tracer_provider()
     # Never connected: TestNatsBroker stands in for the server.
-    bus = Bus("nats://127.0.0.1:4222", trace.get_tracer_provider(), rules=rules)
+    bus = Bus("nats://127.0.0.1:4222", provider, rules=rules)
     router = NatsRouter()
     consume(router, bus, SUBJECT, "test", handler, on_failure=on_failure, upstream=upstream)
     memory = InMemory(bus)
@@ -496,3 +502,24 @@ async def test_in_memory_a_working_handler_reports_progress_until_it_ends(
     assert reported.is_set()
     kinds = [kind for kind, _ in consumer(outcomes)]
     assert kinds[-1] == "ack" and set(kinds[:-1]) == {"in_progress"}
+
+
+async def test_in_memory_a_dead_letter_is_published_inside_the_trace_of_its_message(
+    outcomes: list[Outcome],
+) -> None:
+    """The dead letter carries the trace of the delivery that gave up (so a replay continues
+    it), and its publish is a span of that trace."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def handler(ev: DocDeleted) -> None:
+        raise InvalidInput("document_ids: not a document")
+
+    async with in_memory(handler, tracer_provider=provider) as bus:
+        await bus.deliver(event().model_dump_json().encode())
+    [letter] = bus.letters
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    processed = spans[f"{SUBJECT} process"].context.trace_id
+    assert spans[f"{dlq_subject(SUBJECT)} publish"].context.trace_id == processed
+    assert letter.headers["traceparent"].split("-")[1] == format(processed, "032x")
