@@ -496,8 +496,6 @@ async def _serve_stdio(settings: Settings, *, embedded: bool, api_key: str | Non
             )
         await server.run_stdio_async()
     finally:
-        if gateway is not None:
-            await gateway.stop()
         await rt.close()
 
 

@@ -226,9 +226,11 @@ async def _wire(rt: Runtime) -> None:
             max_payload=lambda: rt.bus.nc.max_payload if rt.bus.nc else DEFAULT_MAX_PAYLOAD,
         )
     if "gateway" in rt.services:
+        from services.gateway.handlers import create_router as gateway_router
         from services.gateway.service import GatewayService
 
         rt.gateway = GatewayService(rt.bus, rt.registries, rt.settings)
+        rt.bus.broker.include_router(gateway_router(rt.gateway))
 
 
 def require_store(rt: Runtime) -> VectorStore:

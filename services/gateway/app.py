@@ -105,13 +105,10 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                if mcp is not None:
-                    await stack.enter_async_context(mcp.session_manager.run())
-                yield
-        finally:
-            await service.stop()
+        async with contextlib.AsyncExitStack() as stack:
+            if mcp is not None:
+                await stack.enter_async_context(mcp.session_manager.run())
+            yield
 
     app = FastAPI(
         title="kbmesh",

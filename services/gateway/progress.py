@@ -1,21 +1,17 @@
 """Progress of long work in a knowledge base: the numbers (for stats) and the live feed (for
 the server-sent event stream), driven by the bus's `doc.indexed` / `doc.failed`, `kb.changed`
-and the KB records' own changes rather than by polling."""
+and the KB records' own changes (heard by the gateway's subscribers, handlers.py) rather
+than by polling."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import nats
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from pydantic import BaseModel, ValidationError
 from sse_starlette import ServerSentEvent
 
 from services.common.domain.models import (
@@ -25,11 +21,9 @@ from services.common.domain.models import (
     KBStatus,
     KnowledgeBase,
 )
-from services.common.messages.events import DocFailed, DocIndexed, KbChanged, Subject
+from services.common.messages.events import DocFailed, DocIndexed, KbChanged
 from services.gateway.schemas import KbProgress, ReindexProgress
 
-# The KV bucket of KB records: every write is a message on `$KV.kbs.<org>.<kb>`.
-KB_RECORDS = "$KV.kbs.>"
 # Idle streams get a comment this often, so proxies and clients keep them open.
 KEEPALIVE_SECONDS = 15.0
 # Snapshots are recomputed at most this often while events pour in (each reads the registry).
@@ -68,32 +62,18 @@ def kb_progress(
     )
 
 
-FEED_MODELS: dict[str, type[BaseModel]] = {
-    Subject.DOC_INDEXED: DocIndexed,
-    Subject.DOC_FAILED: DocFailed,
-    Subject.KB_CHANGED: KbChanged,
-}
 Item = DocIndexed | DocFailed | KbChanged | str | None  # None: the KB record changed
 CLOSED = "closed"  # the gateway is stopping
 
 
 class ProgressFeed:
-    """One set of core-NATS subscriptions per gateway, fanned out to the streams open on
-    each KB. Listeners register before they read their first snapshot, so nothing that
-    happens after it is missed."""
+    """What the gateway hears on the bus, fanned out to the streams open on each KB.
+    Listeners register before they read their first snapshot, so nothing that happens after
+    it is missed."""
 
     def __init__(self) -> None:
         self._listeners: dict[str, set[asyncio.Queue[Item]]] = defaultdict(set)
-        self._subs: list[Subscription] = []
         self._closed = False
-
-    async def start(self, nc: nats.NATS) -> None:
-        self._subs = [
-            await nc.subscribe(Subject.DOC_INDEXED, cb=self._on_event),
-            await nc.subscribe(Subject.DOC_FAILED, cb=self._on_event),
-            await nc.subscribe(Subject.KB_CHANGED, cb=self._on_event),
-            await nc.subscribe(KB_RECORDS, cb=self._on_kb_record),
-        ]
 
     def close_streams(self) -> None:
         """End every open stream, and any opened from now on: the HTTP server waits for open
@@ -103,25 +83,15 @@ class ProgressFeed:
             for queue in queues:
                 queue.put_nowait(CLOSED)
 
-    async def stop(self) -> None:
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def _on_event(self, msg: Msg) -> None:
-        model = FEED_MODELS[Subject(msg.subject)]
-        try:
-            event: Any = model.model_validate_json(msg.data)
-        except ValidationError:
-            return
+    def event(self, event: DocIndexed | DocFailed | KbChanged) -> None:
         if event.kb_id:
             self._send(event.kb_id, event)
         else:  # an upload that failed before KB membership: any KB may count it
             for kb_id in list(self._listeners):
                 self._send(kb_id, event)
 
-    async def _on_kb_record(self, msg: Msg) -> None:
-        self._send(msg.subject.rsplit(".", 1)[-1], None)
+    def kb_record_changed(self, kb_id: str) -> None:
+        self._send(kb_id, None)
 
     def _send(self, kb_id: str, item: Item) -> None:
         for queue in self._listeners.get(kb_id, ()):

@@ -1,6 +1,4 @@
-"""The delivery rules every subscriber gets from `consume` (services/common/bus/client.py), tested
-at the handler level with FastStream's `TestNatsBroker` over a real nats-server (JetStream pull
-consumers need one: their acks, redeliveries and delivery counts are the server's):
+"""The delivery rules every subscriber gets from `consume` (services/common/bus/client.py):
 
 - a handler that returns acks, and the message is not delivered again;
 - a transient error is nacked and redelivered with backoff, then acked once it succeeds;
@@ -9,13 +7,21 @@ consumers need one: their acks, redeliveries and delivery counts are the server'
 - a transient error on the last allowed delivery is dead-lettered the same way;
 - a message that is not its event is dead-lettered without reaching the handler;
 - an upstream publisher's event reaches the handler with the publisher known, unless it
-  names another org than the publisher's: then it is dead-lettered unread."""
+  names another org than the publisher's: then it is dead-lettered unread;
+- a handler at work reports progress, so its message is not redelivered meanwhile.
+
+Each rule is tested twice. In memory, with FastStream's `TestNatsBroker`: the outcome the
+consumer gives each delivery (ack, nack and its delay, reject), its dead letter and its
+failure hook, for a message delivered as JetStream's n-th delivery. Against a real
+nats-server (`with_real=True`), where what follows is the server's: redeliveries, their
+counts, and a durable left with nothing pending."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -23,8 +29,15 @@ from typing import Any
 
 import nats
 import pytest
-from faststream.nats import NatsRouter, TestNatsBroker
+from faststream.nats import JStream, NatsRouter, TestNatsBroker
+from faststream.nats.annotations import NatsMessage
+from faststream.nats.testing import PatchedMessage
+from nats.aio.msg import Msg
 from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import TracerProvider as AnyTracerProvider
 
 from services.common.bus.auth import Publisher, upstream_subject
 from services.common.bus.client import CURRENT_PUBLISHER, Bus, consume
@@ -234,3 +247,279 @@ async def test_an_upstream_event_of_the_publishers_org_only_reaches_the_handler(
     assert seen == [("acme", feeder)]
     assert json.loads(letter.data)["org_id"] == "victim"
     assert letter.headers is not None and letter.headers["Kbmesh-Error-Type"] == "Forbidden"
+
+
+# --- in memory: FastStream's TestNatsBroker, no server -----------------------------------
+
+MAX_DELIVER = 3
+BACKOFF = [0.05, 0.1]
+Outcome = tuple[str, str, float | None]  # subject, "ack" / "nak" / "term" / "in_progress", delay
+
+
+@pytest.fixture
+def outcomes(monkeypatch: pytest.MonkeyPatch) -> list[Outcome]:
+    """What the consumer told JetStream about each in-memory delivery, in order. The test
+    broker's messages answer acks with nothing; here they record them."""
+    seen: list[Outcome] = []
+
+    async def ack(self: PatchedMessage) -> None:
+        seen.append((self.subject, "ack", None))
+
+    async def nak(self: PatchedMessage, delay: float | None = None) -> None:
+        seen.append((self.subject, "nak", delay))
+
+    async def term(self: PatchedMessage) -> None:
+        seen.append((self.subject, "term", None))
+
+    async def in_progress(self: PatchedMessage) -> None:
+        seen.append((self.subject, "in_progress", None))
+
+    for name, method in (("ack", ack), ("nak", nak), ("term", term), ("in_progress", in_progress)):
+        monkeypatch.setattr(PatchedMessage, name, method)
+    return seen
+
+
+class InMemory:
+    """A consumer behind `consume` on FastStream's in-memory broker, and the dead letters it
+    publishes (caught by a subscriber on the dead-letter stream)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.letters: list[Msg] = []
+        self._sequence = 0
+
+    async def deliver(self, body: bytes, *, delivered: int = 1, subject: str = SUBJECT) -> None:
+        """Hand `body` to the consumer as JetStream's `delivered`-th delivery of a message:
+        JetStream names the delivery count and stream sequence in the reply subject."""
+        self._sequence += 1
+        seq = self._sequence
+        reply = f"$JS.ACK.{STREAM}.test.{delivered}.{seq}.{seq}.{time.time_ns()}.0"
+        await self.bus.broker.publish(body, subject, stream=STREAM, reply_to=reply)
+
+
+@contextlib.asynccontextmanager
+async def in_memory(
+    handler: Callable[[DocDeleted], Awaitable[None]],
+    on_failure: Callable[[Any, Exception], Awaitable[None]] | None = None,
+    *,
+    upstream: bool = False,
+    ack_wait: float = 10.0,
+    tracer_provider: AnyTracerProvider | None = None,
+) -> AsyncIterator[InMemory]:
+    rules = BusSettings(max_deliver=MAX_DELIVER, backoff_seconds=BACKOFF, ack_wait_seconds=ack_wait)
+    provider = tracer_provider or trace.get_tracer_provider()
+    # Never connected: TestNatsBroker stands in for the server.
+    bus = Bus("nats://127.0.0.1:4222", provider, rules=rules)
+    router = NatsRouter()
+    consume(router, bus, SUBJECT, "test", handler, on_failure=on_failure, upstream=upstream)
+    memory = InMemory(bus)
+
+    async def undecoded(msg: NatsMessage) -> bytes:
+        body: bytes = msg.body  # a dead letter's body may be anything
+        return body
+
+    @router.subscriber(
+        dlq_subject(">"), stream=JStream(DLQ_STREAM, declare=False), decoder=undecoded
+    )
+    async def on_letter(msg: NatsMessage) -> None:
+        memory.letters.append(msg.raw_message)
+
+    bus.broker.include_router(router)
+    async with TestNatsBroker(bus.broker):
+        yield memory
+
+
+def consumer(outcomes: list[Outcome], subject: str = SUBJECT) -> list[tuple[str, float | None]]:
+    """The consumer's outcomes on `subject` (the dead-letter subscriber's own acks left out)."""
+    return [(kind, delay) for s, kind, delay in outcomes if s == subject]
+
+
+async def test_in_memory_success_is_acked(outcomes: list[Outcome]) -> None:
+    calls: list[DocDeleted] = []
+
+    async def handler(ev: DocDeleted) -> None:
+        calls.append(ev)
+
+    async with in_memory(handler) as bus:
+        sent = event()
+        await bus.deliver(sent.model_dump_json().encode())
+    assert calls == [sent]
+    assert consumer(outcomes) == [("ack", None)]
+    assert bus.letters == []
+
+
+async def test_in_memory_transient_error_is_nacked_with_the_backoff_of_its_delivery(
+    outcomes: list[Outcome],
+) -> None:
+    hooked: list[Exception] = []
+
+    async def handler(ev: DocDeleted) -> None:
+        raise ConnectionError("the store is restarting")
+
+    async def on_failure(ev: DocDeleted, err: Exception) -> None:
+        hooked.append(err)
+
+    async with in_memory(handler, on_failure) as bus:
+        body = event().model_dump_json().encode()
+        for delivered in range(1, MAX_DELIVER):
+            await bus.deliver(body, delivered=delivered)
+    assert consumer(outcomes) == [("nak", BACKOFF[0]), ("nak", BACKOFF[1])]
+    assert bus.letters == [] and hooked == []
+
+
+async def test_in_memory_transient_error_on_the_last_delivery_is_rejected_and_dead_lettered(
+    outcomes: list[Outcome],
+) -> None:
+    hooked: list[str] = []
+
+    async def handler(ev: DocDeleted) -> None:
+        raise TimeoutError("the provider did not answer")
+
+    async def on_failure(ev: DocDeleted, err: Exception) -> None:
+        hooked.append(ev.event_id)
+
+    async with in_memory(handler, on_failure) as bus:
+        sent = event()
+        await bus.deliver(sent.model_dump_json().encode(), delivered=MAX_DELIVER)
+    assert consumer(outcomes) == [("term", None)]
+    assert hooked == [sent.event_id]
+    [letter] = bus.letters
+    assert letter.headers["Kbmesh-Error-Type"] == "TimeoutError"
+    assert letter.headers["Kbmesh-Error"] == "the provider did not answer"
+    assert letter.headers["Kbmesh-Delivered"] == str(MAX_DELIVER)
+    assert json.loads(letter.data)["event_id"] == sent.event_id
+
+
+async def test_in_memory_permanent_error_is_rejected_and_dead_lettered_after_the_failure_hook(
+    outcomes: list[Outcome],
+) -> None:
+    hooked: list[tuple[str, str]] = []
+
+    async def handler(ev: DocDeleted) -> None:
+        raise InvalidInput("document_ids: not a document", field="document_ids")
+
+    async def on_failure(ev: DocDeleted, err: Exception) -> None:
+        # The hook runs before the dead letter is published.
+        assert bus.letters == []
+        hooked.append((ev.event_id, str(err)))
+
+    async with in_memory(handler, on_failure) as bus:
+        sent = event()
+        await bus.deliver(sent.model_dump_json().encode())
+    assert consumer(outcomes) == [("term", None)]
+    assert hooked == [(sent.event_id, "document_ids: not a document")]
+    [letter] = bus.letters
+    assert letter.subject == dlq_subject(SUBJECT)
+    assert letter.headers["Kbmesh-Error-Type"] == "ValidationError"
+    assert letter.headers["Kbmesh-Original-Subject"] == SUBJECT
+    assert letter.headers["Kbmesh-Delivered"] == "1"
+    assert letter.data == sent.model_dump_json().encode()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"org_id": 7}',  # valid JSON, not the event
+        b"not json at all",
+        b"\xff\xfe",  # not UTF-8
+        b"[" * 20_000 + b"]" * 20_000,  # nesting too deep for any decoder
+    ],
+    ids=["wrong-fields", "not-json", "not-utf8", "deep-nesting"],
+)
+async def test_in_memory_malformed_message_is_rejected_and_dead_lettered_unread(
+    outcomes: list[Outcome], body: bytes
+) -> None:
+    """Decoding is FastStream's decoder hook; whatever fails there is rejected (never
+    redelivered) and dead-lettered, and neither the handler nor the failure hook runs."""
+    calls: list[object] = []
+
+    async def handler(ev: DocDeleted) -> None:
+        calls.append(ev)
+
+    async def on_failure(ev: DocDeleted, err: Exception) -> None:
+        calls.append(err)
+
+    async with in_memory(handler, on_failure) as bus:
+        await bus.deliver(body)
+    assert calls == []
+    assert consumer(outcomes) == [("term", None)]
+    [letter] = bus.letters
+    assert letter.headers["Kbmesh-Error-Type"] == "ValidationError"
+    assert letter.headers["Kbmesh-Error"].startswith("malformed event")
+    assert letter.data == body
+
+
+async def test_in_memory_upstream_event_of_another_org_is_rejected_unread(
+    outcomes: list[Outcome],
+) -> None:
+    """An upstream publisher's event is handled with `CURRENT_PUBLISHER` naming it; one that
+    names another org than the publisher's is dead-lettered as Forbidden, and neither the
+    handler nor the failure hook (which would act for that org) runs."""
+    seen: list[tuple[str, Publisher | None]] = []
+    hooked: list[Exception] = []
+
+    async def handler(ev: DocDeleted) -> None:
+        seen.append((ev.org_id, CURRENT_PUBLISHER.get()))
+
+    async def on_failure(ev: DocDeleted, err: Exception) -> None:
+        hooked.append(err)
+
+    feeder = Publisher(name="feeder", org_id="acme")
+    subject = upstream_subject(SUBJECT, feeder)
+    async with in_memory(handler, on_failure, upstream=True) as bus:
+        own = DocDeleted(org_id="acme", document_ids=["d1"])
+        foreign = DocDeleted(org_id="victim", document_ids=["d2"])
+        await bus.deliver(own.model_dump_json().encode(), subject=subject)
+        await bus.deliver(foreign.model_dump_json().encode(), subject=subject)
+        # kbmesh's own services publish unnamed: no publisher while their events run.
+        await bus.deliver(event().model_dump_json().encode())
+    assert seen == [("acme", feeder), ("org", None)]
+    assert CURRENT_PUBLISHER.get() is None
+    assert hooked == []
+    assert consumer(outcomes, subject) == [("ack", None), ("term", None)]
+    [letter] = bus.letters
+    assert letter.headers["Kbmesh-Error-Type"] == "Forbidden"
+    assert json.loads(letter.data)["org_id"] == "victim"
+
+
+async def test_in_memory_a_working_handler_reports_progress_until_it_ends(
+    outcomes: list[Outcome],
+) -> None:
+    """Progress every third of the ack wait (at least a second), so long work is not
+    redelivered to another worker while it runs; none once the message is acked."""
+    reported = asyncio.Event()
+
+    async def handler(ev: DocDeleted) -> None:
+        await wait_until(
+            lambda: _true(("in_progress", None) in consumer(outcomes)),
+            timeout=10,
+            what="a progress report",
+        )
+        reported.set()
+
+    async with in_memory(handler, ack_wait=3.0) as bus:
+        await bus.deliver(event().model_dump_json().encode())
+    assert reported.is_set()
+    kinds = [kind for kind, _ in consumer(outcomes)]
+    assert kinds[-1] == "ack" and set(kinds[:-1]) == {"in_progress"}
+
+
+async def test_in_memory_a_dead_letter_is_published_inside_the_trace_of_its_message(
+    outcomes: list[Outcome],
+) -> None:
+    """The dead letter carries the trace of the delivery that gave up (so a replay continues
+    it), and its publish is a span of that trace."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def handler(ev: DocDeleted) -> None:
+        raise InvalidInput("document_ids: not a document")
+
+    async with in_memory(handler, tracer_provider=provider) as bus:
+        await bus.deliver(event().model_dump_json().encode())
+    [letter] = bus.letters
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    processed = spans[f"{SUBJECT} process"].context.trace_id
+    assert spans[f"{dlq_subject(SUBJECT)} publish"].context.trace_id == processed
+    assert letter.headers["traceparent"].split("-")[1] == format(processed, "032x")

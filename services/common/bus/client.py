@@ -1,16 +1,23 @@
 """Bus wiring: the broker, streams, KV buckets, publishing with de-duplication, and the
-consumer wrapper that turns every handler into an at-least-once, dead-lettering one.
+consumer that turns every handler into an at-least-once, dead-lettering one.
 
 Delivery rules (one place, every service):
 - a message that does not parse as its event model, for whatever reason (invalid JSON,
   nesting too deep for any decoder, wrong fields), goes to `dlq.<subject>` at once: the
-  framework hands the raw bytes over undecoded, so nothing can fail before this wrapper;
+  decoder hook turns the raw bytes into the event, and any failure there is a refusal;
+- an upstream publisher's event for another org than the publisher's is refused the same
+  way; while a publisher's event is handled, `CURRENT_PUBLISHER` names it;
 - a permanent error (`InvalidInput`) goes to the dead-letter subject at once;
 - any other error is retried with backoff; after `max_deliver` tries it is dead-lettered;
 - success acks. The dead letter keeps the original bytes and headers, with the reason in
   `Kbmesh-*` headers, so it can be replayed as is.
 - while a handler works it reports progress every third of `ack_wait`, so the ack wait
   can be short: work of a process that died is redelivered within `ack_wait` seconds.
+
+FastStream carries them: its decoder hook (bytes → event), its ack policy (success acks;
+`NackMessage` with the backoff, or `RejectMessage` once dead-lettered) and three
+middlewares per subscription, `ProgressReports`, `DeadLetters` and `UpstreamPublishers`;
+traces are its `NatsTelemetryMiddleware`'s.
 """
 
 from __future__ import annotations
@@ -21,14 +28,17 @@ import json
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import nats
-from faststream.middlewares import AckPolicy
+from faststream import AckPolicy, BaseMiddleware, ContextRepo, StreamMessage
+from faststream.exceptions import HandlerException, NackMessage, RejectMessage
 from faststream.nats import JStream, NatsBroker, NatsRouter, PullSub
-from faststream.nats.annotations import NatsMessage
+from faststream.nats.message import NatsMessage
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.nats.security import NatsSecurity, NatsUserPassword
+from faststream.types import AsyncFuncAny, BrokerMiddleware
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, StorageType, StreamConfig
 from nats.js.errors import (
@@ -72,7 +82,6 @@ from services.common.settings import AuditSettings, BusSettings, NatsAuthSetting
 
 log = logging.getLogger("kbmesh.bus")
 
-E = TypeVar("E", bound=Event)
 T = TypeVar("T")
 Handler = Callable[[Any], Awaitable[None]]
 FailureHook = Callable[[Any, Exception], Awaitable[None]]
@@ -192,8 +201,10 @@ def _tls_context(auth: NatsAuthSettings) -> ssl.SSLContext | None:
 
 
 class Bus:
-    """One process's link to NATS: the FastStream broker for events and requests, and a
-    nats-py JetStream context for the registries (KV) and the `texts` object store.
+    """One process's link to NATS: FastStream's broker for events, and nats-py for what
+    FastStream does not cover (the registries' KV buckets, the `texts` object store, stream
+    administration, request/reply) on a connection of its own, opened first by the start's
+    connect loop (`_open_connection`), which tells a refusal for good from a passing outage.
 
     It connects as `credentials`, else as `KBMESH_NATS__USER`, else anonymously (a server
     without authorization: tests, a development NATS)."""
@@ -225,19 +236,17 @@ class Bus:
         # Where this connection's replies arrive (pull subscriptions name it themselves).
         self.inbox = inbox_prefix(self.user) if self.user else "_INBOX"
         tls = _tls_context(auth)
-        self._options: dict[str, Any] = {}
+        # nats-py's connection options (`_open_connection`), and FastStream's the same way.
+        self._options: dict[str, Any] = {"inbox_prefix": self.inbox}
         security: NatsSecurity | None = NatsSecurity(ssl_context=tls) if tls else None
         if credentials is not None:
-            self._options = {
-                "user": credentials.user,
-                "password": credentials.password,
-                "inbox_prefix": self.inbox,
-            }
+            self._options |= {"user": credentials.user, "password": credentials.password}
             security = NatsUserPassword(credentials.user, credentials.password, ssl_context=tls)
         if tls is not None:
             self._options["tls"] = tls
         self.broker = NatsBroker(
             self.servers,
+            name="kbmesh",
             # NATS may be away for any time (restarted, a cluster failing over): never give up.
             max_reconnect_attempts=-1,
             middlewares=[NatsTelemetryMiddleware(tracer_provider=tracer_provider)],
@@ -245,6 +254,8 @@ class Bus:
             security=security,
             inbox_prefix=self.inbox,
         )
+        # nats-py's connection, for what FastStream does not cover: JetStream's buckets,
+        # object store and administration, and request/reply (replies.py).
         self.nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
         self.consumers: dict[str, ConsumerConfig] = {}  # durable name → settings we own
@@ -400,15 +411,16 @@ class Bus:
         """Durable publish: waits for the stream's ack; `event_id` de-duplicates retries.
         Status notifications are repeated, undurably, to the org's upstream publishers."""
         body = event.model_dump_json()
+        headers = {"content-type": "application/json"}
         await self.broker.publish(
             body,
             subject,
-            headers={"Nats-Msg-Id": event.event_id, "content-type": "application/json"},
+            headers={"Nats-Msg-Id": event.event_id, **headers},
             stream=STREAM,
             timeout=10.0,
         )
-        if subject in UPSTREAM_STATUS and self.nc is not None:
-            await self.nc.publish(status_subject(event.org_id, subject), body.encode())
+        if subject in UPSTREAM_STATUS:
+            await self.broker.publish(body, status_subject(event.org_id, subject), headers=headers)
 
     async def request(self, subject: str, payload: BaseModel, timeout: float) -> dict[str, Any]:
         """Ask a `Responder` on `subject` (see replies.py) and decode its JSON reply."""
@@ -511,7 +523,9 @@ async def dead_letter(bus: Bus, msg: Any, reason: str, error_type: str) -> None:
             "Nats-Msg-Id": f"dlq-{meta.stream}-{meta.sequence.stream}",
         }
     )
-    await bus.js.publish(dlq_subject(msg.subject), msg.data, headers=headers, stream=DLQ_STREAM)
+    await bus.broker.publish(
+        msg.data, dlq_subject(msg.subject), headers=headers, stream=DLQ_STREAM, timeout=10.0
+    )
     log.warning(
         "dead_letter subject=%s error_type=%s reason=%s", msg.subject, error_type, reason[:300]
     )
@@ -537,65 +551,7 @@ def consume(
     `<durable>-upstream`): an event whose `org_id` is not its publisher's org is
     dead-lettered unread; while `handler` runs, `CURRENT_PUBLISHER` names the publisher.
     """
-    model = EVENT_MODELS[subject]
     settings = bus.rules
-
-    async def _on_message(msg: NatsMessage) -> None:
-        raw = msg.raw_message
-        delivered = raw.metadata.num_delivered
-        try:
-            event = model.model_validate_json(raw.data)
-        except ValidationError as err:
-            await dead_letter(bus, raw, _validation_reason(err), "ValidationError")
-            await msg.reject()
-            return
-        except (RecursionError, ValueError, MemoryError) as err:
-            # Whatever the body is, it will not parse next time either.
-            await dead_letter(bus, raw, f"malformed event: {err!r}"[:500], "ValidationError")
-            await msg.reject()
-            return
-        publisher = publisher_of(raw.subject)
-        if publisher is not None and publisher.org_id != event.org_id:
-            reason = (
-                f"publisher {publisher.name!r} may publish for org {publisher.org_id!r} only, "
-                f"not {event.org_id!r}"
-            )
-            await dead_letter(bus, raw, reason, "Forbidden")
-            await msg.reject()
-            return
-        heartbeat = asyncio.create_task(_keep_alive(msg, settings.ack_wait_seconds))
-        token = CURRENT_PUBLISHER.set(publisher)
-        try:
-            await handler(event)
-        except Exception as err:
-            permanent = isinstance(err, KbmeshError) and not err.retryable
-            if permanent or delivered >= settings.max_deliver:
-                if on_failure is not None:
-                    try:
-                        await on_failure(event, err)
-                    except Exception:
-                        # The dead letter still goes out; why the owner's record of the
-                        # failure (document status, audit entry) is missing goes to the log.
-                        log.exception("failure hook raised subject=%s", subject)
-                error_type = err.error_type if isinstance(err, KbmeshError) else type(err).__name__
-                await dead_letter(bus, raw, str(err) or repr(err), error_type)
-                await msg.reject()
-            else:
-                delay = settings.backoff_seconds[min(delivered, len(settings.backoff_seconds)) - 1]
-                log.warning(
-                    "retry subject=%s delivered=%d delay=%.1f error=%r",
-                    subject,
-                    delivered,
-                    delay,
-                    err,
-                )
-                await msg.nack(delay=delay)
-        else:
-            await msg.ack()
-        finally:
-            CURRENT_PUBLISHER.reset(token)
-            heartbeat.cancel()
-
     kwargs: dict[str, Any] = {}
     if max_workers > 1:
         kwargs["max_workers"] = max_workers
@@ -604,41 +560,166 @@ def consume(
         # JetStream's own limit is a backstop above ours: we dead-letter first.
         max_deliver=settings.max_deliver + 2,
     )
-    subscriptions = [(subject, durable)]
+    # Outermost first: progress reports cover the whole delivery, dead-lettering included.
+    middlewares: list[BrokerMiddleware[Any]] = [
+        partial(ProgressReports, ack_wait=settings.ack_wait_seconds),
+        partial(DeadLetters, bus=bus, on_failure=on_failure),
+    ]
+    subscriptions = [(subject, durable, middlewares)]
     if upstream:
-        subscriptions.append((upstream_filter(subject), f"{durable}-upstream"))
-    for filter_subject, name in subscriptions:
+        subscriptions.append(
+            (upstream_filter(subject), f"{durable}-upstream", [*middlewares, UpstreamPublishers])
+        )
+    for filter_subject, name, chain in subscriptions:
         bus.consumers[name] = config
-        router.subscriber(
+        # A router of its own per subscription: FastStream binds middlewares to routers.
+        own = NatsRouter(middlewares=chain)
+        own.subscriber(
             filter_subject,
             stream=JSTREAM,
             durable=name,
             # One message per pull: a fetched message waits for a free worker before its
             # progress reports start, so fetch no more than one ahead.
             pull_sub=PullSub(batch_size=1, timeout=2.0),
-            ack_policy=AckPolicy.MANUAL,
+            # Success acks; `DeadLetters` answers every failure with `NackMessage` or
+            # `RejectMessage`. What escapes it (the dead letter could not be published) is
+            # nacked: the message stays, to be delivered again.
+            ack_policy=AckPolicy.NACK_ON_ERROR,
             config=config,
-            decoder=_undecoded,
+            decoder=_decoder(EVENT_MODELS[subject]),
             inbox_prefix=f"{bus.inbox}.".encode(),
             **kwargs,
-        )(_on_message)
+        )(handler)
+        router.include_router(own)
 
 
-async def _undecoded(msg: Any) -> bytes:
-    """The handler parses the body itself: the framework's JSON decoding raises on input it
-    cannot decode (e.g. 20,000 nesting levels) before any handler runs, and such a message
-    would be redelivered until JetStream gives up on it, never dead-lettered."""
-    body: bytes = msg.body
-    return body
+class Refused(Exception):
+    """A message its consumer will not take: not its event, or an upstream publisher's event
+    for another org. Dead-lettered at once, and the owner's failure hook does not run: no
+    event of the owner's was accepted (a hook acting on a foreign org's event would act for
+    that org)."""
+
+    def __init__(self, reason: str, error_type: str) -> None:
+        super().__init__(reason)
+        self.error_type = error_type
 
 
-async def _keep_alive(msg: Any, ack_wait: float) -> None:
+def _decoder(model: type[Event]) -> Callable[[NatsMessage], Awaitable[Event]]:
+    """FastStream's decoder hook: the raw body to the subject's event. FastStream's own JSON
+    decoding would raise on input it cannot decode (e.g. 20,000 nesting levels) as an error
+    like any other, redelivered until JetStream gives up on it; here any failure is a
+    refusal, dead-lettered at once."""
+
+    async def decode(msg: NatsMessage) -> Event:
+        try:
+            return model.model_validate_json(msg.body)
+        except ValidationError as err:
+            raise Refused(_validation_reason(err), "ValidationError") from err
+        except (RecursionError, ValueError, MemoryError) as err:
+            # Whatever the body is, it will not parse next time either.
+            raise Refused(f"malformed event: {err!r}"[:500], "ValidationError") from err
+
+    return decode
+
+
+class DeadLetters(BaseMiddleware[Any, Any]):
+    """The outcome of a delivery that failed, given to FastStream's ack policy as
+    `RejectMessage` (dead-lettered: refused, a permanent error, or the last delivery) or
+    `NackMessage` with the backoff of this delivery (JetStream delivers it again)."""
+
+    def __init__(
+        self,
+        msg: Any,
+        /,
+        *,
+        context: ContextRepo,
+        bus: Bus,
+        on_failure: FailureHook | None,
+    ) -> None:
+        super().__init__(msg, context=context)
+        self.bus = bus
+        self.on_failure = on_failure
+
+    async def consume_scope(self, call_next: AsyncFuncAny, msg: StreamMessage[Any]) -> Any:
+        raw = msg.raw_message
+        try:
+            return await call_next(msg)
+        except HandlerException:
+            raise
+        except Refused as err:
+            await dead_letter(self.bus, raw, str(err), err.error_type)
+            raise RejectMessage from err
+        except Exception as err:
+            rules = self.bus.rules
+            delivered = raw.metadata.num_delivered
+            permanent = isinstance(err, KbmeshError) and not err.retryable
+            if not permanent and delivered < rules.max_deliver:
+                delay = rules.backoff_seconds[min(delivered, len(rules.backoff_seconds)) - 1]
+                log.warning(
+                    "retry subject=%s delivered=%d delay=%.1f error=%r",
+                    raw.subject,
+                    delivered,
+                    delay,
+                    err,
+                )
+                raise NackMessage(delay=delay) from err
+            if self.on_failure is not None:
+                try:
+                    await self.on_failure(await msg.decode(), err)
+                except Exception:
+                    # The dead letter still goes out; why the owner's record of the failure
+                    # (document status, audit entry) is missing goes to the log.
+                    log.exception("failure hook raised subject=%s", raw.subject)
+            error_type = err.error_type if isinstance(err, KbmeshError) else type(err).__name__
+            await dead_letter(self.bus, raw, str(err) or repr(err), error_type)
+            raise RejectMessage from err
+
+
+class UpstreamPublishers(BaseMiddleware[Any, Any]):
+    """An upstream publisher speaks for its own org only (the subject names it: see auth.py);
+    while its event is handled, `CURRENT_PUBLISHER` names it."""
+
+    async def consume_scope(self, call_next: AsyncFuncAny, msg: StreamMessage[Any]) -> Any:
+        publisher = publisher_of(msg.raw_message.subject)
+        if publisher is None:
+            return await call_next(msg)
+        # Decoded once: the handler is given this same event.
+        event = cast(Event, await msg.decode())
+        if event.org_id != publisher.org_id:
+            raise Refused(
+                f"publisher {publisher.name!r} may publish for org {publisher.org_id!r} only, "
+                f"not {event.org_id!r}",
+                "Forbidden",
+            )
+        token = CURRENT_PUBLISHER.set(publisher)
+        try:
+            return await call_next(msg)
+        finally:
+            CURRENT_PUBLISHER.reset(token)
+
+
+class ProgressReports(BaseMiddleware[Any, Any]):
     """Long work (embedding a big document) must not be redelivered to another worker, while
-    the work of a worker that died is redelivered after one (short) ack wait."""
-    while True:
-        await asyncio.sleep(max(ack_wait / 3, 1.0))
-        with contextlib.suppress(Exception):
-            await msg.in_progress()
+    the work of a worker that died is redelivered after one (short) ack wait: while a
+    delivery is handled, it reports progress every third of the ack wait. (FastStream
+    reports none by itself.)"""
+
+    def __init__(self, msg: Any, /, *, context: ContextRepo, ack_wait: float) -> None:
+        super().__init__(msg, context=context)
+        self.every = max(ack_wait / 3, 1.0)
+
+    async def consume_scope(self, call_next: AsyncFuncAny, msg: StreamMessage[Any]) -> Any:
+        reports = asyncio.create_task(self._report(cast(NatsMessage, msg)))
+        try:
+            return await call_next(msg)
+        finally:
+            reports.cancel()
+
+    async def _report(self, msg: NatsMessage) -> None:
+        while True:
+            await asyncio.sleep(self.every)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
 
 
 def _validation_reason(err: ValidationError) -> str:

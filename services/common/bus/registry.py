@@ -4,7 +4,10 @@ compare-and-set (`Registry.change`), and a caller that needs a value to reach a 
 waits on a watch of its key (`Registry.wait_for`), never by polling.
 
 Keys are built in one place per registry (`kbs.key(org, kb)`, `documents.key(org, doc)`,
-`index.key(kb, doc)`), next to the lookups the domain needs (`kbs.resolve(org, ref)`)."""
+`index.key(kb, doc)`), next to the lookups the domain needs (`kbs.resolve(org, ref)`).
+
+Plain nats-py on the bus's connection: FastStream's `key_value()` / `object_storage()` would
+hand back these same objects, and the buckets are declared once, by `declare_topology`."""
 
 from __future__ import annotations
 

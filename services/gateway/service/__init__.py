@@ -48,16 +48,9 @@ class GatewayService:
         self.audit = AuditLog(bus)
 
     async def start(self) -> None:
-        """Subscribe to index notifications and make sure the default org has its KB."""
-        if self.bus.nc is None:
-            raise RuntimeError("the gateway needs a connected bus")
-        await self.waiting.events.start(self.bus.nc)
-        await self.progress.start(self.bus.nc)
-        # A step of the process's start: waits out a bus that is failing over.
+        """Make sure the default org has its KB (the notifications the gateway follows come
+        from its bus subscribers, handlers.py). A step of the process's start: it waits out a
+        bus that is failing over."""
         await self.bus.starting(
             "default knowledge base", lambda: self.kbs.ensure_default(self.settings.default_org)
         )
-
-    async def stop(self) -> None:
-        await self.waiting.events.stop()
-        await self.progress.stop()

@@ -11,14 +11,9 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 
-import nats
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from pydantic import ValidationError
-
 from services.common.bus.registry import Registries
 from services.common.domain.models import DocumentRecord
-from services.common.messages.events import DocFailed, DocIndexed, Event, Subject
+from services.common.messages.events import DocFailed, DocIndexed, Event
 
 Events = asyncio.Queue[DocIndexed | DocFailed]
 # A wait with no notification for this long reads the registries instead, and each quiet
@@ -29,32 +24,13 @@ _RECHECK_MAX_SECONDS = 4.0
 
 
 class IndexWaiter:
-    """One core-NATS subscription per gateway, fanned out to per-document queues."""
+    """The gateway's index notifications (heard by its subscribers, handlers.py), fanned out
+    to per-document queues."""
 
     def __init__(self) -> None:
         self._queues: dict[str, list[Events]] = defaultdict(list)
-        self._subs: list[Subscription] = []
 
-    async def start(self, nc: nats.NATS) -> None:
-        self._subs = [
-            await nc.subscribe(Subject.DOC_INDEXED, cb=self._on_indexed),
-            await nc.subscribe(Subject.DOC_FAILED, cb=self._on_failed),
-        ]
-
-    async def stop(self) -> None:
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def _on_indexed(self, msg: Msg) -> None:
-        with contextlib.suppress(ValidationError):
-            self._dispatch(DocIndexed.model_validate_json(msg.data))
-
-    async def _on_failed(self, msg: Msg) -> None:
-        with contextlib.suppress(ValidationError):
-            self._dispatch(DocFailed.model_validate_json(msg.data))
-
-    def _dispatch(self, event: DocIndexed | DocFailed) -> None:
+    def dispatch(self, event: DocIndexed | DocFailed) -> None:
         if event.document_id:
             for queue in self._queues.get(event.document_id, []):
                 queue.put_nowait(event)
