@@ -143,7 +143,7 @@ class Documents:
             scope_kb_ids=p.scope,
             writer=p.writer,
         )
-        if len(data) <= self.settings.inline_content_bytes:
+        if len(data) <= self._inline_limit():
             event.content, event.content_encoding = content.text, content.encoding
         else:
             event.object_ref = staging_name(p.org_id, event.event_id)
@@ -157,6 +157,12 @@ class Documents:
         async with self.waiting.watch([document_id]) as events:
             await self._publish_upload(event)
             return await self._await_upload(event, events, kb, result)
+
+    def _inline_limit(self) -> int:
+        # At most a quarter of the NATS server's message limit: base64 adds a third, and the
+        # event's other fields take their share.
+        limit = self.settings.inline_content_bytes
+        return min(limit, self.bus.nc.max_payload // 4) if self.bus.nc is not None else limit
 
     async def _content(self, body: UploadBody) -> _Content:
         if body.content is not None:
