@@ -55,8 +55,8 @@ async def subscribed(
 ) -> AsyncIterator[tuple[Bus, str]]:
     """`handler` behind `consume` on a durable of its own, started by TestNatsBroker against
     the real server; yields the bus and the durable's name."""
-    settings = Settings(bus=BusSettings(max_deliver=3, backoff_seconds=[0.05, 0.1]))
-    bus = Bus(nats_url, trace.get_tracer_provider(), rules=settings.bus)
+    settings = Settings(bus=BusSettings(max_deliver=3))
+    bus = Bus(nats_url, trace.get_tracer_provider(), rules=settings.bus, backoff=(0.05, 0.1))
     durable = f"test-{uuid.uuid4().hex[:8]}"
     router = NatsRouter()
     consume(router, bus, SUBJECT, durable, handler, on_failure=on_failure, upstream=upstream)

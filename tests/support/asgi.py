@@ -12,17 +12,21 @@ import uvicorn
 
 from services.common.bus.nats_server import free_port
 from services.common.settings import HttpSettings
-from services.gateway.server import server_config
+from services.gateway.server import DEADLINES, Deadlines, server_config
 
 
 @contextlib.asynccontextmanager
 async def serve_app(
-    app: Any, *, lifespan: str = "on", limits: HttpSettings | None = None
+    app: Any,
+    *,
+    lifespan: str = "on",
+    limits: HttpSettings | None = None,
+    deadlines: Deadlines = DEADLINES,
 ) -> AsyncIterator[str]:
     """`app` behind uvicorn on 127.0.0.1:<free port>, with the gateway's client deadlines and
     connection cap (`limits`, default the settings' defaults); yields the base URL."""
     port = free_port()
-    config = server_config(app, "127.0.0.1", port, limits or HttpSettings())
+    config = server_config(app, "127.0.0.1", port, limits or HttpSettings(), deadlines)
     config.lifespan = lifespan
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

@@ -21,6 +21,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 
 from services.gateway.mcp import ERROR_META
+from services.gateway.server import DEADLINES, Deadlines
 from tests.support.asgi import serve_app
 from tests.support.bus import bus_env
 
@@ -35,13 +36,13 @@ OFFLINE_ENV = {
 
 
 @contextlib.asynccontextmanager
-async def serve_http(rt: Any) -> AsyncIterator[tuple[str, Any]]:
+async def serve_http(rt: Any, deadlines: Deadlines = DEADLINES) -> AsyncIterator[tuple[str, Any]]:
     """The gateway app of `rt` behind uvicorn on 127.0.0.1:<free port>, as `kbmesh up` serves
-    it (`rt.settings.http`); yields (base url, app)."""
+    it (`rt.settings.http`, the client `deadlines`); yields (base url, app)."""
     from services.cli.runtime import gateway_app
 
     app = gateway_app(rt)
-    async with serve_app(app, limits=rt.settings.http) as base:
+    async with serve_app(app, limits=rt.settings.http, deadlines=deadlines) as base:
         yield base, app
 
 

@@ -6,11 +6,12 @@ Delivery rules (one place, every service):
   nesting too deep for any decoder, wrong fields), goes to `dlq.<subject>` at once: the
   framework hands the raw bytes over undecoded, so nothing can fail before this wrapper;
 - a permanent error (`InvalidInput`) goes to the dead-letter subject at once;
-- any other error is retried with backoff; after `max_deliver` tries it is dead-lettered;
+- any other error is retried with backoff (`REDELIVERY_BACKOFF_SECONDS`); after
+  `max_deliver` tries it is dead-lettered;
 - success acks. The dead letter keeps the original bytes and headers, with the reason in
   `Kbmesh-*` headers, so it can be replayed as is.
-- while a handler works it reports progress every third of `ack_wait`, so the ack wait
-  can be short: work of a process that died is redelivered within `ack_wait` seconds.
+- while a handler works it reports progress every third of `ACK_WAIT_SECONDS`, so the ack
+  wait can be short: work of a process that died is redelivered within that many seconds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import contextlib
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import nats
@@ -78,6 +79,12 @@ BUS_UNAVAILABLE: tuple[type[Exception], ...] = (
     ServiceUnavailableError,
 )
 TOPOLOGY_RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)
+# Redelivery delays after the 1st, 2nd, ... failed delivery of a message (the last repeats):
+# how long an outage is ridden out before the dead letter is `KBMESH_BUS__MAX_DELIVER`'s.
+REDELIVERY_BACKOFF_SECONDS = (0.5, 2.0, 5.0, 15.0)
+# A dead worker's unacked message goes to another after this; a working handler reports
+# progress every third of it, so long work is never redelivered while it runs.
+ACK_WAIT_SECONDS = 10.0
 
 
 def unavailable(err: BaseException) -> Transient:
@@ -118,10 +125,12 @@ class Bus:
         rules: BusSettings | None = None,
         auth: NatsAuthSettings | None = None,
         audit: AuditSettings | None = None,
+        backoff: Sequence[float] = REDELIVERY_BACKOFF_SECONDS,
     ) -> None:
-        # Delivery rules (redelivery, dead letters, retention), the NATS user and TLS, and
-        # the audit stream's retention: the settings groups the bus reads, and no other.
+        # Delivery rules (dead letters, retention), the NATS user and TLS, and the audit
+        # stream's retention: the settings groups the bus reads, and no other.
         self.rules = rules or BusSettings()
+        self.backoff = tuple(backoff)
         self._audit = audit or AuditSettings()
         self.url = url
         # A comma-separated list seeds the connection to a cluster; the client learns the other
@@ -382,7 +391,7 @@ def consume(
             await dead_letter(bus, raw, reason, "Forbidden")
             await msg.reject()
             return
-        heartbeat = asyncio.create_task(_keep_alive(msg, settings.ack_wait_seconds))
+        heartbeat = asyncio.create_task(_keep_alive(msg, ACK_WAIT_SECONDS))
         token = CURRENT_PUBLISHER.set(publisher)
         try:
             await handler(event)
@@ -396,7 +405,7 @@ def consume(
                 await dead_letter(bus, raw, str(err) or repr(err), error_type)
                 await msg.reject()
             else:
-                delay = settings.backoff_seconds[min(delivered, len(settings.backoff_seconds)) - 1]
+                delay = bus.backoff[min(delivered, len(bus.backoff)) - 1]
                 log.warning(
                     "retry subject=%s delivered=%d delay=%.1f error=%r",
                     subject,
@@ -415,7 +424,7 @@ def consume(
     if max_workers > 1:
         kwargs["max_workers"] = max_workers
     config = ConsumerConfig(
-        ack_wait=settings.ack_wait_seconds,
+        ack_wait=ACK_WAIT_SECONDS,
         # JetStream's own limit is a backstop above ours: we dead-letter first.
         max_deliver=settings.max_deliver + 2,
     )

@@ -57,6 +57,10 @@ from services.gateway.service.kbs import KnowledgeBases
 from services.gateway.service.waiting import Events, Waiting
 
 PATCH_ATTEMPTS = 10
+# Uploads up to this size travel inside their event, larger ones through the `texts` object
+# store; on a NATS server with a small message limit, up to a quarter of that limit (base64
+# adds a third, and the event's other fields take their share).
+INLINE_CONTENT_BYTES = 256 * 1024
 # How long a PATCH without `wait` waits for ingest to apply (or drop) its change.
 VERDICT_SECONDS = 10.0
 
@@ -159,10 +163,8 @@ class Documents:
             return await self._await_upload(event, events, kb, result)
 
     def _inline_limit(self) -> int:
-        # At most a quarter of the NATS server's message limit: base64 adds a third, and the
-        # event's other fields take their share.
-        limit = self.settings.inline_content_bytes
-        return min(limit, self.bus.nc.max_payload // 4) if self.bus.nc is not None else limit
+        limit = self.bus.nc.max_payload // 4 if self.bus.nc is not None else INLINE_CONTENT_BYTES
+        return min(INLINE_CONTENT_BYTES, limit)
 
     async def _content(self, body: UploadBody) -> _Content:
         if body.content is not None:
@@ -352,7 +354,7 @@ class Documents:
                 collection = None
             elif patch.collection is not None:
                 collection = patch.collection
-            check_labels(labels, collection, self.settings.limits)
+            check_labels(labels, collection)
             _check_label_prefixes(patch.tags or [])
             tags = join_tags(labels, collection)
             await self._check_tag_scope(p, tags)
