@@ -117,8 +117,10 @@ class NatsAuthSettings(BaseModel):
 
 
 class Settings(BaseSettings):
+    # Unknown environment variables are left alone (a start names them: `unread_variables`);
+    # an unknown keyword is a mistake in the code that builds the settings, so it is refused.
     model_config = SettingsConfigDict(
-        env_prefix="KBMESH_", env_nested_delimiter="__", extra="ignore"
+        env_prefix="KBMESH_", env_nested_delimiter="__", extra="forbid"
     )
 
     data_dir: Path = Field(Path(".kbmesh"), description="NATS store and Edge shards (embedded)")
@@ -209,7 +211,7 @@ class ClientSettings(BaseSettings):
     `search`, `status`, `kb`; the key also confines `kbmesh mcp`), and every command's log
     level."""
 
-    model_config = SettingsConfigDict(env_prefix="KBMESH_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KBMESH_", extra="forbid")
 
     api_url: str | None = Field(
         None, description="kbmesh REST API; unset: the local stack on `port`"

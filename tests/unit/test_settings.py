@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+import pytest
+from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings
 
 from services.common.settings import RETIRED, ClientSettings, Settings, unread_variables
@@ -116,3 +117,18 @@ def test_retired_variables_are_no_settings_and_each_is_in_the_upgrade_notes():
     assert not RETIRED & set(SETTINGS)
     upgrades = OPERATIONS.split("\n## Upgrades\n", 1)[1].split("\n## ", 1)[0]
     assert [name for name in sorted(RETIRED) if f"`{name}`" not in upgrades] == []
+
+
+def test_an_unknown_keyword_is_refused_and_an_unknown_variable_left_alone(monkeypatch):
+    """Code (a test's overrides, too) that builds the settings with a name they do not have
+    fails at once instead of running with the default; the environment may hold any
+    `KBMESH_*` variable (`unread_variables` names it at start)."""
+    with pytest.raises(ValidationError, match="inline_content_bytes"):
+        Settings(inline_content_bytes=1024)
+    with pytest.raises(ValidationError, match="api_token"):
+        ClientSettings(api_token="x")
+    monkeypatch.setenv("KBMESH_INLINE_CONTENT_BYTES", "1024")
+    monkeypatch.setenv("KBMESH_SEARCH__RRF_K", "20")
+    monkeypatch.setenv("KBMESH_API_TOKEN", "x")
+    assert Settings().search.concurrency == 32  # built, the retired key ignored
+    ClientSettings()
