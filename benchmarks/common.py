@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import pydoc
 import subprocess
@@ -107,8 +108,12 @@ def kbmesh_up(**env: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def kbmesh_up_at(data_dir: Path | None, **env: str) -> Iterator[str]:
-    """`kbmesh up` on `data_dir` (a temporary one when None); yields its base URL."""
+def kbmesh_up_at(
+    data_dir: Path | None, constants: dict[str, object] | None = None, **env: str
+) -> Iterator[str]:
+    """`kbmesh up` on `data_dir` (a temporary one when None), with the module `constants`
+    given ({"services.search.service.RRF_K": 20}: see benchmarks/with_constants.py) set in
+    its process; yields its base URL."""
     with contextlib.ExitStack() as stack:
         if data_dir is None:
             data = stack.enter_context(tempfile.TemporaryDirectory())
@@ -117,8 +122,11 @@ def kbmesh_up_at(data_dir: Path | None, **env: str) -> Iterator[str]:
             data = str(data_dir)
         port = free_port()
         log = open(Path(data) / "kbmesh.log", "wb")  # noqa: SIM115
+        command = ["-m", "services.cli"]
+        if constants:
+            command = ["-m", "benchmarks.with_constants", json.dumps(constants)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--data-dir", data, "--port", str(port)],
+            [sys.executable, *command, "up", "--data-dir", data, "--port", str(port)],
             cwd=ROOT,
             env=bench_env(**env),
             stdout=log,

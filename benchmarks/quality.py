@@ -195,18 +195,18 @@ def target(args: argparse.Namespace) -> Iterator[str]:
     if args.base_url:
         yield args.base_url
     else:
-        env = {
-            f"KBMESH_SEARCH__{k.upper()}": str(v)
-            for k, v in (
-                ("rrf_k", args.rrf_k),
-                ("lead_weight", args.lead_weight),
-                ("prefetch_limit", args.prefetch_limit),
+        # Ranking is fixed in the product; the stack started here runs with the values given.
+        constants = {
+            f"services.search.service.{name}": value
+            for name, value in (
+                ("RRF_K", args.rrf_k),
+                ("LEAD_WEIGHT", args.lead_weight),
+                ("PREFETCH_LIMIT", args.prefetch_limit),
             )
-            if v is not None
+            if value is not None
         }
-        if args.precision:
-            env["KBMESH_LOCAL_PRECISION"] = args.precision
-        with kbmesh_up_at(args.data_dir, **env) as base:
+        env = {"KBMESH_LOCAL_PRECISION": args.precision} if args.precision else {}
+        with kbmesh_up_at(args.data_dir, constants, **env) as base:
             yield base
 
 
@@ -244,9 +244,9 @@ def main() -> None:
         default="",
         help="comma-separated KBs (names) searched together with the set's, e.g. an unrelated one",
     )
-    parser.add_argument("--rrf-k", type=int, help="KBMESH_SEARCH__RRF_K for the started stack")
-    parser.add_argument("--lead-weight", type=float, help="KBMESH_SEARCH__LEAD_WEIGHT")
-    parser.add_argument("--prefetch-limit", type=int, help="KBMESH_SEARCH__PREFETCH_LIMIT")
+    parser.add_argument("--rrf-k", type=int, help="RRF_K (search/service.py) of the started stack")
+    parser.add_argument("--lead-weight", type=float, help="LEAD_WEIGHT of the started stack")
+    parser.add_argument("--prefetch-limit", type=int, help="PREFETCH_LIMIT of the started stack")
     parser.add_argument(
         "--precision", choices=("fp32", "int8"), help="KBMESH_LOCAL_PRECISION for the stack"
     )

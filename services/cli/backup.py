@@ -178,7 +178,7 @@ class _KvRow(BaseModel):
 
 def member_limit(settings: Settings) -> int:
     """The most bytes one member may hold, for backup and restore alike."""
-    return max(MEMBER_BYTES, settings.max_content_bytes, settings.limits.text_bytes)
+    return max(MEMBER_BYTES, settings.max_content_bytes)
 
 
 def _section(name: str) -> str | None:

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.settings import ClientSettings
+from services.common.settings import RETIRED, ClientSettings, unread_variables
 
 if TYPE_CHECKING:
     from services.common.bus.client import Bus
@@ -233,6 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     for noisy in ("httpx", "LiteLLM", "litellm", "sentence_transformers", "kbmesh.faststream"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name in unread_variables(os.environ):
+        # Ignored by the settings: said once, so that no value seems to apply that does not
+        # (retired ones are listed in docs/operations.md, "Upgrades"; unknown ones misspelt).
+        reason = "retired" if name in RETIRED else "unknown"
+        logging.getLogger("kbmesh").warning("setting_not_read variable=%s reason=%s", name, reason)
     if args.command == "up":
         _run_server(_serve(_settings(args), None, embedded=True))
     elif args.command == "serve":

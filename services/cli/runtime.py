@@ -157,12 +157,9 @@ async def build_runtime(
             "registries", lambda: Registries.open(bus.js), waits_for=STARTING_STREAMS
         )
         pool = embedders or EmbedderPool(
-            batch_size=settings.embed_batch_size,
-            max_batch=settings.embed_max_batch,
             local_backend=settings.local_backend,
             local_device=settings.local_device,
             local_precision=settings.local_precision,
-            document_processes=settings.local_document_processes,
             cache_dir=settings.models_dir,
             egress=egress_policy(settings),
         )

@@ -1,10 +1,14 @@
 """Every `KBMESH_*` environment variable is read here: `Settings` for the services and
 `ClientSettings` for kbmesh's own REST clients (`kbmesh ingest|search|status|kb`). Each
 setting has one default, defined here (docs/operations.md lists them all, and a test holds
-the two together); components take the group they use."""
+the two together); components take the group they use. Values that no operator needs to
+turn are constants next to the code they shape; `RETIRED` names the variables earlier
+versions read, so that a start can say which ones are set for nothing."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -20,28 +24,11 @@ LocalBackend = Literal["auto", "onnx", "torch"]
 LocalDevice = Literal["auto", "cpu", "cuda"]
 LocalPrecision = Literal["auto", "fp32", "int8"]
 LOCAL_BACKEND: LocalBackend = "auto"
-EMBED_BATCH_SIZE = 32
-EMBED_MAX_BATCH = 64
 PORT = 8080
-QUERY_CACHE_SIZE = 1024
-# One provider call (embedding, chat): its timeout, and tries with backoff on transient errors.
-MODEL_TIMEOUT_SECONDS = 60.0
-MODEL_TRIES = 3
-MODEL_BACKOFF_SECONDS = 0.5
 
 
 class BusSettings(BaseModel):
     max_deliver: int = Field(5, ge=1, description="deliveries before a message is dead-lettered")
-    backoff_seconds: list[float] = Field(
-        default_factory=lambda: [0.5, 2.0, 5.0, 15.0],
-        description="redelivery delays for transient errors, one per retry",
-    )
-    ack_wait_seconds: float = Field(
-        10.0,
-        ge=3,
-        description="redelivery when a worker dies; a working handler reports progress "
-        "every third of it, so long work is never redelivered while it runs",
-    )
     stream_max_age_days: float = Field(7.0, gt=0)
     replicas: int = Field(
         1, ge=1, le=5, description="JetStream replicas of streams, buckets and the object store"
@@ -49,52 +36,16 @@ class BusSettings(BaseModel):
 
 
 class SearchSettings(BaseModel):
-    # Defaults measured on three sets (man pages by what they are for, man pages by a sentence
-    # from their middle, stdlib pages by one function's summary): docs/benchmarks/log.
-    rrf_k: int = Field(10, ge=1, description="reciprocal rank fusion constant")
-    lead_weight: float = Field(
-        1.0,
-        ge=0,
-        description="how much a document whose opening matches the query lifts its chunks "
-        "(their score times up to 1 + this); 0 turns the document-position signal off",
+    timeout_seconds: float = Field(
+        10.0, gt=0, description="how long the gateway waits for a search reply"
     )
-    lead_floor: float = Field(
-        0.7,
-        ge=0,
-        lt=1,
-        description="the lift fades to nothing when the best document opening scores this "
-        "fraction of the best chunk or less (the answer is inside a document)",
-    )
-    # 50, not 100: the same quality on every set measured (MRR@10 within 0.003), and a
-    # search turns half as many candidates into hits (docs/benchmarks/log, "Candidates per
-    # list"). A larger `top_k` still gets lists of `top_k`.
-    prefetch_limit: int = Field(
-        50, ge=1, le=1000, description="candidates per list (signal, lead or not, KB)"
-    )
-    rerank_depth: int = Field(
-        30, ge=1, le=200, description="best fused candidates handed to a rerank model"
-    )
-    # Below the gateway's wait for a search reply (timeout_seconds), so that a slow reranker
-    # still leaves time to answer in fused order.
-    rerank_timeout_seconds: float = Field(5.0, gt=0)
-    hnsw_ef: int = Field(128, ge=8, description="HNSW search breadth (recall vs latency)")
-    query_cache_size: int = Field(
-        QUERY_CACHE_SIZE, ge=0, description="LRU size for query embeddings"
-    )
-    document_cache_points: int = Field(
-        200_000,
-        ge=0,
-        description="chunks whose document id a search replica remembers for ranking "
-        "(~200 bytes each; a chunk id always names the same document)",
-    )
-    term_stats_ttl_seconds: float = Field(
-        10.0,
-        ge=0,
-        description="how long a collection's BM25 term statistics, read to weigh terms alike "
-        "in every KB of a search over several, are reused; 0: read on every search",
-    )
-    timeout_seconds: float = Field(10.0, gt=0)
     concurrency: int = Field(32, ge=1, description="search requests answered at once per replica")
+
+    @property
+    def rerank_timeout_seconds(self) -> float:
+        """Half the gateway's wait: a slow rerank model still leaves time to answer in
+        fused order."""
+        return self.timeout_seconds / 2
 
 
 class EgressSettings(BaseModel):
@@ -139,39 +90,13 @@ class AskSettings(BaseModel):
         description="budget of one whole answer (every model call and search); the gateway "
         "waits this long plus a margin for the reply",
     )
-    model_timeout_seconds: float = Field(MODEL_TIMEOUT_SECONDS, gt=0, description="one model call")
-    tries: int = Field(
-        MODEL_TRIES, ge=1, le=10, description="tries per model call on transient errors"
-    )
-    backoff_seconds: float = Field(
-        MODEL_BACKOFF_SECONDS, ge=0, description="first retry delay, doubled per try"
-    )
-    document_max_chars: int = Field(
-        100_000, ge=1000, description="a document given to the model is cut at this length"
-    )
     concurrency: int = Field(8, ge=1, description="answers worked at once per search replica")
 
 
 class HttpSettings(BaseModel):
-    """How long the gateway waits for a client, and how many connections one client may hold
-    (a client that never finishes sending must not hold the server's sockets or memory)."""
+    """How many connections one client address may hold (the deadlines on what a client
+    sends are fixed: services/gateway/server.py)."""
 
-    header_timeout_seconds: float = Field(
-        10.0, gt=0, description="a request's line and headers must arrive within this"
-    )
-    body_timeout_seconds: float = Field(
-        20.0,
-        gt=0,
-        description="a request's body must arrive within this once its headers have, plus "
-        "the time its declared length (at most the largest body the gateway takes) needs at "
-        "body_min_bytes_per_second",
-    )
-    body_min_bytes_per_second: int = Field(
-        100_000,
-        ge=1,
-        description="the slowest upload rate a body's deadline allows for (the largest body, "
-        "a 10 MiB document in JSON, ~32 MB, gets 20 s + 319 s at the defaults)",
-    )
     connections_per_client: int = Field(
         256,
         ge=0,
@@ -192,20 +117,16 @@ class NatsAuthSettings(BaseModel):
 
 
 class Settings(BaseSettings):
+    # Unknown environment variables are left alone (a start names them: `unread_variables`);
+    # an unknown keyword is a mistake in the code that builds the settings, so it is refused.
     model_config = SettingsConfigDict(
-        env_prefix="KBMESH_", env_nested_delimiter="__", extra="ignore"
+        env_prefix="KBMESH_", env_nested_delimiter="__", extra="forbid"
     )
 
     data_dir: Path = Field(Path(".kbmesh"), description="NATS store and Edge shards (embedded)")
     nats_url: str | None = Field(None, description="external NATS; unset runs a private one")
     qdrant_url: str | None = Field(None, description="Qdrant server; unset uses embedded Edge")
     qdrant_api_key: str | None = None
-    edge_index_threshold: int = Field(
-        10_000,
-        ge=0,
-        description="embedded engine: a KB's vectors outside its HNSW index that start an "
-        "index build (the process pauses ~1-2.5 s per 1,000 of them); 0: never",
-    )
     host: str = "127.0.0.1"
     port: int = Field(PORT, ge=0, le=65535)
     metrics_port: int | None = Field(
@@ -217,20 +138,12 @@ class Settings(BaseSettings):
     )
 
     default_org: str = Field("local", description="org served when no API keys exist")
-    default_kb: str = "default"
     default_model: str = DEFAULT_MODEL
     kb_limit: int = Field(20, ge=1, description="knowledge bases per org")
-    max_content_bytes: int = Field(10 * 1024 * 1024, ge=1)
-    inline_content_bytes: int = Field(
-        256 * 1024, ge=1, description="larger uploads travel via the object store"
+    max_content_bytes: int = Field(
+        10 * 1024 * 1024, ge=1, description="a document's content, and its text once read"
     )
     wait_timeout_seconds: float = Field(120.0, gt=0)
-    embed_batch_size: int = Field(EMBED_BATCH_SIZE, ge=1, description="texts per local model run")
-    embed_max_batch: int = Field(
-        EMBED_MAX_BATCH,
-        ge=1,
-        description="chunks of concurrent documents embedded together, at most",
-    )
     embed_concurrency: int = Field(
         16,
         ge=1,
@@ -247,12 +160,6 @@ class Settings(BaseSettings):
     )
     local_precision: LocalPrecision = Field(
         "auto", description="local models' precision on CPU: auto (chosen per CPU kind), fp32, int8"
-    )
-    local_document_processes: int = Field(
-        0,
-        ge=0,
-        description="child processes that embed document batches with the auto backend on CPU; "
-        "0: one per core, up to 4 (each ~0.17 GB)",
     )
     model_cache_dir: Path | None = Field(
         None, description="ONNX exports of the local models; default <data_dir>/models"
@@ -304,7 +211,7 @@ class ClientSettings(BaseSettings):
     `search`, `status`, `kb`; the key also confines `kbmesh mcp`), and every command's log
     level."""
 
-    model_config = SettingsConfigDict(env_prefix="KBMESH_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KBMESH_", extra="forbid")
 
     api_url: str | None = Field(
         None, description="kbmesh REST API; unset: the local stack on `port`"
@@ -317,3 +224,76 @@ class ClientSettings(BaseSettings):
     def api(self) -> str:
         """`api_url`, else the local stack on `port`, as `kbmesh up` serves it."""
         return self.api_url or f"http://127.0.0.1:{self.port}"
+
+
+# Read by earlier versions, now fixed values or derived (docs/operations.md, "Upgrades").
+RETIRED = frozenset(
+    {
+        "KBMESH_ASK__BACKOFF_SECONDS",
+        "KBMESH_ASK__DOCUMENT_MAX_CHARS",
+        "KBMESH_ASK__MODEL_TIMEOUT_SECONDS",
+        "KBMESH_ASK__TRIES",
+        "KBMESH_BUS__ACK_WAIT_SECONDS",
+        "KBMESH_BUS__BACKOFF_SECONDS",
+        "KBMESH_DEFAULT_KB",
+        "KBMESH_EDGE_INDEX_THRESHOLD",
+        "KBMESH_EMBED_BATCH_SIZE",
+        "KBMESH_EMBED_MAX_BATCH",
+        "KBMESH_HTTP__BODY_MIN_BYTES_PER_SECOND",
+        "KBMESH_HTTP__BODY_TIMEOUT_SECONDS",
+        "KBMESH_HTTP__HEADER_TIMEOUT_SECONDS",
+        "KBMESH_INLINE_CONTENT_BYTES",
+        "KBMESH_LIMITS__METADATA_DEPTH",
+        "KBMESH_LIMITS__TAGS_PER_DOCUMENT",
+        "KBMESH_LIMITS__TAG_LENGTH",
+        "KBMESH_LIMITS__TEXT_BYTES",
+        "KBMESH_LIMITS__URI_LENGTH",
+        "KBMESH_LOCAL_DOCUMENT_PROCESSES",
+        "KBMESH_SEARCH__DOCUMENT_CACHE_POINTS",
+        "KBMESH_SEARCH__HNSW_EF",
+        "KBMESH_SEARCH__LEAD_FLOOR",
+        "KBMESH_SEARCH__LEAD_WEIGHT",
+        "KBMESH_SEARCH__PREFETCH_LIMIT",
+        "KBMESH_SEARCH__QUERY_CACHE_SIZE",
+        "KBMESH_SEARCH__RERANK_DEPTH",
+        "KBMESH_SEARCH__RERANK_TIMEOUT_SECONDS",
+        "KBMESH_SEARCH__RRF_K",
+        "KBMESH_SEARCH__TERM_STATS_TTL_SECONDS",
+    }
+)
+
+
+def _fields(model: type[BaseModel], prefix: str) -> dict[str, type[BaseModel] | None]:
+    """Each variable of `model`, with the group it takes as JSON (None for a value)."""
+    found: dict[str, type[BaseModel] | None] = {}
+    for name, info in model.model_fields.items():
+        kind = info.annotation
+        group = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+        found[f"{prefix}{name}".upper()] = group
+        if group is not None:
+            found |= _fields(group, f"{prefix}{name}__")
+    return found
+
+
+def unread_variables(environ: Mapping[str, str]) -> list[str]:
+    """The `KBMESH_*` variables in `environ` that no setting reads, as `KBMESH_GROUP__KEY`
+    for a key of a group given as JSON: retired ones (`RETIRED`) and misspelt ones.
+    pydantic-settings ignores them; a start names them instead."""
+    known = _fields(Settings, "KBMESH_") | _fields(ClientSettings, "KBMESH_")
+    unread = []
+    for variable, value in environ.items():
+        name = variable.upper()
+        if not name.startswith("KBMESH_"):
+            continue
+        if name not in known:
+            unread.append(name)
+            continue
+        group = known[name]
+        if group is not None:  # a whole group as JSON: its keys
+            try:
+                keys = json.loads(value)
+            except ValueError:
+                continue  # not JSON: the settings' own validation says so
+            if isinstance(keys, dict):
+                unread += [f"{name}__{k}".upper() for k in keys if k not in group.model_fields]
+    return sorted(unread)

@@ -11,7 +11,7 @@ from services.common.bus.audit import AuditEntry
 from services.common.domain.content import SUPPORTED
 from services.common.domain.formats import FORMATS, readable_types
 from services.common.domain.ids import ID_PATTERN
-from services.common.domain.limits import MAX_KB_TAGS, KbTag, PlainText
+from services.common.domain.limits import TAGS_PER_DOCUMENT, KbTag, PlainText
 from services.common.domain.models import (
     CHUNK_SIZE_RANGE,
     DEFAULT_MODEL,
@@ -142,9 +142,9 @@ class KbSettingsFields(BaseModel):
     )
     tag_ids: list[KbTag] | None = Field(
         None,
-        max_length=MAX_KB_TAGS,
+        max_length=TAGS_PER_DOCUMENT,
         description="documents carrying any of these tags are members automatically "
-        f"(besides those uploaded into it); at most {MAX_KB_TAGS}",
+        f"(besides those uploaded into it); at most {TAGS_PER_DOCUMENT}",
     )
     chunker: Chunker | None = Field(
         None,

@@ -1,14 +1,14 @@
 """The gateway's HTTP server: uvicorn, with deadlines on what a client sends and a cap on the
-connections one client address holds (`KBMESH_HTTP__*`).
+connections one client address holds (`KBMESH_HTTP__CONNECTIONS_PER_CLIENT`).
 
 Uvicorn times out only idle keep-alive connections: a client that opens a connection and
 never finishes its request line, headers or body holds a socket and a parser for as long as
 it likes, and a few thousand of them exhaust the server. The protocol here closes a
-connection whose request line and headers have not arrived within `header_timeout_seconds`
+connection whose request line and headers have not arrived within `Deadlines.header_seconds`
 of the connection (or of the request's first byte) with 408, one whose body has not arrived
-within `body_timeout_seconds` of its headers (plus its declared length at
-`body_min_bytes_per_second`: a large upload on a slow link is not cut off; but never more
-than the largest body the app takes, whatever length a client declares), and answers a
+within `Deadlines.body_seconds` of its headers (plus its declared length at
+`Deadlines.min_bytes_per_second`: a large upload on a slow link is not cut off; but never
+more than the largest body the app takes, whatever length a client declares), and answers a
 client address past `connections_per_client` open connections with 503 at once. Everything
 else is uvicorn's httptools protocol unchanged.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -35,10 +36,27 @@ TOO_MANY_CONNECTIONS = (
 )
 
 
-def guarded_protocol(limits: HttpSettings, max_body_bytes: int) -> type[HttpToolsProtocol]:
-    """An httptools protocol class that enforces `limits` for an app whose largest body is
-    `max_body_bytes`; one class (and one count of connections per client address) per
-    server."""
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a client may take to send a request. The same for every deployment: a client
+    sends its headers in milliseconds and its body far faster than 100 kB/s (a 20 MB body,
+    the largest upload in base64, gets 20 s + 200 s); one slower than that is served through
+    a proxy that buffers its request."""
+
+    header_seconds: float = 10.0  # the request line and headers
+    body_seconds: float = 20.0  # the body, once the headers are in ...
+    min_bytes_per_second: int = 100_000  # ... plus its declared length at this rate
+
+
+DEADLINES = Deadlines()
+
+
+def guarded_protocol(
+    limits: HttpSettings, max_body_bytes: int, deadlines: Deadlines = DEADLINES
+) -> type[HttpToolsProtocol]:
+    """An httptools protocol class that enforces `limits` and `deadlines` for an app whose
+    largest body is `max_body_bytes`; one class (and one count of connections per client
+    address) per server."""
     open_connections: Counter[str] = Counter()
     cap = limits.connections_per_client
 
@@ -56,7 +74,7 @@ def guarded_protocol(limits: HttpSettings, max_body_bytes: int) -> type[HttpTool
                     transport.write(TOO_MANY_CONNECTIONS)
                     transport.close()
                     return
-            self._arm(limits.header_timeout_seconds, headers=True)
+            self._arm(deadlines.header_seconds, headers=True)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -70,11 +88,11 @@ def guarded_protocol(limits: HttpSettings, max_body_bytes: int) -> type[HttpTool
         def on_message_begin(self) -> None:
             super().on_message_begin()
             if self._deadline is None:  # a further request on a kept-alive connection
-                self._arm(limits.header_timeout_seconds, headers=True)
+                self._arm(deadlines.header_seconds, headers=True)
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
-            self._arm(body_deadline(self.headers, limits, max_body_bytes), headers=False)
+            self._arm(body_deadline(self.headers, deadlines, max_body_bytes), headers=False)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
@@ -102,7 +120,7 @@ def guarded_protocol(limits: HttpSettings, max_body_bytes: int) -> type[HttpTool
 
 
 def body_deadline(
-    headers: list[tuple[bytes, bytes]], limits: HttpSettings, max_body_bytes: int
+    headers: list[tuple[bytes, bytes]], deadlines: Deadlines, max_body_bytes: int
 ) -> float:
     """Seconds a request's body may take: a grace, plus its declared length, up to
     `max_body_bytes`, at the slowest rate allowed (a chunked body, of no declared length,
@@ -111,12 +129,18 @@ def body_deadline(
     for name, value in headers:
         if name == b"content-length" and value.strip().isdigit():
             length = min(int(value), max_body_bytes)
-            return limits.body_timeout_seconds + length / limits.body_min_bytes_per_second
-    return limits.body_timeout_seconds
+            return deadlines.body_seconds + length / deadlines.min_bytes_per_second
+    return deadlines.body_seconds
 
 
 def server_config(
-    app: Any, host: str, port: int, limits: HttpSettings, *, max_body_bytes: int
+    app: Any,
+    host: str,
+    port: int,
+    limits: HttpSettings,
+    deadlines: Deadlines = DEADLINES,
+    *,
+    max_body_bytes: int,
 ) -> uvicorn.Config:
     """The uvicorn configuration every gateway (and test server) runs with; `max_body_bytes`
     is the largest body `app` takes (the gateway's: `bodylimit.largest_body_bytes`)."""
@@ -126,5 +150,5 @@ def server_config(
         port=port,
         log_level="warning",
         lifespan="on",
-        http=guarded_protocol(limits, max_body_bytes),
+        http=guarded_protocol(limits, max_body_bytes, deadlines),
     )

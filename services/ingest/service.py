@@ -138,7 +138,6 @@ class IngestService:
             # A redelivery of an upload we already applied: re-announce, change nothing.
             await self._announce(existing, existing.kb_ids, [])
             return existing
-        limits = self.settings.limits
         check_document_fields(
             name=ev.name,
             source_id=ev.source_id,
@@ -146,7 +145,7 @@ class IngestService:
             tags=ev.tags,
             collection=ev.collection,
             metadata=ev.metadata,
-            limits=limits,
+            limits=self.settings.limits,
         )
 
         data = await self._content(ev)
@@ -164,7 +163,7 @@ class IngestService:
             mime = str(scanned)
         else:
             text, layout, mime = extracted.text, extracted.layout, extracted.mime_type
-            check_extracted_text(text, limits)
+            check_extracted_text(text, self.settings.max_content_bytes)
         if existing is not None and not existing.writable_in(ev.scope_kb_ids):
             raise id_unavailable(document_id)  # before its original bytes are replaced
         await self.reg.texts.put(f"{ev.org_id}/{document_id}/original", data)
@@ -356,7 +355,7 @@ class IngestService:
             else:
                 raise InvalidInput("ocr.done with ok=true needs text or object_ref", field="text")
             check_text(text, "text")
-            check_extracted_text(text, self.settings.limits)
+            check_extracted_text(text, self.settings.max_content_bytes)
             # The upload made this revision; OCR supplies its text, so the revision stays.
             return await self._store_text(record, text, record, last)
 
@@ -386,7 +385,7 @@ class IngestService:
     async def change_tags(self, ev: TagsChanged) -> DocumentRecord | None:
         key = f"{ev.org_id}.{ev.document_id}"
         visible, collection = split_tags(ev.tags)
-        check_labels(visible, collection, self.settings.limits)
+        check_labels(visible, collection)
         if ev.metadata is not None:
             check_metadata(ev.metadata, self.settings.limits)
 

@@ -81,6 +81,9 @@ _REPAIR = (
     "corrected answer only: one JSON value that validates against the schema, no other text."
 )
 _OUTPUT_SHOWN = 2000  # characters of a rejected answer quoted back to the caller
+# A `document_id`'s text given to the model is cut here (and the model told): about 25k
+# tokens, within every current chat model's context with room for the searches that follow.
+DOCUMENT_MAX_CHARS = 100_000
 
 
 @dataclass
@@ -110,14 +113,7 @@ class AskService:
         self._egress = egress
 
     def _litellm_chat(self, model: str, api_base: str | None) -> ChatModel:
-        return LiteLLMChat(
-            model,
-            api_base,
-            timeout_seconds=self.settings.model_timeout_seconds,
-            tries=self.settings.tries,
-            backoff_seconds=self.settings.backoff_seconds,
-            egress=self._egress,
-        )
+        return LiteLLMChat(model, api_base, egress=self._egress)
 
     async def ask(self, req: AskRequest) -> AskResponse:
         try:
@@ -147,7 +143,7 @@ class AskService:
             document = await self._document(req, req.document_id) if req.document_id else None
             schema = req.response_schema
             validator = schema_validator(schema) if schema is not None else None
-            messages = _opening(req, kbs, document, self.settings.document_max_chars)
+            messages = _opening(req, kbs, document, DOCUMENT_MAX_CHARS)
             tools = [_TOOL]
             response_format = _response_format(req.response_schema)
             format_with_tools = response_format if chat.json_mode_with_tools() else None

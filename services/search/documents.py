@@ -29,10 +29,13 @@ from services.common.store import VectorStore
 log = logging.getLogger(__name__)
 
 PAGE = 64  # points a background read takes at once
+# Chunks whose document id a search replica remembers: ~200 bytes each, 40 MB when full,
+# the candidates of a few hundred thousand chunks' worth of searches.
+MAX_POINTS = 200_000
 
 
 class DocumentIds:
-    def __init__(self, store: VectorStore, max_points: int = 200_000) -> None:
+    def __init__(self, store: VectorStore, max_points: int = MAX_POINTS) -> None:
         self.store = store
         self.max_points = max_points
         self._of: dict[str, str] = {}  # point id → document id, oldest first

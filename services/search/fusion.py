@@ -73,7 +73,7 @@ def merge_by_scale(lists: Sequence[CandidateList]) -> list[CandidateList]:
 
 
 def fuse(
-    lists: Sequence[CandidateList], *, k: int, lead_weight: float, lead_floor: float = 0.7
+    lists: Sequence[CandidateList], *, k: int, lead_weight: float, lead_floor: float
 ) -> list[Fused]:
     """Chunks ranked by reciprocal rank fusion of the chunk lists, scaled by their document's
     lead prior; best first. Ties keep the order in which chunks were first seen.

@@ -11,7 +11,10 @@ from typing import Any, Protocol
 from services.common.domain.errors import InvalidInput
 from services.common.outbound.egress import EgressPolicy, egress_scope
 from services.common.outbound.modelcalls import (
+    MODEL_BACKOFF_SECONDS,
     MODEL_FIELD,
+    MODEL_TIMEOUT_SECONDS,
+    MODEL_TRIES,
     NO_SDK_RETRIES,
     PolicySource,
     call_model,
@@ -19,7 +22,6 @@ from services.common.outbound.modelcalls import (
     http_client,
     import_litellm_off_loop,
 )
-from services.common.settings import MODEL_BACKOFF_SECONDS, MODEL_TIMEOUT_SECONDS, MODEL_TRIES
 
 # Providers whose LiteLLM adapter emulates `response_format` with a forced tool call: sent
 # together with our own tools it would stop the model from searching, so those providers get

@@ -8,9 +8,10 @@ import functools
 from collections import OrderedDict
 
 from services.common.embedders import EmbedderPool, is_local
-from services.common.settings import QUERY_CACHE_SIZE
 
 _Key = tuple[str, str | None, str]
+# Query vectors kept: a few MB, enough for an agent's repeated and paged queries.
+QUERY_CACHE_SIZE = 1024
 
 
 class QueryVectors:

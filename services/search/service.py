@@ -59,6 +59,16 @@ from services.search.termstats import TermStatsCache
 log = logging.getLogger(__name__)
 _tracer = tracer("kbmesh.search")
 
+# Ranking, chosen as the best compromise over every quality set measured (docs/benchmarks.md,
+# "Figures behind the code"); `python -m benchmarks.quality --rrf-k/--lead-weight/
+# --prefetch-limit` runs a stack with other values to study them.
+RRF_K = 10  # reciprocal rank fusion constant
+LEAD_WEIGHT = 1.0  # a document whose opening matches lifts its chunks' scores up to 1 + this
+LEAD_FLOOR = 0.7  # the lift fades out when the best opening scores this share of the best chunk
+# Candidates per list and KB (or `top_k` when larger): 100 ranked as well and cost more.
+PREFETCH_LIMIT = 50
+RERANK_DEPTH = 30  # best fused candidates handed to a KB's rerank model (or `top_k`)
+
 
 class SearchService:
     def __init__(
@@ -72,11 +82,10 @@ class SearchService:
         self.reg = registries
         self.store = store
         self.embedders = embedders
-        self.settings = settings
         self.reranker = reranker or LiteLLMReranker(settings.rerank_timeout_seconds)
-        self.term_stats = TermStatsCache(store, settings.term_stats_ttl_seconds)
-        self.documents = DocumentIds(store, settings.document_cache_points)
-        self.query_vectors = QueryVectors(embedders, settings.query_cache_size)
+        self.term_stats = TermStatsCache(store)
+        self.documents = DocumentIds(store)
+        self.query_vectors = QueryVectors(embedders)
 
     async def close(self) -> None:
         await self.documents.close()
@@ -144,17 +153,12 @@ class SearchService:
             failed_kbs = [_failure(kb, failures[kb.kb_id]) for kb in kbs if kb.kb_id in failures]
             lists = [ranked for per_kb, _ in found for ranked in per_kb]
             points = {key: hit for _, per_kb in found for key, hit in per_kb.items()}
-            fused = fuse(
-                lists,
-                k=self.settings.rrf_k,
-                lead_weight=self.settings.lead_weight,
-                lead_floor=self.settings.lead_floor,
-            )
+            fused = fuse(lists, k=RRF_K, lead_weight=LEAD_WEIGHT, lead_floor=LEAD_FLOOR)
             known = known_scores(lists)
             collections = {kb.kb_id: kb.serving_collection for kb in kbs}
             if req.min_similarity is not None:
                 # Only the candidates that can still make the cut need their cosine.
-                head = fused[: max(req.top_k * 4, self.settings.rerank_depth)]
+                head = fused[: max(req.top_k * 4, RERANK_DEPTH)]
                 await self._complete(head, known, collections, dense, {}, flt)
                 fused = [
                     f for f in fused if (known.cosine.get(f.chunk) or -1.0) >= req.min_similarity
@@ -163,7 +167,7 @@ class SearchService:
             score_kind: Literal["fused", "rerank"] = "fused"
             reranker = rerank_model(kbs, req.rerank)
             if reranker is not None and fused:
-                head = fused[: max(self.settings.rerank_depth, req.top_k)]
+                head = fused[: max(RERANK_DEPTH, req.top_k)]
                 await self._load(head, points, collections)
                 try:
                     fused = await self._rerank(req.query, head, points, reranker)
@@ -249,10 +253,10 @@ class SearchService:
         """The KB's candidate lists for the mode: chunks by each signal, and (with a lead
         weight) documents' first chunks by each signal."""
         name = kb.serving_collection
-        limit = max(self.settings.prefetch_limit, req.top_k)
+        limit = max(PREFETCH_LIMIT, req.top_k)
         model = "/".join(filter(None, kb.serving_model))
         searches: list[tuple[Signal, bool, Query]] = []
-        leads = [False, True] if self.settings.lead_weight > 0 else [False]
+        leads = [False, True] if LEAD_WEIGHT > 0 else [False]
         for lead in leads:
             where = lead_filter(flt) if lead else flt
             if dense is not None:
@@ -261,7 +265,6 @@ class SearchService:
                     limit=limit,
                     filter=where,
                     dense=dense,
-                    hnsw_ef=self.settings.hnsw_ef,
                     payload=(),
                 )
                 searches.append(("dense", lead, query))
@@ -321,7 +324,6 @@ class SearchService:
                     limit=len(need),
                     dense=vector,
                     filter=flt.and_(HasIds(need)),
-                    hnsw_ef=self.settings.hnsw_ef,
                     payload=(),
                 )
                 lookups.append((kb_id, known.cosine, query))

@@ -15,12 +15,16 @@ from collections.abc import Callable
 
 from services.common.store import TermStats, VectorStore
 
+# How long statistics are reused: a term's weight moves as little in ten seconds of writes
+# as it would by reading them late, and a search over several KBs saves a read per KB.
+TTL_SECONDS = 10.0
+
 
 class TermStatsCache:
     def __init__(
         self,
         store: VectorStore,
-        ttl_seconds: float,
+        ttl_seconds: float = TTL_SECONDS,
         max_terms: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

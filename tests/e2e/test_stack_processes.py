@@ -91,7 +91,6 @@ def split_stack(tmp_path):
     env = kbmesh_env(
         KBMESH_NATS_URL=nats.url,
         KBMESH_DATA_DIR=str(tmp_path / "data"),
-        KBMESH_BUS__ACK_WAIT_SECONDS="4",
         KBMESH_PORT=str(port),
     )
     metrics = {"ingest": free_port(), "embed": free_port()}

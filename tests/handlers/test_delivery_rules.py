@@ -68,8 +68,8 @@ async def subscribed(
 ) -> AsyncIterator[tuple[Bus, str]]:
     """`handler` behind `consume` on a durable of its own, started by TestNatsBroker against
     the real server; yields the bus and the durable's name."""
-    settings = Settings(bus=BusSettings(max_deliver=3, backoff_seconds=[0.05, 0.1]))
-    bus = Bus(nats_url, trace.get_tracer_provider(), rules=settings.bus)
+    settings = Settings(bus=BusSettings(max_deliver=3))
+    bus = Bus(nats_url, trace.get_tracer_provider(), rules=settings.bus, backoff=(0.05, 0.1))
     durable = f"test-{uuid.uuid4().hex[:8]}"
     router = NatsRouter()
     consume(router, bus, SUBJECT, durable, handler, on_failure=on_failure, upstream=upstream)
@@ -306,10 +306,10 @@ async def in_memory(
     ack_wait: float = 10.0,
     tracer_provider: AnyTracerProvider | None = None,
 ) -> AsyncIterator[InMemory]:
-    rules = BusSettings(max_deliver=MAX_DELIVER, backoff_seconds=BACKOFF, ack_wait_seconds=ack_wait)
+    rules = BusSettings(max_deliver=MAX_DELIVER)
     provider = tracer_provider or trace.get_tracer_provider()
     # Never connected: TestNatsBroker stands in for the server.
-    bus = Bus("nats://127.0.0.1:4222", provider, rules=rules)
+    bus = Bus("nats://127.0.0.1:4222", provider, rules=rules, backoff=BACKOFF, ack_wait=ack_wait)
     router = NatsRouter()
     consume(router, bus, SUBJECT, "test", handler, on_failure=on_failure, upstream=upstream)
     memory = InMemory(bus)

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.common.messages.answers import AskRequest
 from services.common.messages.events import Subject
+from services.common.outbound.modelcalls import MODEL_TRIES
 from tests.conftest import running_stack
 from tests.support.asgi import serve_app
 from tests.support.bus import OperatorKeys
@@ -68,7 +69,6 @@ async def stack(tmp_path_factory, embedders):
             tmp_path_factory.mktemp("ask"),
             embedders=embedders,
             span_processors=[SimpleSpanProcessor(EXPORTER)],
-            ask={"tries": 2, "backoff_seconds": 0.01},
             # The scripted chat server listens on loopback: allowed, as a self-hosted model.
             egress={"allow_private": True},
         ) as (rt, client),
@@ -341,18 +341,18 @@ async def test_a_kb_scoped_caller_never_searches_outside_its_kbs(stack, world, c
 
 
 async def test_provider_errors_are_retried_then_classified(stack, world, chat):
-    """A 503 is retried (tries=2 here) and succeeds; 503 on every try is Unavailable; a
-    400 is not retried and is a validation error on `model`."""
+    """A 503 is retried and succeeds; 503 on every one of a model call's tries is
+    Unavailable; a 400 is not retried and is a validation error on `model`."""
     rt, _ = stack
     chat.script(Fail(503), Text("after a retry"))
     assert (await ask(rt, chat, question="q"))["result"]["answer"] == "after a retry"
 
     chat.reset()
-    chat.script(Fail(503), Fail(503))
+    chat.script(*[Fail(503)] * MODEL_TRIES)
     error = (await ask(rt, chat, question="q"))["error"]
     assert error["error_type"] == "Unavailable"
-    assert "after 2 tries" in error["message"]
-    assert len(chat.requests) == 2
+    assert f"after {MODEL_TRIES} tries" in error["message"]
+    assert len(chat.requests) == MODEL_TRIES
 
     chat.reset()
     chat.script(Fail(400, "context length exceeded"), Text("never sent"))

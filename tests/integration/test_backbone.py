@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tests.conftest import running_stack
+from tests.support.bus import nats_with_max_payload
 from tests.support.corpus import DOCS, PARAPHRASES
 
 
@@ -91,22 +92,26 @@ async def test_bad_upload_is_rejected_and_changes_nothing(stack):
 
 
 async def test_large_upload_travels_via_object_store_and_staging_is_cleaned(tmp_path, embedders):
-    """Content above the inline limit is staged in the object store, indexed from there, and
-    the staging copy is deleted once ingest has stored the original."""
-    async with running_stack(tmp_path, embedders=embedders, inline_content_bytes=1024) as (
-        rt,
-        client,
-    ):
-        text = "Glaciers carve valleys as they slide downhill. " * 60  # ~2.8 kB
-        r = await client.post(
-            "/v1/kbs/default/documents?wait=true", json={"name": "glaciers.txt", "content": text}
-        )
-        body = r.json()
-        assert body["status"] == "complete" and body["chunk_count"] >= 1, body
-        staged = [o async for o in _object_names(rt) if o.startswith("uploads/")]
-        assert staged == []
-        original = await rt.registries.texts.get(f"local/{body['document_id']}/original")
-        assert original == text.encode()
+    """Content too large to travel inside its event is staged in the object store, indexed
+    from there, and the staging copy is deleted once ingest has stored the original. Too
+    large is a quarter of the bus's message limit where that is small: here 200 kB, under
+    kbmesh's own inline size but over the whole message limit of this NATS server."""
+    text = "Glaciers carve valleys as they slide downhill. " * 4300  # ~200 kB
+    with nats_with_max_payload(tmp_path, 160 * 1024) as url:
+        async with running_stack(tmp_path / "data", nats_url=url, embedders=embedders) as (
+            rt,
+            client,
+        ):
+            r = await client.post(
+                "/v1/kbs/default/documents?wait=true",
+                json={"name": "glaciers.txt", "content": text},
+            )
+            body = r.json()
+            assert body["status"] == "complete" and body["chunk_count"] >= 1, body
+            staged = [o async for o in _object_names(rt) if o.startswith("uploads/")]
+            assert staged == []
+            original = await rt.registries.texts.get(f"local/{body['document_id']}/original")
+            assert original == text.encode()
 
 
 async def _object_names(rt):

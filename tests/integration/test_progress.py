@@ -42,10 +42,7 @@ async def stack(tmp_path_factory, embedders) -> AsyncIterator[tuple[Any, httpx.A
         # Few documents at a time, so a cancel lands while most of a rebuild is still
         # ahead (with the default 16 in flight, 30 one-chunk documents go in one batch).
         running_stack(
-            tmp_path_factory.mktemp("progress"),
-            embedders=embedders,
-            embed_concurrency=2,
-            embed_max_batch=8,
+            tmp_path_factory.mktemp("progress"), embedders=embedders, embed_concurrency=2
         ) as (rt, client),
         serve_http(rt) as (base, _app),
     ):

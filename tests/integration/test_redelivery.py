@@ -6,7 +6,7 @@ from __future__ import annotations
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from services.common.bus.client import declare_topology
+from services.common.bus.client import ACK_WAIT_SECONDS, declare_topology
 from services.common.bus.nats_server import NatsServer
 from services.common.messages.events import STREAM, Subject
 from services.common.settings import BusSettings
@@ -33,5 +33,5 @@ async def test_a_consumer_from_an_older_version_gets_the_short_ack_wait(tmp_path
         await nc.close()
         async with running_stack(tmp_path, nats_url=server.url, embedders=embedders) as (rt, _):
             info = await rt.bus.js.consumer_info(STREAM, "embed-kb-index")
-            assert info.config.ack_wait == rt.settings.bus.ack_wait_seconds == 10
+            assert info.config.ack_wait == ACK_WAIT_SECONDS == 10
             assert info.config.max_deliver == rt.settings.bus.max_deliver + 2

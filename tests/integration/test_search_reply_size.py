@@ -4,14 +4,13 @@ instead of timing out."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.common.bus.nats_server import free_port, nats_server_binary, wait_for_port
 from tests.conftest import running_stack
+from tests.support.bus import nats_with_max_payload
 from tests.support.domain import create_kb
 
 MAX_PAYLOAD = 64 * 1024
@@ -19,23 +18,8 @@ MAX_PAYLOAD = 64 * 1024
 
 @pytest.fixture
 def small_nats(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    config = tmp_path / "nats.conf"
-    config.write_text(
-        f'listen: "127.0.0.1:{port}"\nmax_payload: {MAX_PAYLOAD}\n'
-        f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
-    )
-    proc = subprocess.Popen(
-        [nats_server_binary(), "-c", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for_port("127.0.0.1", port)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with nats_with_max_payload(tmp_path, MAX_PAYLOAD) as url:
+        yield url
 
 
 async def test_a_reply_larger_than_max_payload_is_truncated_not_lost(
@@ -45,9 +29,10 @@ async def test_a_reply_larger_than_max_payload_is_truncated_not_lost(
     of at most 3,200 characters): 50 hits weigh ~160 KB, over the server's 64 KiB. Hybrid
     and dense search answer 200 at once, under the limit, with `truncated: true`, the
     best-ranked hits kept, each cut content ending in ' …'. A small search is untouched."""
-    async with running_stack(
-        tmp_path / "data", nats_url=small_nats, embedders=embedders, inline_content_bytes=16384
-    ) as (_, client):
+    async with running_stack(tmp_path / "data", nats_url=small_nats, embedders=embedders) as (
+        _,
+        client,
+    ):
         kb = await create_kb(client)
         for i in range(12):
             r = await client.post(

@@ -12,12 +12,14 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from services.gateway.server import Deadlines
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys
 from tests.support.domain import create_kb, registry_counts, uid
 from tests.support.mcp_client import serve_http
 
-LIMITS = {"header_timeout_seconds": 2.0, "body_timeout_seconds": 3.0, "connections_per_client": 6}
+DEADLINES = Deadlines(header_seconds=2.0, body_seconds=3.0)
+LIMITS = {"connections_per_client": 6}
 FOREIGN = "http://evil.example"
 
 
@@ -30,7 +32,7 @@ async def stack(tmp_path_factory, embedders):
             rt,
             client,
         ),
-        serve_http(rt) as (base, _app),
+        serve_http(rt, DEADLINES) as (base, _app),
     ):
         mine = await create_kb(client, name="mine")
         keys = OperatorKeys(rt)
@@ -161,7 +163,7 @@ async def test_key_is_checked_before_the_body_is_read(stack):
     ).encode()
     answer, seconds = await raw(stack.port, head + b'{"name": "x", "content": "')
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
-    assert seconds < LIMITS["body_timeout_seconds"], seconds
+    assert seconds < DEADLINES.body_seconds, seconds
 
 
 async def test_half_sent_requests_are_closed(stack):
@@ -169,7 +171,7 @@ async def test_half_sent_requests_are_closed(stack):
     a body that never ends is closed after the body deadline."""
     answer, seconds = await raw(stack.port, b"GET /v1/kbs HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert LIMITS["header_timeout_seconds"] - 0.5 <= seconds < 20, seconds
+    assert DEADLINES.header_seconds - 0.5 <= seconds < 20, seconds
     head = (
         f"POST /v1/search HTTP/1.1\r\nHost: 127.0.0.1:{stack.port}\r\n"
         f"Authorization: {stack.admin['Authorization']}\r\n"

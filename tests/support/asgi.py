@@ -13,7 +13,7 @@ import uvicorn
 from services.common.bus.nats_server import free_port
 from services.common.settings import HttpSettings
 from services.gateway.bodylimit import JSON_BODY_BYTES
-from services.gateway.server import server_config
+from services.gateway.server import DEADLINES, Deadlines, server_config
 
 
 @contextlib.asynccontextmanager
@@ -22,14 +22,16 @@ async def serve_app(
     *,
     lifespan: str = "on",
     limits: HttpSettings | None = None,
+    deadlines: Deadlines = DEADLINES,
     max_body_bytes: int = JSON_BODY_BYTES,
 ) -> AsyncIterator[str]:
     """`app` behind uvicorn on 127.0.0.1:<free port>, with the gateway's client deadlines and
     connection cap (`limits`, default the settings' defaults) for an app whose largest body
     is `max_body_bytes`; yields the base URL."""
     port = free_port()
-    limits = limits or HttpSettings()
-    config = server_config(app, "127.0.0.1", port, limits, max_body_bytes=max_body_bytes)
+    config = server_config(
+        app, "127.0.0.1", port, limits or HttpSettings(), deadlines, max_body_bytes=max_body_bytes
+    )
     config.lifespan = lifespan
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

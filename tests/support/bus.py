@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -10,6 +13,30 @@ from urllib.parse import urlparse
 import nats
 
 from services.common.bus.auth import Credentials, recorded_credentials
+from services.common.bus.nats_server import free_port, nats_server_binary, wait_for_port
+
+
+@contextlib.contextmanager
+def nats_with_max_payload(directory: Path, max_payload: int) -> Iterator[str]:
+    """A nats-server (no users) whose message limit is `max_payload` instead of the 8 MB
+    kbmesh's own server allows, storing under `directory`; yields its URL."""
+    port = free_port()
+    config = directory / "nats.conf"
+    config.write_text(
+        f'listen: "127.0.0.1:{port}"\nmax_payload: {max_payload}\n'
+        f'jetstream {{ store_dir: "{directory / "js"}" }}\n'
+    )
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-c", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port("127.0.0.1", port)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def credentials(data_dir: Path, role: str) -> Credentials:

@@ -21,6 +21,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 
 from services.gateway.mcp import ERROR_META
+from services.gateway.server import DEADLINES, Deadlines
 from tests.support.asgi import serve_app
 from tests.support.bus import bus_env
 
@@ -35,15 +36,17 @@ OFFLINE_ENV = {
 
 
 @contextlib.asynccontextmanager
-async def serve_http(rt: Any) -> AsyncIterator[tuple[str, Any]]:
+async def serve_http(rt: Any, deadlines: Deadlines = DEADLINES) -> AsyncIterator[tuple[str, Any]]:
     """The gateway app of `rt` behind uvicorn on 127.0.0.1:<free port>, as `kbmesh up` serves
-    it (`rt.settings.http`); yields (base url, app)."""
+    it (`rt.settings.http`, the client `deadlines`); yields (base url, app)."""
     from services.cli.runtime import gateway_app
     from services.gateway.bodylimit import largest_body_bytes
 
     app = gateway_app(rt)
     largest = largest_body_bytes(rt.settings)
-    async with serve_app(app, limits=rt.settings.http, max_body_bytes=largest) as base:
+    async with serve_app(
+        app, limits=rt.settings.http, deadlines=deadlines, max_body_bytes=largest
+    ) as base:
         yield base, app
 
 

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from services.common.domain.limits import TAG_LENGTH, TAGS_PER_DOCUMENT
 from services.common.settings import Settings
 from services.gateway.bodylimit import (
     JSON_BODY_BYTES,
@@ -73,7 +74,7 @@ def test_a_maximum_document_fits_in_json_whatever_its_encoding():
     limits = SETTINGS.limits
     metadata = {"blob": "é" * (limits.metadata_bytes // 2 - 20)}
     assert len(json.dumps(metadata, ensure_ascii=False).encode()) <= limits.metadata_bytes
-    tags = ["é" * limits.tag_length] * limits.tags_per_document
+    tags = ["é" * TAG_LENGTH] * TAGS_PER_DOCUMENT
     most = SETTINGS.max_content_bytes
     for content in (base64.b64encode(b"\xff" * most).decode(), '"' * most, "é" * (most // 2)):
         body = {"name": "é" * 512, "content": content, "metadata": metadata, "tags": tags}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from importlib.metadata import version
 
 import pytest
@@ -43,3 +44,20 @@ def test_every_command_and_option_says_what_it_does():
 
     walk(build_parser(), "kbmesh")
     assert silent == []
+
+
+def test_a_start_names_each_kbmesh_variable_it_does_not_read(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A retired variable and a misspelt one, which the settings ignore, are each named in
+    one warning line when a command starts; one the settings read is not."""
+    monkeypatch.setenv("KBMESH_SEARCH__RRF_K", "20")
+    monkeypatch.setenv("KBMESH_QDRANT_URLS", "http://qdrant:6333")
+    monkeypatch.setenv("KBMESH_PORT", "8081")
+    with caplog.at_level(logging.WARNING, logger="kbmesh"), pytest.raises(SystemExit) as stop:
+        main(["bus", "config"])
+    assert stop.value.code == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "kbmesh"]
+    assert "setting_not_read variable=KBMESH_SEARCH__RRF_K reason=retired" in lines
+    assert "setting_not_read variable=KBMESH_QDRANT_URLS reason=unknown" in lines
+    assert not [line for line in lines if "KBMESH_PORT" in line]

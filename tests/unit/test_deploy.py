@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from services.cli.runtime import SERVICES, check_services
 from services.common.bus import auth as busauth
 from services.common.messages.events import DLQ_STREAM, STREAM
-from services.common.settings import ClientSettings, Settings
+from services.common.settings import RETIRED, ClientSettings, Settings
 from tests.support.bus import matches
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed in this environment")
@@ -273,7 +273,7 @@ def test_kbmesh_variables_in_deploy_are_real_settings() -> None:
     so no deployment sets a variable that kbmesh silently ignores. (The stream name
     KBMESH_DLQ is no variable and is told apart by services.common.messages.events.)"""
     known = setting_env_names()
-    assert {"KBMESH_NATS_URL", "KBMESH_BUS__MAX_DELIVER", "KBMESH_SEARCH__HNSW_EF"} <= known
+    assert {"KBMESH_NATS_URL", "KBMESH_BUS__MAX_DELIVER", "KBMESH_SEARCH__CONCURRENCY"} <= known
     files = [DOCKERFILE, *(p for p in DEPLOY.rglob("*") if p.is_file())]
     used: dict[str, set[str]] = {}
     for path in files:
@@ -475,7 +475,8 @@ def test_compose_mounts_and_observability_wiring_resolve() -> None:
 def test_operations_guide_lists_every_setting_and_docs_name_only_real_ones() -> None:
     """docs/operations.md has a row for every KBMESH_* setting, and every KBMESH_* name in
     the operations and architecture docs is a setting, a stream, or a variable the CLI
-    (services/cli/commands.py) sets for its children, so the docs cannot drift from the code."""
+    (services/cli/commands.py) sets for its children (the upgrade notes also name retired
+    ones), so the docs cannot drift from the code."""
     docs = {
         name: (ROOT / "docs" / name).read_text() for name in ("operations.md", "architecture.md")
     }
@@ -486,7 +487,10 @@ def test_operations_guide_lists_every_setting_and_docs_name_only_real_ones() -> 
     assert not missing, f"settings missing from docs/operations.md: {sorted(missing)}"
     cli = (ROOT / "services" / "cli" / "commands.py").read_text()
     for doc, text in docs.items():
-        for name in set(KBMESH_VAR.findall(text)) - known - {STREAM, DLQ_STREAM}:
+        before, _, upgrades = text.partition("\n## Upgrades\n")
+        named = set(KBMESH_VAR.findall(before + upgrades.partition("\n## ")[2]))
+        named |= set(KBMESH_VAR.findall(upgrades.partition("\n## ")[0])) - RETIRED
+        for name in named - known - {STREAM, DLQ_STREAM}:
             assert f'"{name}"' in cli, f"{doc} names {name}, which nothing reads"
 
 

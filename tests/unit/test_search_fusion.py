@@ -71,6 +71,7 @@ def test_kbs_of_one_model_rank_as_one_kb_by_score() -> None:
         ],
         k=10,
         lead_weight=0,
+        lead_floor=0.7,
     )
     split = fuse(
         [
@@ -81,6 +82,7 @@ def test_kbs_of_one_model_rank_as_one_kb_by_score() -> None:
         ],
         k=10,
         lead_weight=0,
+        lead_floor=0.7,
     )
     assert order(one) == order(split)[: len(one)] == ["a:0", "b:0", "c:0"]
     assert [f.score for f in one] == [f.score for f in split]
@@ -98,6 +100,7 @@ def test_an_unrelated_kb_does_not_put_its_best_hit_first() -> None:
         ],
         k=10,
         lead_weight=0,
+        lead_floor=0.7,
     )
     assert order(fused)[:3] == ["a:0", "b:2", "c:1"]
     assert {"x:0", "y:3"} <= set(order(fused)[3:])
@@ -115,6 +118,7 @@ def test_different_models_meet_by_rank_with_bm25_shared() -> None:
         ],
         k=10,
         lead_weight=0,
+        lead_floor=0.7,
     )
     assert order(fused) == ["a:0", "x:0"]
 
@@ -126,7 +130,7 @@ def test_scores_are_0_to_1_and_decrease_with_rank() -> None:
         ranked("dense", "kb", ("a:0", 0.9), ("c:0", 0.7), lead=True),
         ranked("keyword", "kb", ("a:0", 5.0), ("c:0", 4.0), lead=True),
     ]
-    fused = fuse(lists, k=10, lead_weight=0.5)
+    fused = fuse(lists, k=10, lead_weight=0.5, lead_floor=0.7)
     scores = [f.score for f in fused]
     assert scores == sorted(scores, reverse=True)
     assert scores[0] == 1.0  # first in every list, and its document's opening too
@@ -143,8 +147,8 @@ def test_lead_prior_lifts_a_documents_matching_chunks_not_its_first_chunk_alone(
         ranked("dense", "kb", ("doc:0", 0.6), lead=True),
         ranked("keyword", "kb", ("doc:0", 6.0), lead=True),
     ]
-    assert order(fuse(lists, k=10, lead_weight=0)) == ["other:4", "doc:7"]
-    assert order(fuse(lists, k=10, lead_weight=0.5)) == ["doc:7", "other:4"]
+    assert order(fuse(lists, k=10, lead_weight=0, lead_floor=0.7)) == ["other:4", "doc:7"]
+    assert order(fuse(lists, k=10, lead_weight=0.5, lead_floor=0.7)) == ["doc:7", "other:4"]
 
 
 def test_the_prior_fades_when_no_opening_matches_like_the_best_chunk() -> None:
@@ -156,7 +160,7 @@ def test_the_prior_fades_when_no_opening_matches_like_the_best_chunk() -> None:
         ranked("dense", "kb", ("doc:0", 0.3), lead=True),
         ranked("keyword", "kb", ("doc:0", 2.0), lead=True),
     ]
-    assert order(fuse(lists, k=10, lead_weight=0.5)) == ["other:4", "doc:7"]
+    assert order(fuse(lists, k=10, lead_weight=0.5, lead_floor=0.7)) == ["other:4", "doc:7"]
 
 
 def test_the_prior_never_lifts_a_weak_chunk_match_over_a_strong_one() -> None:
@@ -171,11 +175,11 @@ def test_the_prior_never_lifts_a_weak_chunk_match_over_a_strong_one() -> None:
         ranked("dense", "kb", ("w19:0", 0.9), lead=True),
         ranked("keyword", "kb", ("w19:0", 9.0), lead=True),
     ]
-    assert order(fuse(lists, k=10, lead_weight=0.5))[0] == "strong:5"
+    assert order(fuse(lists, k=10, lead_weight=0.5, lead_floor=0.7))[0] == "strong:5"
 
 
 def test_fusing_nothing_is_empty() -> None:
-    assert fuse([], k=10, lead_weight=0.5) == []
+    assert fuse([], k=10, lead_weight=0.5, lead_floor=0.7) == []
 
 
 # ---- neighbour_windows -------------------------------------------------------------------------

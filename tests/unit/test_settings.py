@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+import pytest
+from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings
 
-from services.common.settings import ClientSettings, Settings
+from services.common.settings import RETIRED, ClientSettings, Settings, unread_variables
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
@@ -88,7 +89,46 @@ def test_every_documented_default_is_the_settings_default():
     assert wrong == {}
 
 
-def test_the_shipped_client_deadlines_close_a_stalled_request_within_half_a_minute():
-    """The e2e attack test runs with short deadlines; these are the ones `kbmesh up` ships."""
-    http = Settings().http
-    assert http.header_timeout_seconds + http.body_timeout_seconds <= 30
+def test_a_variable_no_setting_reads_is_named_retired_or_misspelt():
+    """pydantic-settings ignores `KBMESH_*` variables it does not know: a start names each
+    one kbmesh no longer reads, and each misspelt one (also a key of a group given as JSON),
+    and none that it reads, whatever their case."""
+    environ = {
+        "KBMESH_SEARCH__RRF_K": "20",  # retired
+        "kbmesh_embed_max_batch": "32",  # retired, in lower case
+        "KBMESH_NATS_URLS": "nats://x",  # misspelt
+        "KBMESH_SEARCH": '{"concurrency": 4, "hnsw_ef": 64}',  # a group, one key retired
+        "KBMESH_BUS": "not json",  # the settings' own validation refuses it
+        "KBMESH_NATS_URL": "nats://x",
+        "kbmesh_port": "8081",
+        "KBMESH_API_KEY": "kbm_x",
+        "KBMESH_LIMITS__EXTRACT_SECONDS": "30",
+        "OTHER": "1",
+    }
+    assert unread_variables(environ) == [
+        "KBMESH_EMBED_MAX_BATCH",
+        "KBMESH_NATS_URLS",
+        "KBMESH_SEARCH__HNSW_EF",
+        "KBMESH_SEARCH__RRF_K",
+    ]
+
+
+def test_retired_variables_are_no_settings_and_each_is_in_the_upgrade_notes():
+    assert not RETIRED & set(SETTINGS)
+    upgrades = OPERATIONS.split("\n## Upgrades\n", 1)[1].split("\n## ", 1)[0]
+    assert [name for name in sorted(RETIRED) if f"`{name}`" not in upgrades] == []
+
+
+def test_an_unknown_keyword_is_refused_and_an_unknown_variable_left_alone(monkeypatch):
+    """Code (a test's overrides, too) that builds the settings with a name they do not have
+    fails at once instead of running with the default; the environment may hold any
+    `KBMESH_*` variable (`unread_variables` names it at start)."""
+    with pytest.raises(ValidationError, match="inline_content_bytes"):
+        Settings(inline_content_bytes=1024)
+    with pytest.raises(ValidationError, match="api_token"):
+        ClientSettings(api_token="x")
+    monkeypatch.setenv("KBMESH_INLINE_CONTENT_BYTES", "1024")
+    monkeypatch.setenv("KBMESH_SEARCH__RRF_K", "20")
+    monkeypatch.setenv("KBMESH_API_TOKEN", "x")
+    assert Settings().search.concurrency == 32  # built, the retired key ignored
+    ClientSettings()

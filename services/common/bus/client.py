@@ -8,11 +8,12 @@ Delivery rules (one place, every service):
 - an upstream publisher's event for another org than the publisher's is refused the same
   way; while a publisher's event is handled, `CURRENT_PUBLISHER` names it;
 - a permanent error (`InvalidInput`) goes to the dead-letter subject at once;
-- any other error is retried with backoff; after `max_deliver` tries it is dead-lettered;
+- any other error is retried with backoff (`REDELIVERY_BACKOFF_SECONDS`); after
+  `max_deliver` tries it is dead-lettered;
 - success acks. The dead letter keeps the original bytes and headers, with the reason in
   `Kbmesh-*` headers, so it can be replayed as is.
-- while a handler works it reports progress every third of `ack_wait`, so the ack wait
-  can be short: work of a process that died is redelivered within `ack_wait` seconds.
+- while a handler works it reports progress every third of `ACK_WAIT_SECONDS`, so the ack
+  wait can be short: work of a process that died is redelivered within that many seconds.
 
 FastStream carries them: its decoder hook (bytes → event), its ack policy (success acks;
 `NackMessage` with the backoff, or `RejectMessage` once dead-lettered) and three
@@ -27,7 +28,7 @@ import contextlib
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -114,6 +115,12 @@ START_RETRY_MAX_SECONDS = 5.0
 # it is being created (on a cluster, one created a moment ago may not be found at once from
 # every server; a stream that the operator's setup creates may come after the service).
 STARTING_STREAMS: tuple[type[Exception], ...] = (NotFoundError,)
+# Redelivery delays after the 1st, 2nd, ... failed delivery of a message (the last repeats):
+# how long an outage is ridden out before the dead letter is `KBMESH_BUS__MAX_DELIVER`'s.
+REDELIVERY_BACKOFF_SECONDS = (0.5, 2.0, 5.0, 15.0)
+# A dead worker's unacked message goes to another after this; a working handler reports
+# progress every third of it, so long work is never redelivered while it runs.
+ACK_WAIT_SECONDS = 10.0
 
 
 def unavailable(err: BaseException) -> Transient:
@@ -219,11 +226,15 @@ class Bus:
         auth: NatsAuthSettings | None = None,
         audit: AuditSettings | None = None,
         start_deadline_seconds: float = START_DEADLINE_SECONDS,
+        backoff: Sequence[float] = REDELIVERY_BACKOFF_SECONDS,
+        ack_wait: float = ACK_WAIT_SECONDS,
     ) -> None:
         self.start_deadline_seconds = start_deadline_seconds
-        # Delivery rules (redelivery, dead letters, retention), the NATS user and TLS, and
-        # the audit stream's retention: the settings groups the bus reads, and no other.
+        # Delivery rules (dead letters, retention), the NATS user and TLS, and the audit
+        # stream's retention: the settings groups the bus reads, and no other.
         self.rules = rules or BusSettings()
+        self.backoff = tuple(backoff)
+        self.ack_wait = ack_wait
         self._audit = audit or AuditSettings()
         self.url = url
         # A comma-separated list seeds the connection to a cluster; the client learns the other
@@ -556,13 +567,13 @@ def consume(
     if max_workers > 1:
         kwargs["max_workers"] = max_workers
     config = ConsumerConfig(
-        ack_wait=settings.ack_wait_seconds,
+        ack_wait=bus.ack_wait,
         # JetStream's own limit is a backstop above ours: we dead-letter first.
         max_deliver=settings.max_deliver + 2,
     )
     # Outermost first: progress reports cover the whole delivery, dead-lettering included.
     middlewares: list[BrokerMiddleware[Any]] = [
-        partial(ProgressReports, ack_wait=settings.ack_wait_seconds),
+        partial(ProgressReports, ack_wait=bus.ack_wait),
         partial(DeadLetters, bus=bus, on_failure=on_failure),
     ]
     subscriptions = [(subject, durable, middlewares)]
@@ -654,7 +665,8 @@ class DeadLetters(BaseMiddleware[Any, Any]):
             delivered = raw.metadata.num_delivered
             permanent = isinstance(err, KbmeshError) and not err.retryable
             if not permanent and delivered < rules.max_deliver:
-                delay = rules.backoff_seconds[min(delivered, len(rules.backoff_seconds)) - 1]
+                backoff = self.bus.backoff
+                delay = backoff[min(delivered, len(backoff)) - 1]
                 log.warning(
                     "retry subject=%s delivered=%d delay=%.1f error=%r",
                     raw.subject,

@@ -3,7 +3,8 @@ anything is stored (413/422), and by ingest for events that upstream systems pub
 (dead letter). One function, so both edges enforce the same rules.
 
 Sizes over a limit are `TooLarge` (413); malformed values (NUL bytes, lone surrogates,
-nesting too deep, too many or too long labels) are `InvalidInput` (422).
+nesting too deep, too many or too long labels) are `InvalidInput` (422). The limits an
+operator sizes (bytes, time, memory) are settings; the shape of a document's labels is fixed.
 """
 
 from __future__ import annotations
@@ -17,17 +18,16 @@ from pydantic import AfterValidator, BaseModel, Field
 from services.common.domain.errors import InvalidInput, TooLarge
 
 SETTING = "KBMESH_LIMITS__"
+# The shape of a document's labels, the same for every deployment: a KB's `tag_ids` take as
+# many tags, each as long, as a document may carry, so any document's tags can be a KB's.
+TAGS_PER_DOCUMENT = 100
+TAG_LENGTH = 200  # characters per tag or collection
+METADATA_DEPTH = 8  # nesting of objects and lists in metadata: records, not documents
+URI_LENGTH = 2048  # characters of a document's uri: what browsers and proxies carry
 
 
 class LimitSettings(BaseModel):
-    tags_per_document: int = Field(100, ge=1, description="tags on one document")
-    tag_length: int = Field(200, ge=1, description="characters per tag or collection")
     metadata_bytes: int = Field(64 * 1024, ge=2, description="a document's metadata as JSON")
-    metadata_depth: int = Field(8, ge=1, description="nesting of objects and lists in metadata")
-    uri_length: int = Field(2048, ge=1, description="characters of a document's uri")
-    text_bytes: int = Field(
-        10 * 1024 * 1024, ge=1, description="a document's text after extraction (UTF-8)"
-    )
     fetch_total_seconds: float = Field(
         60.0,
         gt=0,
@@ -53,27 +53,23 @@ class LimitSettings(BaseModel):
     )
 
 
-def check_labels(tags: Iterable[str], collection: str | None, limits: LimitSettings) -> None:
+def check_labels(tags: Iterable[str], collection: str | None) -> None:
     tags = list(tags)
-    if len(tags) > limits.tags_per_document:
+    if len(tags) > TAGS_PER_DOCUMENT:
         raise InvalidInput(
-            f"a document may have at most {limits.tags_per_document} tags, got {len(tags)} "
-            f"({SETTING}TAGS_PER_DOCUMENT)",
+            f"a document may have at most {TAGS_PER_DOCUMENT} tags, got {len(tags)}",
             field="tags",
         )
     for tag in tags:
-        if not tag.strip() or len(tag) > limits.tag_length:
+        if not tag.strip() or len(tag) > TAG_LENGTH:
             raise InvalidInput(
-                f"invalid tag {tag[:40]!r}: 1-{limits.tag_length} characters, not only "
-                f"whitespace ({SETTING}TAG_LENGTH)",
+                f"invalid tag {tag[:40]!r}: 1-{TAG_LENGTH} characters, not only whitespace",
                 field="tags",
             )
         check_text(tag, "tags")
     if collection is not None:
-        if not collection.strip() or len(collection) > limits.tag_length:
-            raise InvalidInput(
-                f"collection must be 1-{limits.tag_length} characters", field="collection"
-            )
+        if not collection.strip() or len(collection) > TAG_LENGTH:
+            raise InvalidInput(f"collection must be 1-{TAG_LENGTH} characters", field="collection")
         check_text(collection, "collection")
 
 
@@ -91,14 +87,12 @@ def check_document_fields(
     check_text(name, "name")
     check_text(source_id, "source_id")
     if uri is not None:
-        if len(uri) > limits.uri_length:
+        if len(uri) > URI_LENGTH:
             raise InvalidInput(
-                f"uri has {len(uri)} characters, over the limit of {limits.uri_length} "
-                f"({SETTING}URI_LENGTH)",
-                field="uri",
+                f"uri has {len(uri)} characters, over the limit of {URI_LENGTH}", field="uri"
             )
         check_text(uri, "uri")
-    check_labels(tags, collection, limits)
+    check_labels(tags, collection)
     if metadata is not None:
         check_metadata(metadata, limits)
 
@@ -110,11 +104,9 @@ def check_metadata(metadata: dict[str, Any], limits: LimitSettings) -> None:
     while stack:
         value, depth = stack.pop()
         if isinstance(value, dict | list):
-            if depth > limits.metadata_depth:
+            if depth > METADATA_DEPTH:
                 raise InvalidInput(
-                    f"metadata is nested more than {limits.metadata_depth} levels deep "
-                    f"({SETTING}METADATA_DEPTH)",
-                    field="metadata",
+                    f"metadata is nested more than {METADATA_DEPTH} levels deep", field="metadata"
                 )
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
@@ -156,18 +148,18 @@ def _no_nul(value: str) -> str:
 # validated, so REST, the tools and MCP refuse it alike.
 PlainText = Annotated[str, AfterValidator(_no_nul)]
 # A KB's tag_ids: as many as a document may carry tags, each as long as a tag may be.
-MAX_KB_TAGS = 100
-KbTag = Annotated[PlainText, Field(min_length=1, max_length=200)]
+KbTag = Annotated[PlainText, Field(min_length=1, max_length=TAG_LENGTH)]
 
 
-def check_extracted_text(text: str, limits: LimitSettings) -> None:
-    """The text a document yields: not empty, within the size limit."""
+def check_extracted_text(text: str, max_bytes: int) -> None:
+    """The text a document yields: not empty, and within the size a document's content may
+    have (`KBMESH_MAX_CONTENT_BYTES`: a DOCX or a PDF can hold more text than its size)."""
     if not text.strip():
         raise InvalidInput("the document has no text (empty or whitespace only)", field="content")
     size = len(text.encode("utf-8"))
-    if size > limits.text_bytes:
+    if size > max_bytes:
         raise TooLarge(
             f"the document's text has {size} bytes after extraction, over the limit of "
-            f"{limits.text_bytes} ({SETTING}TEXT_BYTES)",
+            f"{max_bytes} (KBMESH_MAX_CONTENT_BYTES)",
             field="content",
         )

@@ -14,6 +14,9 @@ from services.common.domain.errors import Conflict
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2"
 # The models that ship inside the package (their specs: services/common/embedders/local.py).
 BUNDLED_MODELS = (DEFAULT_MODEL, "local/all-MiniLM-L6-v2-int8")
+# The KB every org gets on first reference, by name (and, in the default org, as its id): the
+# name clients use when they name no KB, so it is the same in every deployment.
+DEFAULT_KB = "default"
 
 # KB settings the chunker and search accept (the request models publish the same bounds).
 CHUNK_SIZE_RANGE = (50, 2000)

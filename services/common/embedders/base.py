@@ -12,6 +12,11 @@ MODEL_FIELD = "embedding_model"
 # Query requests of at most this many texts take the short lane, never waiting behind a
 # document batch.
 QUERY_MAX_TEXTS = 4
+# Texts per local model run (each run sorted by length, padded to its longest), and chunks of
+# concurrent documents embedded in one call at most: 16, 32 and 128 ingested no faster
+# (docs/benchmarks.md, "Figures behind the code").
+EMBED_BATCH_SIZE = 32
+EMBED_MAX_BATCH = 64
 
 
 @runtime_checkable

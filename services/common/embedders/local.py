@@ -20,14 +20,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.common.domain.errors import InvalidInput
-from services.common.embedders.base import LOCAL_PREFIX, MODEL_FIELD, QUERY_MAX_TEXTS
+from services.common.embedders.base import (
+    EMBED_BATCH_SIZE,
+    EMBED_MAX_BATCH,
+    LOCAL_PREFIX,
+    MODEL_FIELD,
+    QUERY_MAX_TEXTS,
+)
 from services.common.embedders.batching import Batcher
 from services.common.embedders.engine import Encoder, ModelConfig, OnnxEncoder, TorchEncoder
 from services.common.embedders.processes import ProcessEncoder
 from services.common.embedders.selection import Backend, Device, Precision, select
 from services.common.embedders.tokenizing import model_tokenizer
 from services.common.ops import metrics
-from services.common.settings import EMBED_BATCH_SIZE, EMBED_MAX_BATCH, LOCAL_BACKEND, Settings
+from services.common.settings import LOCAL_BACKEND, Settings
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

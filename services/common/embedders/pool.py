@@ -6,11 +6,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.embedders.base import Embedder, is_local
+from services.common.embedders.base import EMBED_BATCH_SIZE, EMBED_MAX_BATCH, Embedder, is_local
 from services.common.embedders.local import LocalEmbedder, local_spec
 from services.common.embedders.remote import LiteLLMEmbedder, remote_max_tokens
 from services.common.embedders.selection import Backend, Device, Precision
-from services.common.settings import EMBED_BATCH_SIZE, EMBED_MAX_BATCH, LOCAL_BACKEND
+from services.common.settings import LOCAL_BACKEND
 
 if TYPE_CHECKING:
     from services.common.outbound.egress import EgressPolicy

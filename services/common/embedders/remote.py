@@ -8,24 +8,21 @@ from typing import Any
 import numpy as np
 
 from services.common.domain.errors import InvalidInput, Transient
-from services.common.embedders.base import MODEL_FIELD, QUERY_MAX_TEXTS, normalise
+from services.common.embedders.base import EMBED_MAX_BATCH, MODEL_FIELD, QUERY_MAX_TEXTS, normalise
 from services.common.embedders.batching import Batcher
 from services.common.embedders.tokenizing import tiktoken_tokenizer
 from services.common.ops import metrics
 from services.common.outbound.egress import EgressPolicy, egress_scope
 from services.common.outbound.modelcalls import (
+    MODEL_BACKOFF_SECONDS,
+    MODEL_TIMEOUT_SECONDS,
+    MODEL_TRIES,
     NO_SDK_RETRIES,
     call_model,
     check_destination,
     http_client,
     import_litellm,
     import_litellm_off_loop,
-)
-from services.common.settings import (
-    EMBED_MAX_BATCH,
-    MODEL_BACKOFF_SECONDS,
-    MODEL_TIMEOUT_SECONDS,
-    MODEL_TRIES,
 )
 
 _WHAT = "call the embedding model at"

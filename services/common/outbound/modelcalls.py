@@ -44,6 +44,12 @@ from services.common.outbound.egress import (
 log = logging.getLogger("kbmesh.models")
 T = TypeVar("T")
 MODEL_FIELD = "model"
+# One provider call (embedding, chat): its timeout, and its tries with exponential backoff on
+# transient errors. A blip is ridden out here; a longer outage is the bus's to retry
+# (redelivery with backoff), so a call never holds a worker for long.
+MODEL_TIMEOUT_SECONDS = 60.0
+MODEL_TRIES = 3
+MODEL_BACKOFF_SECONDS = 0.5
 # The egress policy as it stands now (read per call: an operator may change the allow-list).
 PolicySource = Callable[[], EgressPolicy]
 # Providers LiteLLM reaches through the OpenAI SDK, whose client is `litellm.aclient_session`;
@@ -274,7 +280,10 @@ def _short(err: Exception, limit: int = 500) -> str:
 
 
 __all__ = [
+    "MODEL_BACKOFF_SECONDS",
     "MODEL_FIELD",
+    "MODEL_TIMEOUT_SECONDS",
+    "MODEL_TRIES",
     "NO_SDK_RETRIES",
     "PolicySource",
     "call_model",

@@ -54,4 +54,4 @@ def create_store(settings: Settings) -> VectorStore:
         return ServerStore(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
     from services.common.store.edge import EdgeStore
 
-    return EdgeStore(settings.data_dir / "shards", index_threshold=settings.edge_index_threshold)
+    return EdgeStore(settings.data_dir / "shards")

@@ -120,6 +120,11 @@ class Filter:
         return Filter(must=self.must + conditions, must_not=self.must_not)
 
 
+# HNSW search breadth: recall against latency. 64 saves ~2 ms of a search at 100k chunks,
+# a quality default not given up for it (docs/benchmarks.md, "Figures behind the code").
+HNSW_EF = 128
+
+
 @dataclass(frozen=True)
 class Query:
     """One candidate list: the `limit` best chunks by the dense vector or by BM25."""
@@ -129,7 +134,7 @@ class Query:
     filter: Filter
     dense: list[float] | None = None
     sparse: SparseVector | None = None
-    hnsw_ef: int = 128
+    hnsw_ef: int = HNSW_EF
     # The payload fields each hit carries; None: all. Candidate lists of a search name the
     # few they rank by: converting whole payloads (chunk text, metadata) of hundreds of
     # candidates costs more than the engine's search.

@@ -80,10 +80,16 @@ _INDEX_KINDS: dict[str, qe.PayloadSchemaType] = {
 }
 
 
+# Vectors outside a shard's HNSW index that start a build: a build pauses the process about
+# 1-2.5 s per 1,000 of them, and full scans of fewer cost little (docs/benchmarks.md,
+# "Figures behind the code": "Edge index built every threshold").
+INDEX_THRESHOLD = 10_000
+
+
 class EdgeStore:
     """`VectorStore` on Qdrant Edge shards under `root` (`root/<collection>`)."""
 
-    def __init__(self, root: Path, *, index_threshold: int = 10_000) -> None:
+    def __init__(self, root: Path, *, index_threshold: int = INDEX_THRESHOLD) -> None:
         """`index_threshold`: dense vectors outside the HNSW index that start an index build
         (0: never; `optimize` then is the caller's)."""
         self._root = Path(root)

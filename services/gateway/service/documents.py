@@ -57,6 +57,10 @@ from services.gateway.service.kbs import KnowledgeBases
 from services.gateway.service.waiting import Events, Waiting
 
 PATCH_ATTEMPTS = 10
+# Uploads up to this size travel inside their event, larger ones through the `texts` object
+# store; on a NATS server with a small message limit, up to a quarter of that limit (base64
+# adds a third, and the event's other fields take their share).
+INLINE_CONTENT_BYTES = 256 * 1024
 # How long a PATCH without `wait` waits for ingest to apply (or drop) its change.
 VERDICT_SECONDS = 10.0
 
@@ -143,7 +147,7 @@ class Documents:
             scope_kb_ids=p.scope,
             writer=p.writer,
         )
-        if len(data) <= self.settings.inline_content_bytes:
+        if len(data) <= self._inline_limit():
             event.content, event.content_encoding = content.text, content.encoding
         else:
             event.object_ref = staging_name(p.org_id, event.event_id)
@@ -157,6 +161,10 @@ class Documents:
         async with self.waiting.watch([document_id]) as events:
             await self._publish_upload(event)
             return await self._await_upload(event, events, kb, result)
+
+    def _inline_limit(self) -> int:
+        limit = self.bus.nc.max_payload // 4 if self.bus.nc is not None else INLINE_CONTENT_BYTES
+        return min(INLINE_CONTENT_BYTES, limit)
 
     async def _content(self, body: UploadBody) -> _Content:
         if body.content is not None:
@@ -346,7 +354,7 @@ class Documents:
                 collection = None
             elif patch.collection is not None:
                 collection = patch.collection
-            check_labels(labels, collection, self.settings.limits)
+            check_labels(labels, collection)
             _check_label_prefixes(patch.tags or [])
             tags = join_tags(labels, collection)
             await self._check_tag_scope(p, tags)

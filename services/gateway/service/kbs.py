@@ -16,9 +16,11 @@ from services.common.bus.client import Bus
 from services.common.bus.registry import Registries
 from services.common.domain.errors import Conflict, InvalidInput, NotFound
 from services.common.domain.ids import new_kb_id
+from services.common.domain.limits import TAG_LENGTH, TAGS_PER_DOCUMENT, URI_LENGTH
 from services.common.domain.models import (
     BUNDLED_MODELS,
     CHUNK_SIZE_RANGE,
+    DEFAULT_KB,
     KB_TAG_PREFIX,
     MAX_NEIGHBORS,
     DocStatus,
@@ -74,8 +76,8 @@ class KnowledgeBases:
         would let one org overwrite, count or drop another's vectors. The configured
         default org keeps the plain name as id; every other org gets one derived from it."""
         if org_id == self.settings.default_org:
-            return self.settings.default_kb
-        return uuid.uuid5(DEFAULT_KB_NAMESPACE, f"{org_id}/{self.settings.default_kb}").hex
+            return DEFAULT_KB
+        return uuid.uuid5(DEFAULT_KB_NAMESPACE, f"{org_id}/{DEFAULT_KB}").hex
 
     async def ensure_default(self, org_id: str) -> KnowledgeBase:
         key = self.reg.kbs.key(org_id, self.default_id(org_id))
@@ -85,7 +87,7 @@ class KnowledgeBases:
         kb = KnowledgeBase(
             org_id=org_id,
             kb_id=self.default_id(org_id),
-            name=self.settings.default_kb,
+            name=DEFAULT_KB,
             description="Created on first start.",
             embedding_model=self.settings.default_model,
         )
@@ -102,7 +104,7 @@ class KnowledgeBases:
         """A KB id or name, within the caller's org and scope (else 404)."""
         # Reads resolve from the live mirror (as names already do); writes from the bucket.
         kb = await self.reg.kbs.resolve(p.org_id, ref, fresh=write)
-        if kb is None and ref == self.settings.default_kb and p.kb_ids is None:
+        if kb is None and ref == DEFAULT_KB and p.kb_ids is None:
             if p.read_only:  # a read must not create anything
                 raise NotFound(f"knowledge base {ref!r} not found", field="kb_id")
             kb = await self.ensure_default(p.org_id)
@@ -413,7 +415,6 @@ def with_model_defaults(fields: dict[str, Any]) -> dict[str, Any]:
 def defaults_view(settings: Settings) -> DefaultsView:
     fields = KnowledgeBase.model_fields
     model = settings.default_model
-    limits = settings.limits
     return DefaultsView(
         kb=KbDefaults(
             chunker=fields["chunker"].default,
@@ -434,11 +435,11 @@ def defaults_view(settings: Settings) -> DefaultsView:
             coalesce_neighbors_max=MAX_NEIGHBORS,
             top_k_max=TOP_K_MAX,
             knowledge_bases_per_org=settings.kb_limit,
-            tags_per_document=limits.tags_per_document,
-            tag_length=limits.tag_length,
-            metadata_bytes=limits.metadata_bytes,
-            uri_length=limits.uri_length,
-            text_bytes=limits.text_bytes,
+            tags_per_document=TAGS_PER_DOCUMENT,
+            tag_length=TAG_LENGTH,
+            metadata_bytes=settings.limits.metadata_bytes,
+            uri_length=URI_LENGTH,
+            text_bytes=settings.max_content_bytes,
         ),
     )
 

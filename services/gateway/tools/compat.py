@@ -27,7 +27,7 @@ from pydantic import (
 from services.common.domain.content import HTML_TYPES, TEXT_TYPES, normalise_mime
 from services.common.domain.errors import InvalidInput, NotFound
 from services.common.domain.ids import UUID_PATTERN, point_id
-from services.common.domain.models import DEFAULT_SOURCE
+from services.common.domain.models import DEFAULT_KB, DEFAULT_SOURCE
 from services.common.messages.queries import MatchType, SearchFilters, SearchHit, SearchQuery
 from services.gateway.auth import Principal
 from services.gateway.schemas import MIME_TYPES, UploadBody
@@ -438,7 +438,7 @@ async def manageKnowledge(
             deletedCount=deleted.deleted_count,
             message=f"deleted {deleted.deleted_count} document(s) of source {inp.sourceId!r}",
         )
-    kb = await service.kbs.resolve(p, service.settings.default_kb, write=True)
+    kb = await service.kbs.resolve(p, DEFAULT_KB, write=True)
     body = UploadBody(
         name=_name_from_uri(inp.uri),
         content=inp.content or "",

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.domain.ids import UUID_PATTERN
+from services.common.domain.models import DEFAULT_KB
 from services.common.messages.queries import (
     ChunkResponse,
     Mode,
@@ -200,7 +201,7 @@ async def kb_upload(service: GatewayService, p: Principal, inp: KbUploadInput) -
     returns once the document is indexed, with its chunk_count; content that cannot be read
     is an error."""
     body = UploadBody.model_validate(inp.model_dump(exclude={"kb", "wait"}, exclude_unset=True))
-    kb = inp.kb or service.settings.default_kb
+    kb = inp.kb or DEFAULT_KB
     result = await service.documents.upload(p, body, kb, wait=inp.wait)
     return KbUploadOutput.model_validate(result.model_dump())
 
