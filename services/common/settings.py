@@ -43,6 +43,12 @@ class BusSettings(BaseModel):
         "every third of it, so long work is never redelivered while it runs",
     )
     stream_max_age_days: float = Field(7.0, gt=0)
+    stream_max_mb: int = Field(
+        1024,
+        ge=1,
+        description="disk each stream of events may fill (MiB): kbmesh's events, upstream "
+        "publishers' events and dead letters, each (docs/operations.md, Limits)",
+    )
     replicas: int = Field(
         1, ge=1, le=5, description="JetStream replicas of streams, buckets and the object store"
     )

@@ -30,7 +30,14 @@ from services.common.domain.errors import InvalidInput
 from services.common.infra.bus import CURRENT_PUBLISHER, Bus, consume
 from services.common.infra.busauth import Publisher, upstream_subject
 from services.common.infra.natsproc import NatsServer
-from services.common.messages.events import DLQ_STREAM, STREAM, DocDeleted, Subject, dlq_subject
+from services.common.messages.events import (
+    DLQ_STREAM,
+    STREAM,
+    UPSTREAM_STREAM,
+    DocDeleted,
+    Subject,
+    dlq_subject,
+)
 from services.common.settings import BusSettings, Settings
 from tests.support.domain import wait_until
 
@@ -71,11 +78,11 @@ async def subscribed(
         await bus.close()
 
 
-async def settled(bus: Bus, durable: str) -> None:
+async def settled(bus: Bus, durable: str, stream: str = STREAM) -> None:
     """Until the durable has nothing pending and nothing unacknowledged."""
 
     async def idle() -> bool:
-        info = await bus.js.consumer_info(STREAM, durable)
+        info = await bus.js.consumer_info(stream, durable)
         return info.num_pending == 0 and info.num_ack_pending == 0
 
     await wait_until(idle, timeout=30, what=f"{durable} to settle")
@@ -83,7 +90,7 @@ async def settled(bus: Bus, durable: str) -> None:
 
 @contextlib.asynccontextmanager
 async def dead_letters(nats_url: str) -> AsyncIterator[asyncio.Queue[nats.aio.msg.Msg]]:
-    """Dead letters of SUBJECT published from now on."""
+    """Dead letters of SUBJECT published from now on, whichever org they were filed under."""
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     queue: asyncio.Queue[nats.aio.msg.Msg] = asyncio.Queue()
@@ -92,7 +99,7 @@ async def dead_letters(nats_url: str) -> AsyncIterator[asyncio.Queue[nats.aio.ms
         await queue.put(msg)
 
     sub = await js.subscribe(
-        dlq_subject(SUBJECT), stream=DLQ_STREAM, cb=on_letter, deliver_policy="new"
+        dlq_subject("*", SUBJECT), stream=DLQ_STREAM, cb=on_letter, deliver_policy="new"
     )
     try:
         yield queue
@@ -210,7 +217,8 @@ async def test_an_upstream_event_of_the_publishers_org_only_reaches_the_handler(
 ) -> None:
     """The subject names the publisher (the server's account import writes it there): an
     event for its own org is handled with `CURRENT_PUBLISHER` set; one naming another org
-    is dead-lettered as Forbidden and the handler never sees it."""
+    is dead-lettered as Forbidden, filed under the publisher's org, and the handler never
+    sees it."""
     seen: list[tuple[str, Publisher | None]] = []
 
     async def handler(ev: DocDeleted) -> None:
@@ -219,7 +227,8 @@ async def test_an_upstream_event_of_the_publishers_org_only_reaches_the_handler(
     feeder = Publisher(name="feeder", org_id="acme")
     subject = upstream_subject(SUBJECT, feeder)
     nc = await nats.connect(nats_url)
-    letters = await nc.subscribe(dlq_subject(subject))
+    # Filed under the publisher's org, whichever org its event names.
+    letters = await nc.subscribe(dlq_subject(feeder.org_id, subject))
     try:
         async with subscribed(nats_url, handler, upstream=True) as (bus, durable):
             for org in ("acme", "victim"):
@@ -228,7 +237,7 @@ async def test_an_upstream_event_of_the_publishers_org_only_reaches_the_handler(
                     subject, sent.model_dump_json().encode(), headers={"Nats-Msg-Id": sent.event_id}
                 )
             letter = await letters.next_msg(timeout=30)
-            await settled(bus, f"{durable}-upstream")
+            await settled(bus, f"{durable}-upstream", UPSTREAM_STREAM)
     finally:
         await nc.close()
     assert seen == [("acme", feeder)]

@@ -24,7 +24,7 @@ import pytest
 from pydantic import BaseModel
 
 from services.common.infra import busauth
-from services.common.messages.events import DLQ_STREAM, STREAM
+from services.common.messages.events import DLQ_STREAM, STREAM, UPSTREAM_STREAM
 from services.common.settings import ClientSettings, Settings
 from services.runtime import SERVICES, check_services
 from tests.support.bus import matches
@@ -280,7 +280,7 @@ def test_kbmesh_variables_in_deploy_are_real_settings() -> None:
         for name in KBMESH_VAR.findall(path.read_text()):
             used.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     assert "KBMESH_QDRANT_URL" in used
-    streams = {STREAM, DLQ_STREAM}
+    streams = {STREAM, UPSTREAM_STREAM, DLQ_STREAM}
     unknown = {
         name: sorted(where)
         for name, where in used.items()
@@ -486,7 +486,7 @@ def test_operations_guide_lists_every_setting_and_docs_name_only_real_ones() -> 
     assert not missing, f"settings missing from docs/operations.md: {sorted(missing)}"
     cli = (ROOT / "services" / "cli.py").read_text()
     for doc, text in docs.items():
-        for name in set(KBMESH_VAR.findall(text)) - known - {STREAM, DLQ_STREAM}:
+        for name in set(KBMESH_VAR.findall(text)) - known - {STREAM, UPSTREAM_STREAM, DLQ_STREAM}:
             assert f'"{name}"' in cli, f"{doc} names {name}, which nothing reads"
 
 

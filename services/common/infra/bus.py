@@ -30,7 +30,13 @@ from faststream.nats.annotations import NatsMessage
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, StorageType, StreamConfig
+from nats.js.api import (
+    ConsumerConfig,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from opentelemetry.trace import TracerProvider
 from pydantic import BaseModel, ValidationError
@@ -41,6 +47,7 @@ from services.common.infra.audit import declare_audit_stream
 from services.common.infra.busauth import (
     CURRENT_PUBLISHER,
     KEYS_BUCKET,
+    UPSTREAM_PUBLISH,
     UPSTREAM_STATUS,
     Credentials,
     inbox_prefix,
@@ -48,13 +55,14 @@ from services.common.infra.busauth import (
     status_subject,
     upstream_filter,
 )
+from services.common.infra.deadletters import KBMESH_HEADER, file_letter
 from services.common.messages.events import (
     DLQ_STREAM,
     EVENT_MODELS,
     STREAM,
     STREAM_SUBJECTS,
+    UPSTREAM_STREAM,
     Event,
-    dlq_subject,
 )
 from services.common.settings import AuditSettings, BusSettings, NatsAuthSettings
 
@@ -89,8 +97,27 @@ def unavailable(err: BaseException) -> Transient:
 
 KV_BUCKETS = ("kbs", "documents", "index", KEYS_BUCKET, "prompts")
 OBJECT_STORE = "texts"
-# Declared by `Bus.start()`; subscribers only reference it.
+UPSTREAM_SUBJECTS = [upstream_filter(s) for s in UPSTREAM_PUBLISH]
+# Declared by `Bus.start()`; subscribers only reference them.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)
+UPSTREAM_JSTREAM = JStream(UPSTREAM_STREAM, subjects=UPSTREAM_SUBJECTS, declare=False)
+
+# What the streams hold (docs/operations.md, "Limits"). Every stream holding events is capped
+# in bytes (`KBMESH_BUS__STREAM_MAX_MB`) and in message size:
+# - an event is at most the server's message size less the room a dead letter's headers
+#   take, so that whatever fails can be dead-lettered with its reason;
+# - each upstream publisher holds at most UPSTREAM_BACKLOG unprocessed events per subject;
+#   past it, or once the publishers' stream is full, its publishes are refused (they are
+#   removed as ingest processes them, so the refusal lasts as long as the backlog);
+# - kbmesh's own events and the dead letters make room by dropping their oldest; dead
+#   letters keep at most DEAD_LETTERS_PER_SUBJECT per org and original subject, so one
+#   org's (or one publisher's) failures only ever push out its own.
+MIB = 1024 * 1024
+DEAD_LETTER_HEADROOM = 16 * 1024
+UPSTREAM_BACKLOG = 1000
+DEAD_LETTERS_PER_SUBJECT = 1000
+DEAD_LETTER_DAYS = 30
+NATS_DEFAULT_MAX_PAYLOAD = 1024 * 1024
 
 
 def _tls_context(auth: NatsAuthSettings) -> ssl.SSLContext | None:
@@ -158,7 +185,8 @@ class Bus:
         )
         self.nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
-        self.consumers: dict[str, ConsumerConfig] = {}  # durable name → settings we own
+        # durable name → its stream and the settings we own
+        self.consumers: dict[str, tuple[str, ConsumerConfig]] = {}
         self.responders: list[replies.Responder] = []  # request/reply, started with the rest
         self._tracer = tracer_provider.get_tracer("kbmesh.bus")
 
@@ -177,7 +205,9 @@ class Bus:
         attempt = 0
         while True:
             try:
-                await declare_topology(self._js, self.rules, self._audit)
+                await declare_topology(
+                    self._js, self.rules, self._audit, max_payload=self.nc.max_payload
+                )
                 break
             except BUS_UNAVAILABLE as err:
                 # A cluster that is still electing its JetStream leader, or a server that
@@ -198,15 +228,15 @@ class Bus:
     async def _update_consumers(self) -> None:
         """Durable consumers outlive processes and binding to one keeps its old settings:
         apply today's ack wait and delivery limit to those that exist already."""
-        for durable, wanted in self.consumers.items():
+        for durable, (stream, wanted) in self.consumers.items():
             try:
-                info = await self.js.consumer_info(STREAM, durable)
+                info = await self.js.consumer_info(stream, durable)
             except NotFoundError:
                 continue  # created with these settings when the subscriber starts
             current = info.config
             if (current.ack_wait, current.max_deliver) != (wanted.ack_wait, wanted.max_deliver):
                 await self.js.add_consumer(
-                    STREAM, current.evolve(ack_wait=wanted.ack_wait, max_deliver=wanted.max_deliver)
+                    stream, current.evolve(ack_wait=wanted.ack_wait, max_deliver=wanted.max_deliver)
                 )
 
     async def close(self) -> None:
@@ -248,14 +278,39 @@ class Bus:
 
 
 async def declare_topology(
-    js: JetStreamContext, bus: BusSettings, audit: AuditSettings | None = None
+    js: JetStreamContext,
+    bus: BusSettings,
+    audit: AuditSettings | None = None,
+    *,
+    max_payload: int = NATS_DEFAULT_MAX_PAYLOAD,
 ) -> None:
+    """Streams, buckets and the object store, with today's settings (`max_payload`: the
+    server's message size limit)."""
     audit = audit or AuditSettings()
+    max_bytes = bus.stream_max_mb * MIB
+    max_event = max_payload - DEAD_LETTER_HEADROOM
     stream = StreamConfig(
         name=STREAM,
         subjects=STREAM_SUBJECTS,
         storage=StorageType.FILE,
         max_age=bus.stream_max_age_days * 86400,
+        max_bytes=max_bytes,
+        max_msg_size=max_event,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=120.0,
+        num_replicas=bus.replicas,
+    )
+    upstream = StreamConfig(
+        name=UPSTREAM_STREAM,
+        subjects=UPSTREAM_SUBJECTS,
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        max_age=bus.stream_max_age_days * 86400,
+        max_bytes=max_bytes,
+        max_msg_size=max_event,
+        max_msgs_per_subject=UPSTREAM_BACKLOG,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
         duplicate_window=120.0,
         num_replicas=bus.replicas,
     )
@@ -263,10 +318,16 @@ async def declare_topology(
         name=DLQ_STREAM,
         subjects=["dlq.>"],
         storage=StorageType.FILE,
-        max_age=30 * 86400,
+        max_age=DEAD_LETTER_DAYS * 86400,
+        max_bytes=max_bytes,
+        max_msg_size=max_payload,
+        max_msgs_per_subject=DEAD_LETTERS_PER_SUBJECT,
+        discard=DiscardPolicy.OLD,
         num_replicas=bus.replicas,
     )
-    for config in (stream, dlq):
+    # In this order: kbmesh's own stream gives up the publishers' subjects (it held them
+    # before they had a stream of their own) before that stream takes them.
+    for config in (stream, upstream, dlq):
         try:
             await js.add_stream(config)
         except BadRequestError:
@@ -318,24 +379,25 @@ async def _set_replicas(js: JetStreamContext, stream: str, replicas: int) -> Non
         await js.update_stream(info.config.evolve(num_replicas=replicas))
 
 
-async def dead_letter(bus: Bus, msg: Any, reason: str, error_type: str) -> None:
-    """Publish the original message to `dlq.<subject>` with the reason in headers."""
-    headers = {k: v for k, v in (msg.headers or {}).items() if k != "Nats-Msg-Id"}
+async def dead_letter(
+    bus: Bus, msg: Any, reason: str, error_type: str, event: Event | None = None
+) -> None:
+    """Publish the original message to its org's dead letters (deadletters.py says which org
+    and how) with the reason in headers; `event` is the message parsed, when it parsed."""
     meta = msg.metadata
-    headers.update(
-        {
-            "Kbmesh-Original-Subject": msg.subject,
-            # One header line: a line break in an error message would end the header.
-            "Kbmesh-Error": " ".join(reason.split())[:2000],
-            "Kbmesh-Error-Type": error_type,
-            "Kbmesh-Delivered": str(meta.num_delivered),
-            "Nats-Msg-Id": f"dlq-{meta.stream}-{meta.sequence.stream}",
-        }
+    subject, letter = file_letter(
+        msg.subject, msg.data, event, reason, error_type, meta.num_delivered
     )
-    await bus.js.publish(dlq_subject(msg.subject), msg.data, headers=headers, stream=DLQ_STREAM)
-    log.warning(
-        "dead_letter subject=%s error_type=%s reason=%s", msg.subject, error_type, reason[:300]
-    )
+    # The message's own headers travel with it, but none that could pass for kbmesh's.
+    headers = {
+        k: v
+        for k, v in (msg.headers or {}).items()
+        if k != "Nats-Msg-Id" and not k.startswith(KBMESH_HEADER)
+    }
+    headers.update(letter)
+    headers["Nats-Msg-Id"] = f"dlq-{meta.stream}-{meta.sequence.stream}"
+    await bus.js.publish(subject, msg.data, headers=headers, stream=DLQ_STREAM)
+    log.warning("dead_letter subject=%s error_type=%s reason=%s", subject, error_type, reason[:300])
 
 
 def consume(
@@ -381,7 +443,7 @@ def consume(
                 f"publisher {publisher.name!r} may publish for org {publisher.org_id!r} only, "
                 f"not {event.org_id!r}"
             )
-            await dead_letter(bus, raw, reason, "Forbidden")
+            await dead_letter(bus, raw, reason, "Forbidden", event)
             await msg.reject()
             return
         heartbeat = asyncio.create_task(_keep_alive(msg, settings.ack_wait_seconds))
@@ -395,7 +457,7 @@ def consume(
                     with contextlib.suppress(Exception):
                         await on_failure(event, err)
                 error_type = err.error_type if isinstance(err, KbmeshError) else type(err).__name__
-                await dead_letter(bus, raw, str(err) or repr(err), error_type)
+                await dead_letter(bus, raw, str(err) or repr(err), error_type, event)
                 await msg.reject()
             else:
                 delay = settings.backoff_seconds[min(delivered, len(settings.backoff_seconds)) - 1]
@@ -421,14 +483,14 @@ def consume(
         # JetStream's own limit is a backstop above ours: we dead-letter first.
         max_deliver=settings.max_deliver + 2,
     )
-    subscriptions = [(subject, durable)]
+    subscriptions = [(subject, durable, JSTREAM)]
     if upstream:
-        subscriptions.append((upstream_filter(subject), f"{durable}-upstream"))
-    for filter_subject, name in subscriptions:
-        bus.consumers[name] = config
+        subscriptions.append((upstream_filter(subject), f"{durable}-upstream", UPSTREAM_JSTREAM))
+    for filter_subject, name, stream in subscriptions:
+        bus.consumers[name] = (stream.name, config)
         router.subscriber(
             filter_subject,
-            stream=JSTREAM,
+            stream=stream,
             durable=name,
             # One message per pull: a fetched message waits for a free worker before its
             # progress reports start, so fetch no more than one ahead.
@@ -469,6 +531,7 @@ __all__ = [
     "JSTREAM",
     "KV_BUCKETS",
     "OBJECT_STORE",
+    "UPSTREAM_JSTREAM",
     "Bus",
     "InvalidInput",
     "consume",
