@@ -161,7 +161,7 @@ async def test_an_upstream_publisher_writes_its_own_org_only(up):
             headers={"Nats-Msg-Id": planted.event_id},
             timeout=10,
         )
-        assert ack.stream == "KBMESH"
+        assert ack.stream == "KBMESH_UPSTREAM"  # held until ingest has processed it
         for subject in ("kb.index", "doc.uploaded.upstream.local.feeder", "$KV.keys.x"):
             with pytest.raises((nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError)):
                 await bad.jetstream().publish(subject, b"{}", timeout=2)
