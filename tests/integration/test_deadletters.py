@@ -262,6 +262,21 @@ async def test_an_orgs_dead_letter_list_reads_nothing_of_another_orgs_and_pages(
                 break
         assert names == [f"big-{i}.txt" for i in range(big)] and pages == 5
 
+        # A key limited to the KB the letters name sees them all, one limited to another
+        # KB none; both read headers only.
+        scoped = await resolver.create("org-a", kb_ids=["nowhere"])
+        other = await resolver.create("org-a", kb_ids=["elsewhere"])
+        before = received()
+        page = await listed({"Authorization": f"Bearer {scoped}"}, limit=10)
+        read_scoped = received() - before
+        assert [d["name"] for d in page["items"]] == [f"big-{i}.txt" for i in range(10)]
+        assert page["total"] == big and page["next"] == page["items"][-1]["sequence"]
+        assert read_scoped < 256 * 1024, f"a KB-scoped page read {read_scoped} bytes"
+        rest = await listed({"Authorization": f"Bearer {scoped}"}, limit=500, after=page["next"])
+        assert len(rest["items"]) == big - 10 and rest["next"] is None
+        none = await listed({"Authorization": f"Bearer {other}"})
+        assert none["items"] == [] and none["total"] == 0
+
 
 async def test_a_publishers_event_naming_another_org_is_its_own_orgs_dead_letter(
     tmp_path, embedders

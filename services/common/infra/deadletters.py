@@ -65,8 +65,8 @@ _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 READ_BATCH = 256
 # A reader that vanished mid-list leaves its consumer behind this long at most.
 READER_IDLE_SECONDS = 30.0
-# Letters counted as there may have been removed before they are read (replayed, discarded,
-# expired): a fetch that gets nothing ends the list after this long.
+# Letters counted when a list starts may be gone before it reads them (replayed, discarded,
+# expired): a fetch that finds none ends the list after this long.
 READ_TIMEOUT = 2.0
 
 
@@ -246,6 +246,8 @@ async def list_dead_letters(
                 try:
                     msgs = await reader.fetch(min(batch, pending), timeout=READ_TIMEOUT)
                 except TimeoutError:
+                    msgs = []
+                if not msgs:
                     break  # removed meanwhile (replayed, discarded, expired)
                 for msg in msgs:
                     pending = msg.metadata.num_pending or 0
