@@ -149,11 +149,13 @@ async def test_a_flood_of_dead_letters_evicts_only_its_own_org_and_subject(bus):
         for i in range(1100):
             await js.publish(flood, json.dumps({"i": i}).encode(), stream=DEAD_LETTERS)
         info = await js.stream_info(DEAD_LETTERS, subjects_filter="dlq.>")
+        oldest = await js.get_msg(DEAD_LETTERS, seq=1, subject=flood, next=True)
     finally:
         await ingest.close()
     kept = info.state.subjects or {}
     assert kept["dlq.org-b.doc.uploaded"] == 1
     assert 0 < kept[flood] == info.config.max_msgs_per_subject < 1100
+    assert json.loads(oldest.data) == {"i": 1100 - kept[flood]}
     assert info.config.max_bytes == MIB and info.state.bytes <= MIB
 
 
