@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
     dlq_list = dlq_sub.add_parser("list", help="one JSON line per dead letter, oldest first")
     dlq_list.add_argument("--limit", type=int, default=100, help="at most this many (100)")
+    dlq_list.add_argument(
+        "--after", type=int, default=0, metavar="SEQUENCE", help="only those after this one"
+    )
     dlq_replay = dlq_sub.add_parser(
         "replay", help="republish to the original subject and remove the dead letter"
     )
@@ -140,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--all", action="store_true", help="every dead letter (of --subject)")
     for p in (dlq_list, dlq_replay, dlq_discard):
         p.add_argument("--subject", help="only dead letters of this original subject")
+        p.add_argument("--org", help="only dead letters of this org")
         p.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
 
     backup = sub.add_parser(
@@ -768,25 +772,36 @@ async def _dlq(args: argparse.Namespace) -> int:
 
     async with _cli_bus(_settings(args)) as bus:
         if args.dlq_command == "list":
-            for letter in await list_dead_letters(bus.js, args.subject, args.limit):
+            page = await list_dead_letters(
+                bus.js, args.org, args.subject, after=args.after, limit=args.limit
+            )
+            for letter in page.letters:
                 print(json.dumps(letter.summary()))
             return 0
         if args.all:
-            letters = await list_dead_letters(bus.js, args.subject, limit=1_000_000)
+            sequences, after = [], 0
+            while True:  # a page at a time: only headers are read to choose
+                page = await list_dead_letters(bus.js, args.org, args.subject, after=after)
+                sequences += [letter.sequence for letter in page.letters]
+                if page.next is None:
+                    break
+                after = page.next
         else:
-            found = [await get_dead_letter(bus.js, seq) for seq in args.sequences]
-            missing = [seq for seq, letter in zip(args.sequences, found, strict=True) if not letter]
+            sequences = args.sequences
+            missing = [seq for seq in sequences if await get_dead_letter(bus.js, seq) is None]
             if missing:
                 print(f"no dead letter with sequence {missing}", file=sys.stderr)
                 return 1
-            letters = [letter for letter in found if letter is not None]
-        for letter in letters:
+        for seq in sequences:  # one body in memory at a time
+            stored = await get_dead_letter(bus.js, seq)
+            if stored is None:
+                continue  # replayed or discarded meanwhile
             if args.dlq_command == "replay":
-                await replay(bus.js, letter)
+                await replay(bus.js, stored)
             else:
-                await discard(bus.js, letter)
+                await discard(bus.js, stored)
             done = "replayed" if args.dlq_command == "replay" else "discarded"
-            print(json.dumps({done: letter.sequence, "subject": letter.subject}))
+            print(json.dumps({done: stored.sequence, "subject": stored.subject}))
         return 0
 
 

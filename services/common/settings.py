@@ -30,6 +30,12 @@ PORT = 8080
 class BusSettings(BaseModel):
     max_deliver: int = Field(5, ge=1, description="deliveries before a message is dead-lettered")
     stream_max_age_days: float = Field(7.0, gt=0)
+    stream_max_mb: int = Field(
+        1024,
+        ge=1,
+        description="disk each stream of events may fill (MiB): kbmesh's events, upstream "
+        "publishers' events and dead letters, each (docs/operations.md, Limits)",
+    )
     replicas: int = Field(
         1, ge=1, le=5, description="JetStream replicas of streams, buckets and the object store"
     )

@@ -448,7 +448,10 @@ class DeadLetterBody(DeadLetterView):
 
 class DeadLetterList(BaseModel):
     items: list[DeadLetterView]
-    total: int
+    total: int = Field(description="the caller's dead letters in all (of `subject`, if given)")
+    next: int | None = Field(
+        None, description="more follow: pass this as `after` to read the next page"
+    )
     without_org: int = Field(
         0,
         description="dead letters that name no org (not kbmesh events: malformed input), "

@@ -161,7 +161,7 @@ async def test_an_upstream_publisher_writes_its_own_org_only(up):
             headers={"Nats-Msg-Id": planted.event_id},
             timeout=10,
         )
-        assert ack.stream == "KBMESH"
+        assert ack.stream == "KBMESH_UPSTREAM"  # held until ingest has processed it
         for subject in ("kb.index", "doc.uploaded.upstream.local.feeder", "$KV.keys.x"):
             with pytest.raises((nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError)):
                 await bad.jetstream().publish(subject, b"{}", timeout=2)
@@ -190,6 +190,15 @@ async def test_an_upstream_publisher_writes_its_own_org_only(up):
 
         letter = await _wait_dead_letter(up, "doc.uploaded.upstream.acme.intruder")
         assert letter["error_type"] == "Forbidden" and "acme" in letter["error"], letter
+        # Recorded under the publisher's org: the org it named (keyless: `local`) never sees
+        # it nor its text, while the operator finds it among acme's.
+        named = httpx.get(f"{up['base']}/v1/dead-letters", timeout=30).json()["items"]
+        assert [d for d in named if d["sequence"] == letter["sequence"]] == [], named
+        assert "planted.md" not in {d["name"] for d in named}
+        r = httpx.get(f"{up['base']}/v1/dead-letters/{letter['sequence']}", timeout=30)
+        assert r.status_code == 404, r.text
+        acme = _ok(kbmesh(up["data"], "dlq", "list", "--org", "acme")).splitlines()
+        assert [json.loads(line)["sequence"] for line in acme] == [letter["sequence"]]
         docs = httpx.get(f"{up['base']}/v1/kbs/default/documents", timeout=30).json()["items"]
         assert "planted.md" not in {d["name"] for d in docs}
         with pytest.raises(nats.errors.TimeoutError):

@@ -54,7 +54,9 @@ async def replicas(url: str) -> dict[str, int]:
     nc = await nats.connect(url.split(","))
     try:
         js = nc.jetstream()
-        names = ["KBMESH", "KBMESH_DLQ", f"OBJ_{OBJECT_STORE}"] + [f"KV_{b}" for b in KV_BUCKETS]
+        names = ["KBMESH", "KBMESH_UPSTREAM", "KBMESH_DLQ", f"OBJ_{OBJECT_STORE}"] + [
+            f"KV_{b}" for b in KV_BUCKETS
+        ]
         return {n: (await js.stream_info(n)).config.num_replicas for n in names}
     finally:
         await nc.close()

@@ -39,11 +39,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import TracerProvider as AnyTracerProvider
 
-from services.common.bus.auth import Publisher, upstream_subject
+from services.common.bus.auth import Publisher, publisher_of, upstream_subject
 from services.common.bus.client import CURRENT_PUBLISHER, Bus, consume
 from services.common.bus.nats_server import NatsServer
 from services.common.domain.errors import InvalidInput
-from services.common.messages.events import DLQ_STREAM, STREAM, DocDeleted, Subject, dlq_subject
+from services.common.messages.events import (
+    DLQ_STREAM,
+    STREAM,
+    UPSTREAM_STREAM,
+    DocDeleted,
+    Subject,
+    dlq_subject,
+)
 from services.common.settings import BusSettings, Settings
 from tests.support.domain import wait_until
 
@@ -84,11 +91,11 @@ async def subscribed(
         await bus.close()
 
 
-async def settled(bus: Bus, durable: str) -> None:
+async def settled(bus: Bus, durable: str, stream: str = STREAM) -> None:
     """Until the durable has nothing pending and nothing unacknowledged."""
 
     async def idle() -> bool:
-        info = await bus.js.consumer_info(STREAM, durable)
+        info = await bus.js.consumer_info(stream, durable)
         return info.num_pending == 0 and info.num_ack_pending == 0
 
     await wait_until(idle, timeout=30, what=f"{durable} to settle")
@@ -96,7 +103,7 @@ async def settled(bus: Bus, durable: str) -> None:
 
 @contextlib.asynccontextmanager
 async def dead_letters(nats_url: str) -> AsyncIterator[asyncio.Queue[nats.aio.msg.Msg]]:
-    """Dead letters of SUBJECT published from now on."""
+    """Dead letters of SUBJECT published from now on, whichever org they were filed under."""
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     queue: asyncio.Queue[nats.aio.msg.Msg] = asyncio.Queue()
@@ -105,7 +112,7 @@ async def dead_letters(nats_url: str) -> AsyncIterator[asyncio.Queue[nats.aio.ms
         await queue.put(msg)
 
     sub = await js.subscribe(
-        dlq_subject(SUBJECT), stream=DLQ_STREAM, cb=on_letter, deliver_policy="new"
+        dlq_subject("*", SUBJECT), stream=DLQ_STREAM, cb=on_letter, deliver_policy="new"
     )
     try:
         yield queue
@@ -223,7 +230,8 @@ async def test_an_upstream_event_of_the_publishers_org_only_reaches_the_handler(
 ) -> None:
     """The subject names the publisher (the server's account import writes it there): an
     event for its own org is handled with `CURRENT_PUBLISHER` set; one naming another org
-    is dead-lettered as Forbidden and the handler never sees it."""
+    is dead-lettered as Forbidden, filed under the publisher's org, and the handler never
+    sees it."""
     seen: list[tuple[str, Publisher | None]] = []
 
     async def handler(ev: DocDeleted) -> None:
@@ -232,7 +240,8 @@ async def test_an_upstream_event_of_the_publishers_org_only_reaches_the_handler(
     feeder = Publisher(name="feeder", org_id="acme")
     subject = upstream_subject(SUBJECT, feeder)
     nc = await nats.connect(nats_url)
-    letters = await nc.subscribe(dlq_subject(subject))
+    # Filed under the publisher's org, whichever org its event names.
+    letters = await nc.subscribe(dlq_subject(feeder.org_id, subject))
     try:
         async with subscribed(nats_url, handler, upstream=True) as (bus, durable):
             for org in ("acme", "victim"):
@@ -241,7 +250,7 @@ async def test_an_upstream_event_of_the_publishers_org_only_reaches_the_handler(
                     subject, sent.model_dump_json().encode(), headers={"Nats-Msg-Id": sent.event_id}
                 )
             letter = await letters.next_msg(timeout=30)
-            await settled(bus, f"{durable}-upstream")
+            await settled(bus, f"{durable}-upstream", UPSTREAM_STREAM)
     finally:
         await nc.close()
     assert seen == [("acme", feeder)]
@@ -293,8 +302,10 @@ class InMemory:
         JetStream names the delivery count and stream sequence in the reply subject."""
         self._sequence += 1
         seq = self._sequence
-        reply = f"$JS.ACK.{STREAM}.test.{delivered}.{seq}.{seq}.{time.time_ns()}.0"
-        await self.bus.broker.publish(body, subject, stream=STREAM, reply_to=reply)
+        # Upstream publishers' events are in a stream of their own.
+        stream = UPSTREAM_STREAM if publisher_of(subject) is not None else STREAM
+        reply = f"$JS.ACK.{stream}.test.{delivered}.{seq}.{seq}.{time.time_ns()}.0"
+        await self.bus.broker.publish(body, subject, stream=stream, reply_to=reply)
 
 
 @contextlib.asynccontextmanager
@@ -318,9 +329,7 @@ async def in_memory(
         body: bytes = msg.body  # a dead letter's body may be anything
         return body
 
-    @router.subscriber(
-        dlq_subject(">"), stream=JStream(DLQ_STREAM, declare=False), decoder=undecoded
-    )
+    @router.subscriber("dlq.>", stream=JStream(DLQ_STREAM, declare=False), decoder=undecoded)
     async def on_letter(msg: NatsMessage) -> None:
         memory.letters.append(msg.raw_message)
 
@@ -409,7 +418,7 @@ async def test_in_memory_permanent_error_is_rejected_and_dead_lettered_after_the
     assert consumer(outcomes) == [("term", None)]
     assert hooked == [(sent.event_id, "document_ids: not a document")]
     [letter] = bus.letters
-    assert letter.subject == dlq_subject(SUBJECT)
+    assert letter.subject == dlq_subject(sent.org_id, SUBJECT)
     assert letter.headers["Kbmesh-Error-Type"] == "ValidationError"
     assert letter.headers["Kbmesh-Original-Subject"] == SUBJECT
     assert letter.headers["Kbmesh-Delivered"] == "1"
@@ -480,6 +489,8 @@ async def test_in_memory_upstream_event_of_another_org_is_rejected_unread(
     [letter] = bus.letters
     assert letter.headers["Kbmesh-Error-Type"] == "Forbidden"
     assert json.loads(letter.data)["org_id"] == "victim"
+    # Filed under the publisher's org, never the org it named.
+    assert letter.subject == dlq_subject(feeder.org_id, subject)
 
 
 async def test_in_memory_a_working_handler_reports_progress_until_it_ends(
@@ -521,5 +532,5 @@ async def test_in_memory_a_dead_letter_is_published_inside_the_trace_of_its_mess
     [letter] = bus.letters
     spans = {span.name: span for span in exporter.get_finished_spans()}
     processed = spans[f"{SUBJECT} process"].context.trace_id
-    assert spans[f"{dlq_subject(SUBJECT)} publish"].context.trace_id == processed
+    assert spans[f"{dlq_subject('org', SUBJECT)} publish"].context.trace_id == processed
     assert letter.headers["traceparent"].split("-")[1] == format(processed, "032x")

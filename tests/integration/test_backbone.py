@@ -47,11 +47,11 @@ async def test_upload_then_paraphrase_search_returns_the_document_first(stack):
 
 
 async def test_malformed_event_is_dead_lettered_and_consumer_keeps_going(stack):
-    """A malformed doc.uploaded goes to dlq.doc.uploaded with a reason; the next valid
-    upload still indexes."""
+    """A malformed doc.uploaded goes to dlq.~.doc.uploaded (no org can be read from it) with
+    a reason; the next valid upload still indexes."""
     rt, client = stack
     js = rt.bus.js
-    sub = await js.subscribe("dlq.doc.uploaded", stream="KBMESH_DLQ", durable=None)
+    sub = await js.subscribe("dlq.~.doc.uploaded", stream="KBMESH_DLQ", durable=None)
     await js.publish("doc.uploaded", b'{"org_id": "local", "name": 42', stream="KBMESH")
     msg = await sub.next_msg(timeout=20)
     assert msg.headers["Kbmesh-Error-Type"] == "ValidationError"

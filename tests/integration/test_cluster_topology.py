@@ -13,7 +13,9 @@ from services.common.settings import BusSettings
 from tests.support.cluster import NatsCluster, jetstream_ready
 from tests.support.domain import wait_until
 
-STREAMS = ["KBMESH", "KBMESH_DLQ", f"OBJ_{OBJECT_STORE}"] + [f"KV_{b}" for b in KV_BUCKETS]
+STREAMS = ["KBMESH", "KBMESH_UPSTREAM", "KBMESH_DLQ", f"OBJ_{OBJECT_STORE}"] + [
+    f"KV_{b}" for b in KV_BUCKETS
+]
 
 
 async def test_replicas_are_raised_on_an_existing_deployment(tmp_path):

@@ -42,7 +42,7 @@ async def test_embed_failure_is_recorded_on_the_document_and_retry_recovers(
             },
         )
         kb_id = r.json()["kb_id"]
-        dlq = await rt.bus.js.subscribe("dlq.kb.index", stream="KBMESH_DLQ")
+        dlq = await rt.bus.js.subscribe("dlq.local.kb.index", stream="KBMESH_DLQ")
         provider.fail_next(1000, status=400, message="model does not exist")
         r = await client.post(
             f"/v1/kbs/{kb_id}/documents?wait=true",

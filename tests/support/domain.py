@@ -184,7 +184,8 @@ async def dead_letters(rt: Any, subject: str, *, timeout: float = 0.5) -> dict[s
     acks."""
     import json
 
-    sub = await rt.bus.js.subscribe(f"dlq.{subject}", stream="KBMESH_DLQ", durable=None)
+    # Every org's (`dlq.<org>.<subject>`).
+    sub = await rt.bus.js.subscribe(f"dlq.*.{subject}", stream="KBMESH_DLQ", durable=None)
     out: dict[str, Any] = {}
     try:
         while True:

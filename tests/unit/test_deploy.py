@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from services.cli.runtime import SERVICES, check_services
 from services.common.bus import auth as busauth
-from services.common.messages.events import DLQ_STREAM, STREAM
+from services.common.messages.events import DLQ_STREAM, STREAM, UPSTREAM_STREAM
 from services.common.settings import RETIRED, ClientSettings, Settings
 from tests.support.bus import matches
 
@@ -280,7 +280,7 @@ def test_kbmesh_variables_in_deploy_are_real_settings() -> None:
         for name in KBMESH_VAR.findall(path.read_text()):
             used.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     assert "KBMESH_QDRANT_URL" in used
-    streams = {STREAM, DLQ_STREAM}
+    streams = {STREAM, UPSTREAM_STREAM, DLQ_STREAM}
     unknown = {
         name: sorted(where)
         for name, where in used.items()
@@ -490,7 +490,7 @@ def test_operations_guide_lists_every_setting_and_docs_name_only_real_ones() -> 
         before, _, upgrades = text.partition("\n## Upgrades\n")
         named = set(KBMESH_VAR.findall(before + upgrades.partition("\n## ")[2]))
         named |= set(KBMESH_VAR.findall(upgrades.partition("\n## ")[0])) - RETIRED
-        for name in named - known - {STREAM, DLQ_STREAM}:
+        for name in named - known - {STREAM, UPSTREAM_STREAM, DLQ_STREAM}:
             assert f'"{name}"' in cli, f"{doc} names {name}, which nothing reads"
 
 

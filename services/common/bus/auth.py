@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.domain.ids import check_id
-from services.common.messages.events import DLQ_STREAM, STREAM, Subject
+from services.common.messages.events import DLQ_STREAM, STREAM, UPSTREAM_STREAM, Subject
 from services.common.messages.names import (
     AUDIT_PREFIX,
     AUDIT_STREAM,
@@ -165,6 +165,7 @@ def _streams(buckets: Iterable[str], object_store: str) -> tuple[str, ...]:
 
     return (
         STREAM,
+        UPSTREAM_STREAM,
         DLQ_STREAM,
         AUDIT_STREAM,
         *(f"KV_{b}" for b in buckets if b != KEYS_BUCKET),

@@ -41,7 +41,13 @@ from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.nats.security import NatsSecurity, NatsUserPassword
 from faststream.types import AsyncFuncAny, BrokerMiddleware
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, StorageType, StreamConfig
+from nats.js.api import (
+    ConsumerConfig,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import (
     BadRequestError,
     NoStreamResponseError,
@@ -62,6 +68,7 @@ from services.common.bus import replies
 from services.common.bus.audit import declare_audit_stream
 from services.common.bus.auth import (
     CURRENT_PUBLISHER,
+    UPSTREAM_PUBLISH,
     UPSTREAM_STATUS,
     Credentials,
     inbox_prefix,
@@ -69,14 +76,15 @@ from services.common.bus.auth import (
     status_subject,
     upstream_filter,
 )
+from services.common.bus.deadletters import KBMESH_HEADER, file_letter
 from services.common.domain.errors import InvalidInput, KbmeshError, Transient
 from services.common.messages.events import (
     DLQ_STREAM,
     EVENT_MODELS,
     STREAM,
     STREAM_SUBJECTS,
+    UPSTREAM_STREAM,
     Event,
-    dlq_subject,
 )
 from services.common.messages.names import KEYS_BUCKET, KV_BUCKETS, OBJECT_STORE
 from services.common.settings import AuditSettings, BusSettings, NatsAuthSettings
@@ -192,8 +200,27 @@ def start_retrying(
     )
 
 
-# Declared by `Bus.start()`; subscribers only reference it.
+UPSTREAM_SUBJECTS = [upstream_filter(s) for s in UPSTREAM_PUBLISH]
+# Declared by `Bus.start()`; subscribers only reference them.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)
+UPSTREAM_JSTREAM = JStream(UPSTREAM_STREAM, subjects=UPSTREAM_SUBJECTS, declare=False)
+
+# What the streams hold (docs/operations.md, "Limits"). Every stream holding events is capped
+# in bytes (`KBMESH_BUS__STREAM_MAX_MB`) and in message size:
+# - an event is at most the server's message size less the room a dead letter's headers
+#   take, so that whatever fails can be dead-lettered with its reason;
+# - each upstream publisher holds at most UPSTREAM_BACKLOG unprocessed events per subject;
+#   past it, or once the publishers' stream is full, its publishes are refused (they are
+#   removed as ingest processes them, so the refusal lasts as long as the backlog);
+# - kbmesh's own events and the dead letters make room by dropping their oldest; dead
+#   letters keep at most DEAD_LETTERS_PER_SUBJECT per org and original subject, so one
+#   org's (or one publisher's) failures only ever push out its own.
+MIB = 1024 * 1024
+DEAD_LETTER_HEADROOM = 16 * 1024
+UPSTREAM_BACKLOG = 1000
+DEAD_LETTERS_PER_SUBJECT = 1000
+DEAD_LETTER_DAYS = 30
+NATS_DEFAULT_MAX_PAYLOAD = 1024 * 1024
 
 
 def _tls_context(auth: NatsAuthSettings) -> ssl.SSLContext | None:
@@ -269,7 +296,8 @@ class Bus:
         # object store and administration, and request/reply (replies.py).
         self.nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
-        self.consumers: dict[str, ConsumerConfig] = {}  # durable name → settings we own
+        # durable name → its stream and the settings we own
+        self.consumers: dict[str, tuple[str, ConsumerConfig]] = {}
         self.responders: list[replies.Responder] = []  # request/reply, started with the rest
         self._tracer = tracer_provider.get_tracer("kbmesh.bus")
 
@@ -288,7 +316,11 @@ class Bus:
         TLS); either way with a `BusStartError` that says what happened."""
         self.nc = await self._open_connection()
         js = self._js = self.nc.jetstream()
-        await self.starting("streams", lambda: declare_topology(js, self.rules, self._audit))
+        nc = self.nc
+        await self.starting(
+            "streams",
+            lambda: declare_topology(js, self.rules, self._audit, max_payload=nc.max_payload),
+        )
         # FastStream's own connection to the same servers, with the same credentials.
         await self.starting(
             "connection",
@@ -399,15 +431,15 @@ class Bus:
     async def _update_consumers(self) -> None:
         """Durable consumers outlive processes and binding to one keeps its old settings:
         apply today's ack wait and delivery limit to those that exist already."""
-        for durable, wanted in self.consumers.items():
+        for durable, (stream, wanted) in self.consumers.items():
             try:
-                info = await self.js.consumer_info(STREAM, durable)
+                info = await self.js.consumer_info(stream, durable)
             except NotFoundError:
                 continue  # created with these settings when the subscriber starts
             current = info.config
             if (current.ack_wait, current.max_deliver) != (wanted.ack_wait, wanted.max_deliver):
                 await self.js.add_consumer(
-                    STREAM, current.evolve(ack_wait=wanted.ack_wait, max_deliver=wanted.max_deliver)
+                    stream, current.evolve(ack_wait=wanted.ack_wait, max_deliver=wanted.max_deliver)
                 )
 
     async def close(self) -> None:
@@ -450,14 +482,39 @@ class Bus:
 
 
 async def declare_topology(
-    js: JetStreamContext, bus: BusSettings, audit: AuditSettings | None = None
+    js: JetStreamContext,
+    bus: BusSettings,
+    audit: AuditSettings | None = None,
+    *,
+    max_payload: int = NATS_DEFAULT_MAX_PAYLOAD,
 ) -> None:
+    """Streams, buckets and the object store, with today's settings (`max_payload`: the
+    server's message size limit)."""
     audit = audit or AuditSettings()
+    max_bytes = bus.stream_max_mb * MIB
+    max_event = max_payload - DEAD_LETTER_HEADROOM
     stream = StreamConfig(
         name=STREAM,
         subjects=STREAM_SUBJECTS,
         storage=StorageType.FILE,
         max_age=bus.stream_max_age_days * 86400,
+        max_bytes=max_bytes,
+        max_msg_size=max_event,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=120.0,
+        num_replicas=bus.replicas,
+    )
+    upstream = StreamConfig(
+        name=UPSTREAM_STREAM,
+        subjects=UPSTREAM_SUBJECTS,
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        max_age=bus.stream_max_age_days * 86400,
+        max_bytes=max_bytes,
+        max_msg_size=max_event,
+        max_msgs_per_subject=UPSTREAM_BACKLOG,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
         duplicate_window=120.0,
         num_replicas=bus.replicas,
     )
@@ -465,10 +522,16 @@ async def declare_topology(
         name=DLQ_STREAM,
         subjects=["dlq.>"],
         storage=StorageType.FILE,
-        max_age=30 * 86400,
+        max_age=DEAD_LETTER_DAYS * 86400,
+        max_bytes=max_bytes,
+        max_msg_size=max_payload,
+        max_msgs_per_subject=DEAD_LETTERS_PER_SUBJECT,
+        discard=DiscardPolicy.OLD,
         num_replicas=bus.replicas,
     )
-    for config in (stream, dlq):
+    # In this order: kbmesh's own stream gives up the publishers' subjects (it held them
+    # before they had a stream of their own) before that stream takes them.
+    for config in (stream, upstream, dlq):
         try:
             await js.add_stream(config)
         except BadRequestError:
@@ -520,26 +583,25 @@ async def _set_replicas(js: JetStreamContext, stream: str, replicas: int) -> Non
         await js.update_stream(info.config.evolve(num_replicas=replicas))
 
 
-async def dead_letter(bus: Bus, msg: Any, reason: str, error_type: str) -> None:
-    """Publish the original message to `dlq.<subject>` with the reason in headers."""
-    headers = {k: v for k, v in (msg.headers or {}).items() if k != "Nats-Msg-Id"}
+async def dead_letter(
+    bus: Bus, msg: Any, reason: str, error_type: str, event: Event | None = None
+) -> None:
+    """Publish the original message to its org's dead letters (deadletters.py says which org
+    and how) with the reason in headers; `event` is the message parsed, when it parsed."""
     meta = msg.metadata
-    headers.update(
-        {
-            "Kbmesh-Original-Subject": msg.subject,
-            # One header line: a line break in an error message would end the header.
-            "Kbmesh-Error": " ".join(reason.split())[:2000],
-            "Kbmesh-Error-Type": error_type,
-            "Kbmesh-Delivered": str(meta.num_delivered),
-            "Nats-Msg-Id": f"dlq-{meta.stream}-{meta.sequence.stream}",
-        }
+    subject, letter = file_letter(
+        msg.subject, msg.data, event, reason, error_type, meta.num_delivered
     )
-    await bus.broker.publish(
-        msg.data, dlq_subject(msg.subject), headers=headers, stream=DLQ_STREAM, timeout=10.0
-    )
-    log.warning(
-        "dead_letter subject=%s error_type=%s reason=%s", msg.subject, error_type, reason[:300]
-    )
+    # The message's own headers travel with it, but none that could pass for kbmesh's.
+    headers = {
+        k: v
+        for k, v in (msg.headers or {}).items()
+        if k != "Nats-Msg-Id" and not k.startswith(KBMESH_HEADER)
+    }
+    headers.update(letter)
+    headers["Nats-Msg-Id"] = f"dlq-{meta.stream}-{meta.sequence.stream}"
+    await bus.broker.publish(msg.data, subject, headers=headers, stream=DLQ_STREAM, timeout=10.0)
+    log.warning("dead_letter subject=%s error_type=%s reason=%s", subject, error_type, reason[:300])
 
 
 def consume(
@@ -576,18 +638,23 @@ def consume(
         partial(ProgressReports, ack_wait=bus.ack_wait),
         partial(DeadLetters, bus=bus, on_failure=on_failure),
     ]
-    subscriptions = [(subject, durable, middlewares)]
+    subscriptions = [(subject, durable, JSTREAM, middlewares)]
     if upstream:
         subscriptions.append(
-            (upstream_filter(subject), f"{durable}-upstream", [*middlewares, UpstreamPublishers])
+            (
+                upstream_filter(subject),
+                f"{durable}-upstream",
+                UPSTREAM_JSTREAM,
+                [*middlewares, UpstreamPublishers],
+            )
         )
-    for filter_subject, name, chain in subscriptions:
-        bus.consumers[name] = config
+    for filter_subject, name, stream, chain in subscriptions:
+        bus.consumers[name] = (stream.name, config)
         # A router of its own per subscription: FastStream binds middlewares to routers.
         own = NatsRouter(middlewares=chain)
         own.subscriber(
             filter_subject,
-            stream=JSTREAM,
+            stream=stream,
             durable=name,
             # One message per pull: a fetched message waits for a free worker before its
             # progress reports start, so fetch no more than one ahead.
@@ -675,15 +742,16 @@ class DeadLetters(BaseMiddleware[Any, Any]):
                     err,
                 )
                 raise NackMessage(delay=delay) from err
+            event = cast(Event, await msg.decode())
             if self.on_failure is not None:
                 try:
-                    await self.on_failure(await msg.decode(), err)
+                    await self.on_failure(event, err)
                 except Exception:
                     # The dead letter still goes out; why the owner's record of the failure
                     # (document status, audit entry) is missing goes to the log.
                     log.exception("failure hook raised subject=%s", raw.subject)
             error_type = err.error_type if isinstance(err, KbmeshError) else type(err).__name__
-            await dead_letter(self.bus, raw, str(err) or repr(err), error_type)
+            await dead_letter(self.bus, raw, str(err) or repr(err), error_type, event)
             raise RejectMessage from err
 
 
@@ -745,6 +813,7 @@ __all__ = [
     "JSTREAM",
     "STARTING_STREAMS",
     "START_DEADLINE_SECONDS",
+    "UPSTREAM_JSTREAM",
     "Bus",
     "BusStartError",
     "InvalidInput",

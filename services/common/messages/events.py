@@ -33,14 +33,25 @@ class Subject(StrEnum):
     SEARCH_ASK = "search.ask"
 
 
+REQUEST_SUBJECTS = (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
+EVENT_SUBJECTS = tuple(s for s in Subject if s not in REQUEST_SUBJECTS)
+
+# kbmesh's own events, each subject named: upstream publishers' events arrive on longer
+# subjects (`<subject>.upstream.<org>.<publisher>`, services/common/bus/auth.py) and are
+# kept apart, in UPSTREAM_STREAM, where each publisher's backlog is bounded.
 STREAM = "KBMESH"
-STREAM_SUBJECTS = ["doc.>", "ocr.>", "tags.>", "kb.>"]
+STREAM_SUBJECTS = [str(s) for s in EVENT_SUBJECTS]
+UPSTREAM_STREAM = "KBMESH_UPSTREAM"
+# Dead letters: `dlq.<org>.<original subject>`, the org that may see them in the second
+# token, so that one org's are read without touching another's (services/common/infra/
+# deadletters.py). Messages that name no org are kept under NO_ORG, which no org id can be.
 DLQ_STREAM = "KBMESH_DLQ"
 DLQ_PREFIX = "dlq."
+NO_ORG = "~"
 
 
-def dlq_subject(subject: str) -> str:
-    return f"{DLQ_PREFIX}{subject}"
+def dlq_subject(org_id: str | None, subject: str) -> str:
+    return f"{DLQ_PREFIX}{org_id or NO_ORG}.{subject}"
 
 
 class Event(BaseModel):

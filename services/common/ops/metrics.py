@@ -22,7 +22,7 @@ from prometheus_client import (
 )
 
 from services.common.domain.models import utcnow
-from services.common.messages.events import DLQ_STREAM, STREAM
+from services.common.messages.events import DLQ_STREAM, STREAM, UPSTREAM_STREAM
 
 log = logging.getLogger("kbmesh.metrics")
 # Seconds between bus gauge refreshes in processes without a gateway (scrapes refresh too).
@@ -71,8 +71,11 @@ def index_latency(accepted_at: datetime | None) -> None:
 
 
 async def refresh_bus_gauges(js: JetStreamContext) -> None:
-    """Pending messages per durable consumer of the event stream, and dead letters."""
-    consumers = await js.consumers_info(STREAM)
+    """Pending messages per durable consumer of the event streams (kbmesh's own and the
+    upstream publishers'), and dead letters."""
+    consumers = [
+        info for stream in (STREAM, UPSTREAM_STREAM) for info in await js.consumers_info(stream)
+    ]
     for info in consumers:
         name = info.name or (info.config.durable_name if info.config else None) or "?"
         PENDING_MESSAGES.labels(consumer=name).set(

@@ -13,19 +13,33 @@ from services.gateway.schemas import DeadLetterBody, DeadLetterList, DeadLetterV
 router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"], route_class=StrictBodyRoute)
 
 
+# JetStream numbers messages from 1 with unsigned 64-bit integers.
+MAX_SEQUENCE = 2**63 - 1
+Sequence = Annotated[int, Path(ge=1, le=MAX_SEQUENCE, description="the dead letter's sequence")]
+
+
 @router.get("")
 async def list_dead_letters(
     letters: Letters,
     caller: Caller,
-    subject: Annotated[str | None, Query(description="only this original subject")] = None,
+    subject: Annotated[
+        str | None,
+        Query(
+            description="only this original subject, e.g. `doc.uploaded`",
+            max_length=300,
+            # Dot-separated names, no wildcards: it becomes part of a NATS subject filter.
+            pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$",
+        ),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    after: Annotated[
+        int,
+        Query(ge=0, le=MAX_SEQUENCE, description="the `next` of the previous page"),
+    ] = 0,
 ) -> DeadLetterList:
-    """The caller's dead letters, oldest first: the original subject and why it failed."""
-    return await letters.list(caller, subject, limit)
-
-
-# JetStream numbers messages from 1 with unsigned 64-bit integers.
-Sequence = Annotated[int, Path(ge=1, le=2**63 - 1, description="the dead letter's sequence")]
+    """The caller's dead letters, oldest first: the original subject and why it failed. A
+    page holds at most `limit`; `next` is set when more follow."""
+    return await letters.list(caller, subject, limit, after)
 
 
 @router.get("/{sequence}")

@@ -1,6 +1,6 @@
-"""Dead letters as a caller sees them: only its org's, and with a KB-scoped key only those
-naming one of its KBs. A message that is not a kbmesh event (no org to tell) is left to the
-operators' `kbmesh dlq`."""
+"""Dead letters as a caller sees them: only those filed under its org, and with a KB-scoped
+key only those naming one of its KBs. A message that names no org is left to the operators'
+`kbmesh dlq`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from services.common.bus import deadletters
 from services.common.bus.client import Bus
 from services.common.bus.deadletters import DeadLetter
 from services.common.domain.errors import NotFound
+from services.common.messages.events import NO_ORG
 from services.gateway.auth import Principal
 from services.gateway.schemas import DeadLetterBody, DeadLetterList, DeadLetterView
 
@@ -21,16 +22,19 @@ class DeadLetters:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
 
-    async def list(self, p: Principal, subject: str | None, limit: int) -> DeadLetterList:
-        letters = await deadletters.list_dead_letters(
-            self.bus.js, subject, limit, where=lambda d: _visible(p, d)
+    async def list(
+        self, p: Principal, subject: str | None, limit: int, after: int = 0
+    ) -> DeadLetterList:
+        page = await deadletters.list_dead_letters(
+            self.bus.js, p.org_id, subject, kb_ids=p.kb_ids, after=after, limit=limit
         )
         # Counted, not shown: which org such a message came from cannot be told.
-        orgless = await deadletters.list_dead_letters(
-            self.bus.js, subject, limit=1_000_000, where=lambda d: "org_id" not in d.event
-        )
+        orgless = await deadletters.count_dead_letters(self.bus.js, NO_ORG, subject)
         return DeadLetterList(
-            items=[_view(d) for d in letters], total=len(letters), without_org=len(orgless)
+            items=[_view(d) for d in page.letters],
+            total=page.total,
+            next=page.next,
+            without_org=orgless,
         )
 
     async def get(self, p: Principal, sequence: int) -> DeadLetterBody:
@@ -69,19 +73,14 @@ class DeadLetters:
 
 
 def _visible(p: Principal, letter: DeadLetter) -> bool:
-    event = letter.event
-    if event.get("org_id") != p.org_id:
+    """The org a letter was filed under, never the org its body names (an upstream
+    publisher's event naming another org is its own org's letter)."""
+    if letter.org_id != p.org_id:
         return False
-    return p.kb_ids is None or event.get("kb_id") in p.kb_ids
+    return p.kb_ids is None or letter.kb_id in p.kb_ids
 
 
 def _view(letter: DeadLetter) -> DeadLetterView:
-    event = letter.event
-
-    def text(key: str) -> str | None:
-        value = event.get(key)
-        return value if isinstance(value, str) else None
-
     return DeadLetterView(
         sequence=letter.sequence,
         subject=letter.subject,
@@ -89,7 +88,7 @@ def _view(letter: DeadLetter) -> DeadLetterView:
         error=letter.error,
         delivered=letter.delivered,
         time=letter.time,
-        document_id=text("document_id"),
-        kb_id=text("kb_id"),
-        name=text("name"),
+        document_id=letter.document_id,
+        kb_id=letter.kb_id,
+        name=letter.name,
     )
