@@ -244,9 +244,11 @@ def protected_resource_routes(settings: OAuthSettings) -> list[Route]:
     """The SDK's RFC 9728 metadata routes: at the path the resource URL gives (for a resource
     ending in /mcp, /.well-known/oauth-protected-resource/mcp) and at the bare well-known path,
     which REST clients and older MCP clients ask."""
+    # Strings, not AnyHttpUrl: the metadata model keeps them as written (an issuer without a
+    # path gains no "/"), and clients compare the issuer with the provider's exactly.
     kwargs: dict[str, Any] = {
-        "resource_url": AnyHttpUrl(settings.resource or ""),
-        "authorization_servers": [AnyHttpUrl(settings.issuer or "")],
+        "resource_url": settings.resource,
+        "authorization_servers": [settings.issuer],
         "scopes_supported": list(SCOPES),
         "resource_name": "kbmesh",
     }

@@ -23,11 +23,12 @@ async def serve_app(
     lifespan: str = "on",
     limits: HttpSettings | None = None,
     max_body_bytes: int = JSON_BODY_BYTES,
+    port: int | None = None,
 ) -> AsyncIterator[str]:
     """`app` behind uvicorn on 127.0.0.1:<free port>, with the gateway's client deadlines and
     connection cap (`limits`, default the settings' defaults) for an app whose largest body
     is `max_body_bytes`; yields the base URL."""
-    port = free_port()
+    port = port or free_port()
     limits = limits or HttpSettings()
     config = server_config(app, "127.0.0.1", port, limits, max_body_bytes=max_body_bytes)
     config.lifespan = lifespan
