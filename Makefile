@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TS_CLIENT := tests/mcp_ts
+OIDC := tests/oidc
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
@@ -25,7 +26,7 @@ up: $(STAMP)
 	$(BIN)/kbmesh up
 
 # Line coverage of services/ is printed, and the run fails under the floor.
-test: $(STAMP) browser $(TS_CLIENT)/node_modules/.installed
+test: $(STAMP) browser $(TS_CLIENT)/node_modules/.installed $(OIDC)/node_modules/.installed
 	$(BIN)/python -m pytest --cov=services --cov-report=term:skip-covered --cov-fail-under=85
 
 # The official TypeScript MCP SDK, for the strict-client tests; without node and npm (or the
@@ -35,6 +36,14 @@ $(TS_CLIENT)/node_modules/.installed: $(TS_CLIENT)/package-lock.json
 		npm ci --prefix $(TS_CLIENT) --no-audit --no-fund && touch $@ \
 		|| echo "npm ci failed: the TypeScript MCP client tests will be skipped"; \
 	else echo "npm not found: the TypeScript MCP client tests will be skipped"; fi
+
+# A real OpenID provider (oidc-provider) for the sign-in tests; skipped, saying why, without
+# node 20+ and npm.
+$(OIDC)/node_modules/.installed: $(OIDC)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		npm ci --prefix $(OIDC) --no-audit --no-fund && touch $@ \
+		|| echo "npm ci failed: the identity provider sign-in tests will be skipped"; \
+	else echo "npm not found: the identity provider sign-in tests will be skipped"; fi
 
 # Tests longer than a few minutes (the three-node NATS cluster under failures).
 test-slow: $(STAMP)

@@ -257,7 +257,10 @@ def api_keys(rt: Runtime) -> KeyResolver:
     from services.gateway.auth import KeyResolver
 
     return KeyResolver(
-        rt.registries.keys, rt.settings.default_org, audit=audit_sink(lambda: rt.bus.js)
+        rt.registries.keys,
+        rt.settings.default_org,
+        audit=audit_sink(lambda: rt.bus.js),
+        oauth=rt.settings.oauth,
     )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.domain.ids import check_id
@@ -122,6 +122,45 @@ class NatsAuthSettings(BaseModel):
     tls_key_file: Path | None = Field(None, description="client certificate's key")
 
 
+class OAuthSettings(BaseModel):
+    """kbmesh as an OAuth 2.1 resource server: JWT access tokens of one identity provider are
+    accepted beside API keys (docs/operations.md, "Sign-in with your identity provider")."""
+
+    issuer: str | None = Field(
+        None,
+        description="the identity provider's issuer URL (the `iss` of its tokens); unset: "
+        "API keys only",
+    )
+    resource: str | None = Field(
+        None,
+        description="kbmesh's resource URL, the audience its tokens must name, e.g. "
+        "https://kb.example.com/mcp (required with an issuer)",
+    )
+    org_claim: str | None = Field(
+        None,
+        description="token claim naming the caller's org; unset: every user is in "
+        "KBMESH_DEFAULT_ORG",
+    )
+    kb_claim: str | None = Field(
+        None,
+        description="token claim listing the KBs the user may reach (a list, or ids "
+        "separated by spaces); 'scope': scopes of the form kb:<kb id>; unset or absent: every "
+        "KB of the org",
+    )
+    jwks_url: str | None = Field(
+        None, description="the provider's signing keys; unset: its discovery document's jwks_uri"
+    )
+
+    @model_validator(mode="after")
+    def _resource_with_issuer(self) -> OAuthSettings:
+        if self.issuer and not self.resource:
+            raise ValueError(
+                "KBMESH_OAUTH__RESOURCE (kbmesh's URL, the tokens' audience) is required "
+                "with KBMESH_OAUTH__ISSUER"
+            )
+        return self
+
+
 class Settings(BaseSettings):
     # Unknown environment variables are left alone (a start names them: `unread_variables`);
     # an unknown keyword is a mistake in the code that builds the settings, so it is refused.
@@ -193,6 +232,7 @@ class Settings(BaseSettings):
     ask: AskSettings = Field(default_factory=AskSettings)
     audit: AuditSettings = Field(default_factory=AuditSettings)
     nats: NatsAuthSettings = Field(default_factory=NatsAuthSettings)
+    oauth: OAuthSettings = Field(default_factory=OAuthSettings)
 
     @field_validator("default_org")
     @classmethod

@@ -37,6 +37,7 @@ from services.gateway.bodylimit import BodyLimit
 from services.gateway.console import mount_console
 from services.gateway.guard import BrowserGuard, HostGuard, HostRule, KeyGate
 from services.gateway.mcp import KbmeshMCP, MountRoot
+from services.gateway.oauth import protected_resource_routes
 from services.gateway.problems import (
     ProblemFieldError,
     bus_problem,
@@ -146,7 +147,11 @@ def create_app(
 
     @app.exception_handler(KbmeshError)
     async def on_error(request: Request, err: KbmeshError) -> JSONResponse:
-        return error_problem(err)
+        response = error_problem(err)
+        found = keys.challenge_for(err)
+        if found is not None:
+            response.headers["WWW-Authenticate"] = found
+        return response
 
     async def on_bus_unavailable(request: Request, err: Exception) -> JSONResponse:
         return bus_problem(err)
@@ -221,6 +226,9 @@ def create_app(
     app.include_router(deadletters.router)
     app.include_router(audit.router)
     app.include_router(formats.router)
+    if keys.oauth is not None:
+        # RFC 9728 metadata: where OAuth clients learn which provider signs kbmesh's tokens.
+        app.router.routes.extend(protected_resource_routes(keys.oauth))
     if mcp is not None:
         app.include_router(tools.create_router(mcp))
         mcp_http = mcp.streamable_http_app(streamable_http_path="/")

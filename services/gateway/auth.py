@@ -1,4 +1,5 @@
-"""API keys → principals. Keys are random tokens; only their SHA-256 is stored."""
+"""Credentials → principals: API keys (random tokens; only their SHA-256 is stored) and, when
+an identity provider is configured, its access tokens (`oauth.py`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ from services.common.bus.registry import ApiKey, Registry
 from services.common.domain.errors import Conflict, Forbidden, KbmeshError, NotFound
 from services.common.domain.ids import check_id, new_id
 from services.common.domain.models import LOCAL_WRITER, Writer
+from services.common.settings import OAuthSettings
+from services.gateway.oauth import (
+    ADMIN_SCOPE,
+    WRITE_SCOPE,
+    InsufficientScope,
+    InvalidToken,
+    TokenVerifier,
+    challenge,
+    principal_fields,
+)
 
 KEY_PREFIX = "kbm_"
 
@@ -20,14 +31,22 @@ class Unauthorized(KbmeshError):
     status_code = 401
     error_type = "Unauthorized"
 
+    def __init__(self, message: str, *, challenge: str | None = None) -> None:
+        super().__init__(message)
+        # The WWW-Authenticate value: where to sign in, when an identity provider is set.
+        self.challenge = challenge or 'Bearer realm="kbmesh"'
+
 
 @dataclass(frozen=True)
 class Principal:
     org_id: str
     kb_ids: tuple[str, ...] | None = None  # None: every KB of the org
     read_only: bool = False
-    # Who the caller is, recorded on what it writes: keyless loopback unless a key.
+    # Who the caller is, recorded on what it writes: keyless loopback unless a key or a user.
     writer: Writer = LOCAL_WRITER
+    # A signed-in user's rights as scopes (kb:read, kb:write, kb:admin); None for an API key,
+    # whose rights are its shape (read-only, limited to some KBs).
+    scopes: frozenset[str] | None = None
 
     def can_see(self, kb_id: str) -> bool:
         return self.kb_ids is None or kb_id in self.kb_ids
@@ -40,6 +59,8 @@ class Principal:
 
     def check_write(self) -> None:
         if self.read_only:
+            if self.scopes is not None:
+                raise InsufficientScope(WRITE_SCOPE)
             raise Forbidden("this API key is read-only")
 
     def check_org_wide_write(self) -> None:
@@ -49,7 +70,10 @@ class Principal:
             raise Forbidden("this API key is limited to some knowledge bases")
 
     def check_admin(self) -> None:
-        """The org's administrators: an unscoped, writable key (or keyless loopback)."""
+        """The org's administrators: an unscoped, writable key (or keyless loopback), or a
+        user granted kb:admin."""
+        if self.scopes is not None and ADMIN_SCOPE not in self.scopes:
+            raise InsufficientScope(ADMIN_SCOPE)
         if self.read_only or self.kb_ids is not None:
             raise Forbidden("only an org-wide, writable API key (an org admin) may do this")
 
@@ -76,15 +100,37 @@ def key_writer(record: ApiKey) -> Writer:
 
 
 class KeyResolver:
-    """Resolves bearer tokens; with no keys at all, everyone (on loopback) is the default org."""
+    """Resolves bearer tokens: API keys, and the identity provider's access tokens when
+    `oauth` names one. With no keys at all and no provider, everyone (on loopback) is the
+    default org."""
 
     def __init__(
-        self, keys: Registry[ApiKey], default_org: str, audit: AuditSink | None = None
+        self,
+        keys: Registry[ApiKey],
+        default_org: str,
+        audit: AuditSink | None = None,
+        oauth: OAuthSettings | None = None,
     ) -> None:
         self.keys = keys
         self.default_org = default_org
         self.audit = audit
+        self.oauth = oauth if oauth is not None and oauth.issuer else None
+        self.tokens = TokenVerifier(self.oauth) if self.oauth is not None else None
         self._any_keys: tuple[float, bool] = (0.0, False)
+
+    def unauthorized(self, message: str, *, error: str | None = None) -> Unauthorized:
+        """A 401 whose challenge points OAuth clients at the metadata naming the provider."""
+        found = challenge(self.oauth, error=error) if self.oauth is not None else None
+        return Unauthorized(message, challenge=found)
+
+    def challenge_for(self, err: KbmeshError) -> str | None:
+        """The `WWW-Authenticate` value of a refusal for `err`, if it has one: a 401's, or a
+        missing scope's (RFC 6750 `insufficient_scope`, naming the scope)."""
+        if isinstance(err, Unauthorized):
+            return err.challenge
+        if isinstance(err, InsufficientScope) and self.oauth is not None:
+            return challenge(self.oauth, error="insufficient_scope", scope=err.scope)
+        return None
 
     async def any_keys(self) -> bool:
         # A key created elsewhere (`kbmesh keys create`, another gateway replica) must end
@@ -115,16 +161,28 @@ class KeyResolver:
         if authorization:
             scheme, _, token = authorization.partition(" ")
             if scheme.lower() != "bearer" or not token:
-                raise Unauthorized("use 'Authorization: Bearer <api key>'")
+                raise self.unauthorized("use 'Authorization: Bearer <api key or access token>'")
         if token is None:
+            # With an identity provider, every caller signs in: keyless access would also
+            # hide from MCP clients the 401 that starts their sign-in.
+            if self.oauth is not None:
+                raise self.unauthorized("sign in with the identity provider, or use an API key")
             if await self.any_keys():
                 raise Unauthorized("an API key is required ('Authorization: Bearer <key>')")
             if client_host not in (None, "127.0.0.1", "::1", "localhost", "testclient"):
                 raise Unauthorized("without API keys, kbmesh serves loopback clients only")
             return Principal(org_id=self.default_org)
-        record = await self.keys.get(hash_key(token.strip()))
+        token = token.strip()
+        if self.tokens is not None and self.oauth is not None and not token.startswith(KEY_PREFIX):
+            try:
+                access = await self.tokens.verify(token)
+                fields = principal_fields(access, self.oauth, self.default_org)
+            except InvalidToken as err:
+                raise self.unauthorized(err.message, error="invalid_token") from err
+            return Principal(**fields)
+        record = await self.keys.get(hash_key(token))
         if record is None:
-            raise Unauthorized("unknown API key")
+            raise self.unauthorized("unknown API key")
         return Principal(
             org_id=record.org_id,
             kb_ids=tuple(record.kb_ids) if record.kb_ids is not None else None,

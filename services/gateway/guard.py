@@ -11,9 +11,9 @@ of its body is read.
   `KBMESH_CORS_ORIGINS` is refused (403). Browsers send a cross-site `text/plain` or
   form body without asking the server first; a JSON body they send only after a CORS
   preflight, which the gateway answers only for configured origins.
-- `KeyGate`: the API key of a state-changing request is resolved from its headers first;
-  an unauthenticated request is answered 401 with its body unread. The principal rides on
-  in the request's state, so routes do not resolve it again.
+- `KeyGate`: the API key or access token of a state-changing request is resolved from its
+  headers first; an unauthenticated request is answered 401 with its body unread. The
+  principal rides on in the request's state, so routes do not resolve it again.
 """
 
 from __future__ import annotations
@@ -83,13 +83,15 @@ def split_host(host: str) -> tuple[str, str | None]:
     return (name, port) if colon else (host, None)
 
 
-def refusal(scope: Scope, status: int, error_type: str, message: str) -> Response:
+def refusal(
+    scope: Scope, status: int, error_type: str, message: str, *, challenge: str | None = None
+) -> Response:
     """A refusal in the format of the route it stops: a tool error under /api/v1/tools and
-    /mcp, a problem body elsewhere."""
+    /mcp, a problem body elsewhere. `challenge`: its `WWW-Authenticate` (a 401 always has one)."""
     path = scope.get("path", "")
     headers = dict(RETRY_AFTER) if status == 503 else {}
-    if status == 401:
-        headers["WWW-Authenticate"] = 'Bearer realm="kbmesh"'
+    if status == 401 or challenge is not None:
+        headers["WWW-Authenticate"] = challenge or 'Bearer realm="kbmesh"'
     if path.startswith((TOOLS_PATH, MCP_PATH)):
         body = {"status": "error", "error_type": error_type, "message": message}
         return JSONResponse(body, status_code=status, headers=headers)
@@ -190,14 +192,15 @@ class KeyGate:
                 headers.get("authorization"), client[0] if client else None
             )
         except Unauthorized as err:
-            response = refusal(scope, 401, err.error_type, err.message)
+            response = refusal(scope, 401, err.error_type, err.message, challenge=err.challenge)
             if has_body(headers):
                 # Not worth reading to keep the connection: the body of a stranger.
                 response.headers["Connection"] = "close"
             await response(scope, receive, send)
             return
         except KbmeshError as err:
-            response = refusal(scope, err.status_code, err.error_type, err.message)
+            found = self.keys.challenge_for(err)
+            response = refusal(scope, err.status_code, err.error_type, err.message, challenge=found)
             await response(scope, receive, send)
             return
         except BUS_UNAVAILABLE as err:

@@ -244,17 +244,26 @@ class TooManySessions(KbmeshError):
 class KeyUser(AuthenticatedUser):
     """A request's principal in the form the SDK's session manager checks: it binds a session
     to the `authorization_context` (client id, issuer, subject) of the user that opened it,
-    and serves that session to requests of the same user only."""
+    and serves that session to requests of the same user only: an API key's sessions to that
+    key, a signed-in user's to that user (the token's issuer and subject, in its org), whatever
+    token they come with next."""
 
-    def __init__(self, principal: Principal, token: str) -> None:
+    def __init__(self, principal: Principal, token: str, issuer: str | None = None) -> None:
         writer = principal.writer
+        if writer.kind == "user":
+            # The user's later tokens (refreshed, or from another client) reach its sessions.
+            client_id, subject = f"user@{principal.org_id}", writer.subject
+        else:
+            # The key's id (never the key); every keyless loopback client is one `local`.
+            client_id, subject = writer.key_id or writer.kind, principal.org_id
         super().__init__(
             AccessToken(
                 token=token,
-                # The key's id (never the key); every keyless loopback client is one `local`.
-                client_id=writer.key_id or writer.kind,
-                subject=principal.org_id,
-                scopes=[],  # rights are the principal's, checked by every tool
+                client_id=client_id,
+                subject=subject,
+                # rights are the principal's, checked by every tool
+                scopes=sorted(principal.scopes or ()),
+                claims={"iss": issuer} if writer.kind == "user" else None,
             )
         )
         self.principal = principal
@@ -297,9 +306,11 @@ class KeyedSessionManager(StreamableHTTPSessionManager):
 
 
 class SessionOwner:
-    """Resolves every /mcp request's API key before any MCP session work and hands it to the
-    SDK as the request's user, which binds sessions to keys. A missing or unknown key is 401,
-    so clients see an authentication error rather than a session that fails call by call."""
+    """Resolves every /mcp request's API key or access token before any MCP session work and
+    hands it to the SDK as the request's user, which binds sessions to keys and users. A
+    missing or unknown credential is 401 (with the challenge that starts an OAuth client's
+    sign-in), so clients see an authentication error rather than a session that fails call by
+    call."""
 
     def __init__(self, app: ASGIApp, keys: KeyResolver) -> None:
         self.app = app
@@ -316,15 +327,20 @@ class SessionOwner:
             client = scope.get("client")
             try:
                 principal = await self.keys.resolve(authorization, client[0] if client else None)
-            except Unauthorized as err:
-                await refusal(scope, 401, err.error_type, err.message)(scope, receive, send)
+            except KbmeshError as err:
+                found = self.keys.challenge_for(err)
+                response = refusal(
+                    scope, err.status_code, err.error_type, err.message, challenge=found
+                )
+                await response(scope, receive, send)
                 return
             except BUS_UNAVAILABLE as err:
                 down = unavailable(err)
                 await refusal(scope, 503, down.error_type, down.message)(scope, receive, send)
                 return
             scope.setdefault("state", {})[PRINCIPAL] = principal
-        scope["user"] = KeyUser(principal, (authorization or "").partition(" ")[2])
+        issuer = self.keys.oauth.issuer if self.keys.oauth is not None else None
+        scope["user"] = KeyUser(principal, (authorization or "").partition(" ")[2], issuer)
         try:
             await self.app(scope, receive, send)
         except TooManySessions as err:

@@ -24,11 +24,12 @@ async def serve_app(
     limits: HttpSettings | None = None,
     deadlines: Deadlines = DEADLINES,
     max_body_bytes: int = JSON_BODY_BYTES,
+    port: int | None = None,
 ) -> AsyncIterator[str]:
     """`app` behind uvicorn on 127.0.0.1:<free port>, with the gateway's client deadlines and
     connection cap (`limits`, default the settings' defaults) for an app whose largest body
     is `max_body_bytes`; yields the base URL."""
-    port = free_port()
+    port = port or free_port()
     config = server_config(
         app, "127.0.0.1", port, limits or HttpSettings(), deadlines, max_body_bytes=max_body_bytes
     )

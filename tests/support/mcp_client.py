@@ -36,16 +36,19 @@ OFFLINE_ENV = {
 
 
 @contextlib.asynccontextmanager
-async def serve_http(rt: Any, deadlines: Deadlines = DEADLINES) -> AsyncIterator[tuple[str, Any]]:
-    """The gateway app of `rt` behind uvicorn on 127.0.0.1:<free port>, as `kbmesh up` serves
-    it (`rt.settings.http`, the client `deadlines`); yields (base url, app)."""
+async def serve_http(
+    rt: Any, deadlines: Deadlines = DEADLINES, port: int | None = None
+) -> AsyncIterator[tuple[str, Any]]:
+    """The gateway app of `rt` behind uvicorn on 127.0.0.1:<port, default a free one>, as
+    `kbmesh up` serves it (`rt.settings.http`, the client `deadlines`); yields (base url,
+    app)."""
     from services.cli.runtime import gateway_app
     from services.gateway.bodylimit import largest_body_bytes
 
     app = gateway_app(rt)
     largest = largest_body_bytes(rt.settings)
     async with serve_app(
-        app, limits=rt.settings.http, deadlines=deadlines, max_body_bytes=largest
+        app, limits=rt.settings.http, deadlines=deadlines, max_body_bytes=largest, port=port
     ) as base:
         yield base, app
 

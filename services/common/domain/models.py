@@ -242,23 +242,31 @@ def collection_for(kb_id: str, generation: int) -> str:
 
 
 class Writer(BaseModel):
-    """Who made a change: an API key (its id and name), a keyless loopback client (`local`),
-    an upstream publisher on the bus (`bus`, with its user when known), or an operator's
-    command (`operator`)."""
+    """Who made a change: an API key (its id and name), a user signed in with the identity
+    provider (`user`: the token's subject, with name and e-mail when the token has them), a
+    keyless loopback client (`local`), an upstream publisher on the bus (`bus`, with its user
+    when known), or an operator's command (`operator`)."""
 
     model_config = ConfigDict(frozen=True)
 
-    kind: Literal["key", "local", "bus", "operator"]
+    kind: Literal["key", "user", "local", "bus", "operator"]
     key_id: str | None = Field(
         None, max_length=64, description="the API key's id (the start of its hash)"
     )
     name: str | None = Field(
-        None, max_length=200, description="the key's name; for `bus`, the publisher's user"
+        None,
+        max_length=200,
+        description="the key's name; a user's name; for `bus`, the publisher's user",
     )
+    subject: str | None = Field(
+        None, max_length=255, description="a user's `sub` at the identity provider"
+    )
+    email: str | None = Field(None, max_length=320, description="a user's e-mail, when known")
 
     def matches(self, ref: str) -> bool:
-        """Whether `ref` names this writer: a key id, a key or publisher name, or a kind."""
-        return ref in (self.key_id, self.name, self.kind)
+        """Whether `ref` names this writer: a key id, a key, user or publisher name, a user's
+        subject or e-mail, or a kind."""
+        return ref in (self.key_id, self.name, self.kind, self.subject, self.email)
 
 
 LOCAL_WRITER = Writer(kind="local")
