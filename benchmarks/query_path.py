@@ -38,7 +38,7 @@ import nats
 from benchmarks.common import kbmesh_up_at, pct, stdlib_documents
 from services.common.bus.auth import inbox_prefix, recorded_credentials
 from services.common.embedders import LocalEmbedder
-from services.common.messages.events import Subject
+from services.common.messages.names import Subject
 from services.common.messages.queries import SearchRequest
 
 MODEL = "local/all-MiniLM-L6-v2"

@@ -68,8 +68,8 @@ from services.common.domain.ids import new_id
 from services.common.domain.layout import layout_object
 from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase, Writer
 from services.common.messages.answers import Prompt
-from services.common.messages.events import STREAM, KbChanged, Subject
-from services.common.messages.names import AUDIT_PREFIX, AUDIT_STREAM, KEYS_BUCKET
+from services.common.messages.events import KbChanged
+from services.common.messages.names import AUDIT_PREFIX, AUDIT_STREAM, KEYS_BUCKET, STREAM, Subject
 from services.common.ops.datadir import CURRENT_FORMAT, read_format
 from services.common.ops.files import replacing
 from services.common.settings import Settings

@@ -36,9 +36,9 @@ from services.common.messages.events import (
     KbIndex,
     KbRemove,
     OcrDone,
-    Subject,
     TagsChanged,
 )
+from services.common.messages.names import Subject
 from services.common.messages.queries import (
     ChunkResponse,
     Mode,

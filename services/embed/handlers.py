@@ -5,7 +5,8 @@ from __future__ import annotations
 from faststream.nats import NatsRouter
 
 from services.common.bus.client import Bus, consume
-from services.common.messages.events import DocFailed, KbChanged, KbIndex, KbRemove, Subject
+from services.common.messages.events import DocFailed, KbChanged, KbIndex, KbRemove
+from services.common.messages.names import Subject
 from services.common.ops import metrics
 from services.embed.service import EmbedService
 

@@ -25,14 +25,8 @@ from services.common.domain.models import (
     utcnow,
 )
 from services.common.embedders import EmbedderPool
-from services.common.messages.events import (
-    DocIndexed,
-    KbChanged,
-    KbIndex,
-    KbRemove,
-    Publish,
-    Subject,
-)
+from services.common.messages.events import DocIndexed, KbChanged, KbIndex, KbRemove, Publish
+from services.common.messages.names import Subject
 from services.common.ops import metrics
 from services.common.ops.telemetry import tracer
 from services.common.store import ChunkPoint, Match, SparseVector, VectorStore, bm25

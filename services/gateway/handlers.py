@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from faststream.nats import NatsMessage, NatsRouter
 
-from services.common.messages.events import DocFailed, DocIndexed, KbChanged, Subject
+from services.common.messages.events import DocFailed, DocIndexed, KbChanged
+from services.common.messages.names import Subject
 from services.gateway.service import GatewayService
 
 # The KV bucket of KB records: every write is a message on `$KV.kbs.<org>.<kb>`.

@@ -12,9 +12,9 @@ from services.common.messages.events import (
     DocUploaded,
     KbChanged,
     OcrDone,
-    Subject,
     TagsChanged,
 )
+from services.common.messages.names import Subject
 from services.ingest.service import IngestService
 
 

@@ -50,9 +50,9 @@ from services.common.messages.events import (
     KbRemove,
     OcrDone,
     Publish,
-    Subject,
     TagsChanged,
 )
+from services.common.messages.names import Subject
 from services.common.ops import metrics
 from services.common.settings import Settings
 from services.ingest.extract import NeedsOcr

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from services.common.bus.replies import Responder, envelope
 from services.common.domain.errors import KbmeshError
 from services.common.messages.answers import AskRequest
-from services.common.messages.events import Subject
+from services.common.messages.names import Subject
 from services.common.messages.queries import ChunkRequest, RemoteError, SearchRequest
 from services.common.ops import metrics
 from services.search import reply

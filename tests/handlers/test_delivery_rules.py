@@ -43,14 +43,8 @@ from services.common.bus.auth import Publisher, publisher_of, upstream_subject
 from services.common.bus.client import CURRENT_PUBLISHER, Bus, consume
 from services.common.bus.nats_server import NatsServer
 from services.common.domain.errors import InvalidInput
-from services.common.messages.events import (
-    DLQ_STREAM,
-    STREAM,
-    UPSTREAM_STREAM,
-    DocDeleted,
-    Subject,
-    dlq_subject,
-)
+from services.common.messages.events import DocDeleted
+from services.common.messages.names import DLQ_STREAM, STREAM, UPSTREAM_STREAM, Subject, dlq_subject
 from services.common.settings import BusSettings, Settings
 from tests.support.domain import wait_until
 

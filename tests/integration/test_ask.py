@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.messages.answers import AskRequest
-from services.common.messages.events import Subject
+from services.common.messages.names import Subject
 from services.common.outbound.modelcalls import MODEL_TRIES
 from tests.conftest import running_stack
 from tests.support.asgi import serve_app

@@ -23,7 +23,8 @@ from services.common.bus.client import (
 )
 from services.common.bus.nats_server import NatsServer, free_port
 from services.common.bus.registry import Registries
-from services.common.messages.events import STREAM, KbChanged, Subject
+from services.common.messages.events import KbChanged
+from services.common.messages.names import STREAM, Subject
 from services.common.settings import BusSettings
 from tests.support.domain import wait_until
 

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from services.common.messages.events import DocUploaded, OcrDone, Subject, TagsChanged
+from services.common.messages.events import DocUploaded, OcrDone, TagsChanged
+from services.common.messages.names import Subject
 from tests.conftest import running_stack
 from tests.support.domain import (
     LONG_DOCS,

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.common.messages.events import KbIndex, Subject
+from services.common.messages.events import KbIndex
+from services.common.messages.names import Subject
 from tests.conftest import running_stack
 from tests.support.domain import (
     DEFAULT_MODEL,

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from services.common.messages.events import DocDeleted, DocUploaded, Subject
+from services.common.messages.events import DocDeleted, DocUploaded
+from services.common.messages.names import Subject
 from tests.conftest import running_stack
 from tests.support.domain import create_kb, dead_letters, registry_counts, settled, upload
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from services.common.messages.events import OcrDone, Subject
+from services.common.messages.events import OcrDone
+from services.common.messages.names import Subject
 from tests.conftest import running_stack
 from tests.support.domain import (
     LONG_DOCS,

@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from services.common.messages.events import DocUploaded, KbIndex, KbRemove, Subject, TagsChanged
+from services.common.messages.events import DocUploaded, KbIndex, KbRemove, TagsChanged
+from services.common.messages.names import Subject
 from services.common.store import Filter, Match
 from tests.conftest import running_stack
 from tests.support.domain import (

@@ -17,8 +17,8 @@ import nats
 import pytest
 
 from services.common.bus.auth import inbox_prefix
-from services.common.messages.events import DocUploaded, OcrDone, Subject
-from services.common.messages.names import AUDIT_STREAM
+from services.common.messages.events import DocUploaded, OcrDone
+from services.common.messages.names import AUDIT_STREAM, Subject
 from services.gateway.auth import Principal, hash_key, key_id
 from services.gateway.schemas import UploadBody
 from tests.conftest import running_stack

@@ -8,7 +8,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from services.common.bus.client import ACK_WAIT_SECONDS, declare_topology
 from services.common.bus.nats_server import NatsServer
-from services.common.messages.events import STREAM, Subject
+from services.common.messages.names import STREAM, Subject
 from services.common.settings import BusSettings
 from tests.conftest import running_stack
 

@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from services.common.messages.events import DocUploaded, KbIndex, Subject, TagsChanged
+from services.common.messages.events import DocUploaded, KbIndex, TagsChanged
+from services.common.messages.names import Subject
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys
 from tests.support.domain import (

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from services.common.domain.models import DEFAULT_MODEL, KnowledgeBase
-from services.common.messages.events import STREAM
+from services.common.messages.names import STREAM
 from services.common.store import Filter, Match
 from services.embed.chunking import chunk_text
 from services.embed.service import TITLE_TOKEN_BUDGET

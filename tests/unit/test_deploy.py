@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from services.cli.runtime import SERVICES, check_services
 from services.common.bus import auth as busauth
-from services.common.messages.events import DLQ_STREAM, STREAM, UPSTREAM_STREAM
+from services.common.messages.names import DLQ_STREAM, STREAM, UPSTREAM_STREAM
 from services.common.settings import RETIRED, ClientSettings, Settings
 from tests.support.bus import matches
 

@@ -33,13 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from services.common.domain.ids import check_id
-from services.common.messages.events import DLQ_STREAM, STREAM, UPSTREAM_STREAM, Subject
 from services.common.messages.names import (
     AUDIT_PREFIX,
     AUDIT_STREAM,
+    DLQ_STREAM,
     KEYS_BUCKET,
     KV_BUCKETS,
     OBJECT_STORE,
+    STREAM,
+    UPSTREAM_STREAM,
+    Subject,
 )
 from services.common.ops.files import write_private
 

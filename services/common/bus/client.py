@@ -78,15 +78,16 @@ from services.common.bus.auth import (
 )
 from services.common.bus.deadletters import KBMESH_HEADER, file_letter
 from services.common.domain.errors import InvalidInput, KbmeshError, Transient
-from services.common.messages.events import (
+from services.common.messages.events import EVENT_MODELS, Event
+from services.common.messages.names import (
     DLQ_STREAM,
-    EVENT_MODELS,
+    KEYS_BUCKET,
+    KV_BUCKETS,
+    OBJECT_STORE,
     STREAM,
     STREAM_SUBJECTS,
     UPSTREAM_STREAM,
-    Event,
 )
-from services.common.messages.names import KEYS_BUCKET, KV_BUCKETS, OBJECT_STORE
 from services.common.settings import AuditSettings, BusSettings, NatsAuthSettings
 
 log = logging.getLogger("kbmesh.bus")

@@ -30,14 +30,14 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from services.common.bus.auth import publisher_of
-from services.common.messages.events import (
+from services.common.messages.events import Event
+from services.common.messages.names import (
     DLQ_PREFIX,
     DLQ_STREAM,
     EVENT_SUBJECTS,
     NO_ORG,
     STREAM,
     UPSTREAM_STREAM,
-    Event,
     dlq_subject,
 )
 

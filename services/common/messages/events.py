@@ -1,4 +1,5 @@
-"""Event contracts on the bus: subjects, streams and one pydantic model per subject.
+"""Event contracts on the bus: one pydantic model per subject (the subjects and streams are
+named in names.py).
 
 These models are the single source of the JSON Schemas in `contracts/events/`.
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -15,43 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.common.domain.content import STAGING_PREFIX
 from services.common.domain.ids import new_id
 from services.common.domain.models import DEFAULT_SOURCE, Writer, utcnow
-
-
-class Subject(StrEnum):
-    DOC_UPLOADED = "doc.uploaded"
-    DOC_DELETED = "doc.deleted"
-    OCR_DONE = "ocr.done"
-    TAGS_CHANGED = "tags.changed"
-    KB_INDEX = "kb.index"
-    KB_REMOVE = "kb.remove"
-    KB_CHANGED = "kb.changed"
-    DOC_INDEXED = "doc.indexed"
-    DOC_FAILED = "doc.failed"
-    # request/reply, not in the stream
-    SEARCH_QUERY = "search.query"
-    SEARCH_CHUNK = "search.chunk"
-    SEARCH_ASK = "search.ask"
-
-
-REQUEST_SUBJECTS = (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
-EVENT_SUBJECTS = tuple(s for s in Subject if s not in REQUEST_SUBJECTS)
-
-# kbmesh's own events, each subject named: upstream publishers' events arrive on longer
-# subjects (`<subject>.upstream.<org>.<publisher>`, services/common/bus/auth.py) and are
-# kept apart, in UPSTREAM_STREAM, where each publisher's backlog is bounded.
-STREAM = "KBMESH"
-STREAM_SUBJECTS = [str(s) for s in EVENT_SUBJECTS]
-UPSTREAM_STREAM = "KBMESH_UPSTREAM"
-# Dead letters: `dlq.<org>.<original subject>`, the org that may see them in the second
-# token, so that one org's are read without touching another's (services/common/infra/
-# deadletters.py). Messages that name no org are kept under NO_ORG, which no org id can be.
-DLQ_STREAM = "KBMESH_DLQ"
-DLQ_PREFIX = "dlq."
-NO_ORG = "~"
-
-
-def dlq_subject(org_id: str | None, subject: str) -> str:
-    return f"{DLQ_PREFIX}{org_id or NO_ORG}.{subject}"
+from services.common.messages.names import (
+    Subject,
+)
 
 
 class Event(BaseModel):

@@ -22,7 +22,7 @@ from prometheus_client import (
 )
 
 from services.common.domain.models import utcnow
-from services.common.messages.events import DLQ_STREAM, STREAM, UPSTREAM_STREAM
+from services.common.messages.names import DLQ_STREAM, STREAM, UPSTREAM_STREAM
 
 log = logging.getLogger("kbmesh.metrics")
 # Seconds between bus gauge refreshes in processes without a gateway (scrapes refresh too).

@@ -12,7 +12,7 @@ from services.common.domain.errors import Conflict, InvalidInput, NotFound
 from services.common.domain.ids import is_id, new_id
 from services.common.domain.models import utcnow
 from services.common.messages.answers import AskQuery, AskRequest, AskResponse, AskTask, Prompt
-from services.common.messages.events import Subject
+from services.common.messages.names import Subject
 from services.common.outbound.egress import egress_policy
 from services.common.outbound.modelcalls import check_destination
 from services.common.settings import Settings

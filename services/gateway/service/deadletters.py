@@ -10,7 +10,7 @@ from services.common.bus import deadletters
 from services.common.bus.client import Bus
 from services.common.bus.deadletters import DeadLetter
 from services.common.domain.errors import NotFound
-from services.common.messages.events import NO_ORG
+from services.common.messages.names import NO_ORG
 from services.gateway.auth import Principal
 from services.gateway.schemas import DeadLetterBody, DeadLetterList, DeadLetterView
 

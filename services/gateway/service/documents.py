@@ -33,7 +33,8 @@ from services.common.domain.models import (
     join_tags,
     split_tags,
 )
-from services.common.messages.events import DocDeleted, DocFailed, DocUploaded, Subject, TagsChanged
+from services.common.messages.events import DocDeleted, DocFailed, DocUploaded, TagsChanged
+from services.common.messages.names import Subject
 from services.common.settings import Settings
 from services.gateway.auth import Principal
 from services.gateway.fetch import fetch_url, read_path

@@ -32,7 +32,8 @@ from services.common.domain.models import (
     utcnow,
 )
 from services.common.embedders import model_limits
-from services.common.messages.events import KbChanged, Subject
+from services.common.messages.events import KbChanged
+from services.common.messages.names import Subject
 from services.common.messages.queries import TOP_K_MAX
 from services.common.outbound.egress import egress_policy
 from services.common.outbound.modelcalls import check_destination

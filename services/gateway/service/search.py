@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from services.common.bus.client import Bus
 from services.common.bus.replies import result_json
 from services.common.domain.errors import Transient, error_class
-from services.common.messages.events import Subject
+from services.common.messages.names import Subject
 from services.common.messages.queries import (
     ChunkRequest,
     ChunkResponse,
