@@ -151,7 +151,11 @@ class UploadResult(BaseModel):
         description="processing: accepted, not yet searchable; complete: searchable; "
         "awaiting_ocr: scanned, waits for OCR; failed: see error; stored: in no KB"
     )
-    mime_type: str | None = Field(None, description="the type the document was stored as")
+    mime_type: str | None = Field(
+        None,
+        description="the type the document was read as; while it is processing, the type "
+        "declared (null when none was: the server reads it from the bytes and the name)",
+    )
     revision: int | None = None
     kb_ids: list[str] = Field(default_factory=list)
     chunk_count: int | None = None
