@@ -298,7 +298,7 @@ async def test_bad_file_uploads_get_clear_4xx_and_change_nothing(stack):
     wrong — no file part, two files, an unknown field, metadata that is not a JSON object, a
     field given twice, an unsupported declared type (field or Content-Type), a urlencoded
     form, a raw body without a name, an empty or blank file, an unknown KB, a malformed
-    multipart body — and nothing is stored or staged."""
+    multipart body, one cut short — and nothing is stored or staged."""
     rt, client, _base = stack
     kb = await create_kb(client, tag_ids=[f"t-{uid()}"])
     await settled(rt)
@@ -329,6 +329,15 @@ async def test_bad_file_uploads_get_clear_4xx_and_change_nothing(stack):
             field,
             problem,
         )
+    # A form cut short: the file's part never closes, so what came is not the whole file.
+    cut = (
+        b'--cut\r\nContent-Disposition: form-data; name="file"; filename="a.txt"\r\n\r\n'
+        b"the first half of a file"
+    )
+    r = await client.post(
+        path, content=cut, headers={"Content-Type": "multipart/form-data; boundary=cut"}
+    )
+    assert r.status_code == 422 and "closing boundary" in r.json()["detail"], r.text
     raw_cases: list[tuple[str, dict[str, Any], dict[str, str], int, str | None]] = [
         (path, {"name": "a.mp3"}, {"Content-Type": "audio/mpeg"}, 415, None),
         (path, {"name": "a"}, {"Content-Type": "application/x-www-form-urlencoded"}, 415, None),

@@ -30,8 +30,8 @@ def decode_content(content: str, encoding: str, max_bytes: int) -> bytes:
     else:
         if "\x00" in content:
             raise InvalidInput(
-                "text content contains a NUL character; send binary files base64-encoded "
-                "(content_encoding=base64) with their mime_type",
+                "text content contains a NUL character; send a binary file as a file (a "
+                "multipart form or the raw body), or base64-encoded (content_encoding=base64)",
                 field="content",
             )
         try:

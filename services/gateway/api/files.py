@@ -63,44 +63,64 @@ async def receive_file(
             "a urlencoded form cannot carry a file: send it as multipart/form-data (curl -F "
             "file=@report.pdf) or as the raw body with its own Content-Type",
         )
-    limit = documents.settings.max_content_bytes
     try:
         if media == FORM:
-            if kb_ref:
-                await documents.target(p, kb_ref)
-            else:
-                p.check_write()
-            with Incoming(limit, field=FILE) as incoming:
-                values, name, part_type = await _read_form(request, incoming)
-                fields = _fields(values, "body")
-                content = Content(incoming, name, part_type, field=FILE)
-                return await documents.upload_content(p, fields, content, kb_ref, wait=wait)
-        fields = _fields(_query(request), "query")
-        declared = declared_mime(media)
-        if declared is not None and not is_supported(declared):
-            raise HTTPException(
-                415,
-                f"kbmesh does not read {declared!r} (the body's Content-Type); send one of "
-                f"{', '.join(SUPPORTED)}, or application/octet-stream to let the server read "
-                "the type from the bytes and the name",
-            )
-        if not fields.name:
-            raise InvalidInput(
-                "name is required with a raw body: give it as a query parameter (?name=report.pdf)",
-                field="name",
-            )
-        await documents.target(p, kb_ref or fields.kb_id)
-        length = request.headers.get("content-length", "").strip()
-        if length.isdigit() and int(length) > limit:
-            raise too_large(limit, int(length))  # refused before it is read
-        with Incoming(limit) as incoming:
-            async for chunk in request.stream():
-                await incoming.write(chunk)
-            content = Content(incoming, mime_type=declared)
-            return await documents.upload_content(p, fields, content, kb_ref, wait=wait)
+            return await _receive_form(request, documents, p, kb_ref, wait=wait)
+        return await _receive_raw(request, media, documents, p, kb_ref, wait=wait)
     except ClientDisconnect as err:
         # Answered to nobody, but not logged as a server error: the client went away.
         raise InvalidInput("the upload was cut off before its end", field="body") from err
+
+
+async def _receive_form(
+    request: Request, documents: Documents, p: Principal, kb_ref: str | None, *, wait: bool
+) -> UploadResult:
+    # The fields (a `kb_id` among them) may follow the file: only the route's KB, or that
+    # the key may write at all, is known before the body is read.
+    if kb_ref:
+        await documents.target(p, kb_ref)
+    else:
+        p.check_write()
+    with Incoming(documents.settings.max_content_bytes, field=FILE) as incoming:
+        values, name, part_type = await _read_form(request, incoming)
+        fields = _fields(values, "body")
+        content = Content(incoming, name, part_type, field=FILE)
+        return await documents.upload_content(p, fields, content, kb_ref, wait=wait)
+
+
+async def _receive_raw(
+    request: Request,
+    media: str,
+    documents: Documents,
+    p: Principal,
+    kb_ref: str | None,
+    *,
+    wait: bool,
+) -> UploadResult:
+    fields = _fields(_query(request), "query")
+    declared = declared_mime(media)
+    if declared is not None and not is_supported(declared):
+        raise HTTPException(
+            415,
+            f"kbmesh does not read {declared!r} (the body's Content-Type); send one of "
+            f"{', '.join(SUPPORTED)}, or application/octet-stream to let the server read "
+            "the type from the bytes and the name",
+        )
+    if not fields.name:
+        raise InvalidInput(
+            "name is required with a raw body: give it as a query parameter (?name=report.pdf)",
+            field="name",
+        )
+    await documents.target(p, kb_ref or fields.kb_id)
+    limit = documents.settings.max_content_bytes
+    length = request.headers.get("content-length", "").strip()
+    if length.isdigit() and int(length) > limit:
+        raise too_large(limit, int(length))  # refused before a byte of it is read
+    with Incoming(limit) as incoming:
+        async for chunk in request.stream():
+            await incoming.write(chunk)
+        content = Content(incoming, mime_type=declared)
+        return await documents.upload_content(p, fields, content, kb_ref, wait=wait)
 
 
 def _query(request: Request) -> dict[str, list[str]]:
@@ -155,6 +175,7 @@ class _Form:
     def __init__(self) -> None:
         self.values: dict[str, list[str]] = {}
         self.file_seen = False
+        self.complete = False  # the closing boundary was read
         self.filename: str | None = None
         self.part_type: str | None = None
         self.pending: list[bytes] = []
@@ -176,6 +197,7 @@ class _Form:
             "on_headers_finished": self._headers_finished,
             "on_part_data": self._part_data,
             "on_part_end": self._part_end,
+            "on_end": self._end,
         }
 
     def take(self) -> list[bytes]:
@@ -232,6 +254,9 @@ class _Form:
         if not self._in_file:
             self.values.setdefault(self._name, []).append(_text(bytes(self._data), strict=True))
 
+    def _end(self) -> None:
+        self.complete = True
+
 
 def _text(raw: bytes, *, strict: bool = False) -> str:
     try:
@@ -261,6 +286,10 @@ async def _read_form(
         parser.finalize()
     except FormParserError as err:
         raise InvalidInput(f"the multipart body is malformed: {err}", field="body") from err
+    if not form.complete:
+        # python-multipart's finalize() does not check this: a body cut short (or one that
+        # never closes its parts) would pass for a whole file.
+        raise InvalidInput("the multipart body ends before its closing boundary", field="body")
     if not form.file_seen:
         raise InvalidInput(
             f"a multipart upload carries the document in the field {FILE!r}", field=FILE
