@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import fnmatch
 import gzip
 import hashlib
+import json
 import os
 import sys
 import time
@@ -541,23 +541,28 @@ class Ingest:
                 self.tally.unchanged += 1
                 self.progress.add(f.size)
                 return
-            data = await asyncio.to_thread(f.path.read_bytes)
-            body = {
-                "name": f.path.name,
-                "content": base64.b64encode(data).decode("ascii"),
-                "content_encoding": "base64",
-                "mime_type": f.mime_type,
+            fields: dict[str, Any] = {
                 "tags": self.o.tags,
-                "collection": self.o.collection,
-                "metadata": {"modified_at": datetime.fromtimestamp(f.mtime, UTC).isoformat()},
+                "metadata": json.dumps(
+                    {"modified_at": datetime.fromtimestamp(f.mtime, UTC).isoformat()}
+                ),
                 "source_id": self.o.source_id,
                 "uri": f.uri,
             }
+            if self.o.collection:
+                fields["collection"] = self.o.collection
             if stored is not None:
-                body["document_id"] = stored["document_id"]
-            result = await self._call(
-                "POST", f"/v1/kbs/{self.kb_id}/documents", params={"wait": "true"}, json=body
-            )
+                fields["document_id"] = stored["document_id"]
+            # A multipart form: the file's bytes go out as they are, read from disk as they
+            # are sent (no base64, never whole in memory).
+            with f.path.open("rb") as handle:
+                result = await self._call(
+                    "POST",
+                    f"/v1/kbs/{self.kb_id}/documents",
+                    params={"wait": "true"},
+                    data=fields,
+                    files={"file": (f.path.name, handle, f.mime_type)},
+                )
             await self._settled(f.uri, result, f.size)
         except (RequestFailed, httpx.HTTPError, OSError) as err:
             self.tally.failures.append((f.uri, _reason(err)))

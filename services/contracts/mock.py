@@ -23,6 +23,7 @@ from jsonschema import Draft202012Validator
 from mcp.server.mcpserver import Context
 from mcp_types import CallToolResult
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -40,6 +41,7 @@ from services.contracts.export import (
     schema_errors,
     validator,
 )
+from services.gateway.api.files import is_json
 from services.gateway.api.tools import tool_arguments
 from services.gateway.auth import Principal
 from services.gateway.mcp import KbmeshMCP, MountRoot, call_result
@@ -262,13 +264,17 @@ def _rest_endpoint(
     body_schema = contracts.request_body_schema(op.key)
     body_check = contracts.validator(body_schema) if body_schema is not None else None
     body_required = bool(op.spec.get("requestBody", {}).get("required"))
+    # The upload routes take a file too (a form, a raw body): its bytes are the client's own.
+    takes_files = set(op.spec.get("requestBody", {}).get("content", {})) - {"application/json"}
     # The model the example body was written in: its cross-field checks (which JSON Schema
     # cannot say) apply too, as they do in the gateway.
     body_model = type(example.body) if example and example.body is not None else None
 
     async def endpoint(request: Request) -> Response:
         errors = _param_errors(params, param_checks, request.path_params, request.query_params)
-        if body_check is not None:
+        if body_check is not None and not (
+            takes_files and not is_json(request.headers.get("content-type"))
+        ):
             errors += await _body_errors(request, body_check, body_model, body_required)
         if errors:
             detail = "; ".join(f"{e.field}: {e.message}" for e in errors)
@@ -285,7 +291,7 @@ def _param_errors(
     params: list[dict[str, Any]],
     checks: dict[str, Draft202012Validator],
     path: Mapping[str, str],
-    query: Mapping[str, str],
+    query: QueryParams,
 ) -> list[ProblemFieldError]:
     errors = []
     for p in params:
@@ -294,7 +300,11 @@ def _param_errors(
             if p.get("required"):
                 errors.append(ProblemFieldError(field=p["name"], message="Field required"))
             continue
-        value = _coerce(source[p["name"]], p.get("schema", {}))
+        schema = p.get("schema", {})
+        if p["in"] == "query" and _types(schema) & {"array"}:
+            value: Any = [_coerce(v, schema.get("items", {})) for v in query.getlist(p["name"])]
+        else:
+            value = _coerce(source[p["name"]], schema)
         for e in schema_errors(checks[p["name"]], value):
             errors.append(ProblemFieldError(field=p["name"], message=e.message))
     return errors
@@ -329,9 +339,13 @@ async def _body_errors(
     return []
 
 
+def _types(schema: Mapping[str, Any]) -> set[Any]:
+    return {schema.get("type")} | {s.get("type") for s in schema.get("anyOf", [])}
+
+
 def _coerce(value: str, schema: Mapping[str, Any]) -> Any:
     """A query or path string read as the type its schema asks for, as FastAPI would."""
-    types = {schema.get("type")} | {s.get("type") for s in schema.get("anyOf", [])}
+    types = _types(schema)
     if "boolean" in types and value.lower() in BOOLEANS:
         return BOOLEANS[value.lower()]
     for kind, parse in (("integer", int), ("number", float)):

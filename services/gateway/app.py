@@ -30,6 +30,7 @@ from services.gateway.api import (
     tools,
 )
 from services.gateway.api import types as formats
+from services.gateway.api.files import takes_file_bodies, takes_files
 from services.gateway.apidocs import mount_api_docs
 from services.gateway.auth import KeyResolver
 from services.gateway.bodyguard import JsonBodyGuard
@@ -49,6 +50,17 @@ from services.gateway.problems import (
 from services.gateway.service import GatewayService
 
 _tracer = trace.get_tracer("kbmesh.gateway")
+ROUTERS = (
+    kbs.router,
+    kbs.defaults_router,
+    documents.router,
+    search.router,
+    progress.router,
+    answers.router,
+    deadletters.router,
+    audit.router,
+    formats.router,
+)
 
 
 class TracedRequests:
@@ -127,10 +139,15 @@ def create_app(
     # Outermost last: the span, then Host, CORS, browser writes, the key, the body's size
     # (the first to read a body), the JSON body.
     settings = service.settings
+    file_routes = [r for router in ROUTERS for r in router.routes if takes_files(r)]
     app.add_middleware(JsonBodyGuard)
     app.add_middleware(BodyLimit, settings=settings)
     app.add_middleware(KeyGate, keys=keys)
-    app.add_middleware(BrowserGuard, cors_origins=settings.cors_origins)
+    app.add_middleware(
+        BrowserGuard,
+        cors_origins=settings.cors_origins,
+        takes_files=lambda scope: takes_file_bodies(file_routes, scope),
+    )
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -217,15 +234,8 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = documented_openapi  # type: ignore[method-assign]
-    app.include_router(kbs.router)
-    app.include_router(kbs.defaults_router)
-    app.include_router(documents.router)
-    app.include_router(search.router)
-    app.include_router(progress.router)
-    app.include_router(answers.router)
-    app.include_router(deadletters.router)
-    app.include_router(audit.router)
-    app.include_router(formats.router)
+    for router in ROUTERS:
+        app.include_router(router)
     if keys.oauth is not None:
         # RFC 9728 metadata: where OAuth clients learn which provider signs kbmesh's tokens.
         app.router.routes.extend(protected_resource_routes(keys.oauth))

@@ -7,25 +7,25 @@ then goes to the vetted address (no second DNS lookup to rebind), redirects are 
 by hop, the size limit is enforced while streaming, and the whole fetch has a deadline
 (`KBMESH_LIMITS__FETCH_TOTAL_SECONDS`). Path: only regular files under `KBMESH_UPLOAD_ROOT`
 once every symlink is resolved.
+
+No type is guessed here: the server's declared type goes along as a hint, and ingest reads
+the type from the bytes and the name, as it does for every upload.
 """
 
 from __future__ import annotations
 
 import asyncio
-import mimetypes
 import os
 import re
 import stat
-import zipfile
 from dataclasses import dataclass
-from io import BytesIO
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote
 
 import httpx
 
-from services.common.domain.content import DOCX_TYPE, PDF_TYPE
 from services.common.domain.errors import Forbidden, InvalidInput, NotFound, TooLarge
+from services.common.domain.formats import clean_mime
 from services.common.outbound.egress import IPAddress, egress_policy, parse_http_url
 from services.common.settings import Settings
 
@@ -43,7 +43,7 @@ class FetchFailed(InvalidInput):
 @dataclass(frozen=True)
 class Fetched:
     data: bytes
-    mime_type: str
+    mime_type: str | None  # as the server declared it: ingest reads the type from the bytes
     name: str
     uri: str
 
@@ -93,11 +93,8 @@ async def _fetch_url(url: str, settings: Settings) -> Fetched:
                 await response.aclose()
             content_type = response.headers.get("content-type")
             name = _name_from(response.headers.get("content-disposition"), current)
-            # The extension comes from a real file name, never from the host fallback.
-            file_name = name if name != current.host else ""
-            mime = detect_mime(content_type, file_name, data)
             return Fetched(
-                data=_to_utf8(data, content_type, mime), mime_type=mime, name=name, uri=url
+                data=_to_utf8(data, content_type), mime_type=content_type, name=name, uri=url
             )
     raise FetchFailed(f"fetching {url} took more than {MAX_REDIRECTS} redirects", field="url")
 
@@ -159,12 +156,15 @@ def _name_from(disposition: str | None, url: httpx.URL) -> str:
         if name:
             return name[:512]
     segment = PurePosixPath(unquote(url.path)).name
-    return (segment or url.host)[:512]
+    # A site's root is named after its host, with the slash: "docs.python.org" would read
+    # as a file with the extension .org.
+    return (segment or f"{url.host}/")[:512]
 
 
-def _to_utf8(data: bytes, content_type: str | None, mime: str) -> bytes:
+def _to_utf8(data: bytes, content_type: str | None) -> bytes:
     """Text declared in another charset is re-encoded, since extraction reads UTF-8."""
-    if not (mime.startswith("text/") or mime == "application/json") or not content_type:
+    mime = clean_mime(content_type)
+    if not content_type or not (mime.startswith("text/") or mime == "application/json"):
         return data
     m = re.search(r"charset=\"?([\w.:-]+)", content_type, re.IGNORECASE)
     if not m or m.group(1).lower().replace("_", "-") in ("utf-8", "utf8", "us-ascii", "ascii"):
@@ -173,62 +173,6 @@ def _to_utf8(data: bytes, content_type: str | None, mime: str) -> bytes:
         return data.decode(m.group(1), errors="replace").encode("utf-8")
     except LookupError:
         return data
-
-
-# ---- type detection -----------------------------------------------------------------------
-
-_MARKDOWN_SUFFIXES = (".md", ".markdown", ".mdown")
-_GENERIC = {"", "application/octet-stream", "binary/octet-stream", "application/x-download"}
-_MAGIC: tuple[tuple[bytes, str], ...] = (
-    (b"%PDF-", PDF_TYPE),
-    (b"\x89PNG\r\n\x1a\n", "image/png"),
-    (b"\xff\xd8\xff", "image/jpeg"),
-    (b"GIF87a", "image/gif"),
-    (b"GIF89a", "image/gif"),
-    (b"II*\x00", "image/tiff"),
-    (b"MM\x00*", "image/tiff"),
-)
-
-
-def detect_mime(content_type: str | None, name: str, data: bytes) -> str:
-    """Declared type first (unless generic), then the file extension, then the bytes."""
-    declared = (content_type or "").split(";")[0].strip().lower()
-    lower = name.lower()
-    if declared == "text/plain" and lower.endswith(_MARKDOWN_SUFFIXES):
-        return "text/markdown"
-    if declared not in _GENERIC:
-        return declared
-    if lower.endswith(_MARKDOWN_SUFFIXES):
-        return "text/markdown"
-    guessed, _ = mimetypes.guess_type(lower)
-    if guessed:
-        return guessed
-    return sniff(data)
-
-
-def sniff(data: bytes) -> str:
-    head = data[:64]
-    for magic, mime in _MAGIC:
-        if head.startswith(magic):
-            return mime
-    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
-        return "image/webp"
-    if head.startswith(b"PK\x03\x04"):
-        try:
-            with zipfile.ZipFile(BytesIO(data)) as z:
-                if "word/document.xml" in z.namelist():
-                    return DOCX_TYPE
-        except zipfile.BadZipFile:
-            pass
-        return "application/zip"
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "application/octet-stream"
-    start = text.lstrip()[:100].lower()
-    if start.startswith(("<!doctype html", "<html")):
-        return "text/html"
-    return "text/plain"
 
 
 # ---- path -----------------------------------------------------------------------------------
@@ -283,6 +227,4 @@ def _read_path(path: str, settings: Settings) -> Fetched:
         os.close(fd)
     if len(data) > limit:
         raise TooLarge(f"{path!r} is over the {_mb(limit)} limit", field="path")
-    return Fetched(
-        data=data, mime_type=detect_mime(None, resolved.name, data), name=resolved.name, uri=path
-    )
+    return Fetched(data=data, mime_type=None, name=resolved.name, uri=path)

@@ -10,7 +10,11 @@ of its body is read.
   it is JSON (415 otherwise), and one whose `Origin` is neither the server's own nor in
   `KBMESH_CORS_ORIGINS` is refused (403). Browsers send a cross-site `text/plain` or
   form body without asking the server first; a JSON body they send only after a CORS
-  preflight, which the gateway answers only for configured origins.
+  preflight, which the gateway answers only for configured origins. The document upload
+  routes take file bodies too (a form, a raw file), which a page may send anywhere without
+  a preflight: for them the Origin check (a foreign or `null` one is refused) and, where a
+  browser sends no Origin, the `Sec-Fetch-Site` check (cross-site and same-site are
+  refused) are the whole protection.
 - `KeyGate`: the API key or access token of a state-changing request is resolved from its
   headers first; an unauthenticated request is answered 401 with its body unread. The
   principal rides on in the request's state, so routes do not resolve it again.
@@ -18,7 +22,7 @@ of its body is read.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
@@ -119,20 +123,29 @@ class HostGuard:
 
 
 class BrowserGuard:
-    def __init__(self, app: ASGIApp, cors_origins: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        cors_origins: Iterable[str] = (),
+        takes_files: Callable[[Scope], bool] = lambda scope: False,
+    ) -> None:
         self.app = app
         self.cors_origins = {o.strip().rstrip("/").lower() for o in cors_origins if o.strip()}
+        self.takes_files = takes_files
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] in WRITE_METHODS:
-            found = self.inspect(Headers(scope=scope))
+            found = self.inspect(Headers(scope=scope), lambda: self.takes_files(scope))
             if found is not None:
                 await refusal(scope, *found)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def inspect(self, headers: Headers) -> tuple[int, str, str] | None:
-        """(status, error_type, message) of a refused state-changing request, or None."""
+    def inspect(
+        self, headers: Headers, takes_files: Callable[[], bool] = lambda: False
+    ) -> tuple[int, str, str] | None:
+        """(status, error_type, message) of a refused state-changing request, or None.
+        `takes_files` says whether its route takes file bodies (asked only for one)."""
         origin = headers.get("origin")
         if origin is not None:
             if not self.same_or_allowed(origin, headers.get("host")):
@@ -147,7 +160,8 @@ class BrowserGuard:
         media = headers.get("content-type")
         if media is not None:
             kind = media.split(";")[0].strip().lower()
-            if kind != "application/json" and not kind.endswith("+json"):
+            json_body = kind == "application/json" or kind.endswith("+json")
+            if not json_body and not (kind and takes_files()):
                 return (
                     415,
                     "UnsupportedMediaType",

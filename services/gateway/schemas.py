@@ -30,56 +30,25 @@ T = TypeVar("T")
 MIME_TYPES = ", ".join(SUPPORTED)
 
 
-class UploadFields(BaseModel):
-    """A document to add: its content, or a url or server path to read it from, and its
-    labels (shared by REST uploads and the kb_upload tool)."""
+class DocumentFields(BaseModel):
+    """What every upload carries besides its content: the document's name, declared type and
+    labels (a JSON body's fields, a multipart form's fields, a raw body's query parameters)."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        json_schema_extra={
-            "oneOf": [
-                {
-                    "required": ["content", "name"],
-                    "properties": {"content": {"type": "string"}, "name": {"type": "string"}},
-                },
-                {"required": ["url"], "properties": {"url": {"type": "string"}}},
-                {"required": ["path"], "properties": {"path": {"type": "string"}}},
-            ]
-        },
-    )
+    model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(
         None,
         min_length=1,
         max_length=512,
         description="document title or file name; required with content, taken from the "
-        "url or path otherwise",
-    )
-    content: str | None = Field(
-        None, description="the document: text, or base64 when content_encoding is base64"
-    )
-    content_encoding: Literal["text", "base64"] = Field(
-        "text", description="how content is encoded"
-    )
-    url: str | None = Field(
-        None,
-        min_length=1,
-        max_length=4096,
-        description="an http(s) URL for the server to fetch instead of sending content "
-        "(public addresses only, unless allow-listed)",
-    )
-    path: str | None = Field(
-        None,
-        min_length=1,
-        max_length=4096,
-        description="a file on the kbmesh server, relative to its upload root "
-        "(KBMESH_UPLOAD_ROOT), instead of sending content",
+        "file, url or path otherwise",
     )
     mime_type: str | None = Field(
         None,
-        description=f"one of {MIME_TYPES} (images wait for OCR); omitted: what the file "
-        "name suggests (text/plain for text content it does not explain), or with url or "
-        "path the type the server reports",
+        description=f"one of {MIME_TYPES} (images wait for OCR); a hint: the server reads "
+        "the type from the bytes and the name. Omitted: what the file name suggests (text/plain "
+        "for text content it does not explain), or with a file, url or path the type it "
+        "comes with",
     )
     tags: list[str] = Field(
         default_factory=list,
@@ -100,6 +69,48 @@ class UploadFields(BaseModel):
         None, pattern=ID_PATTERN, description="replace this document (new revision)"
     )
 
+
+class UploadFields(DocumentFields):
+    """A document to add: its content, or a url or server path to read it from, and its
+    labels (shared by REST uploads and the kb_upload tool)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": ["content", "name"],
+                    "properties": {"content": {"type": "string"}, "name": {"type": "string"}},
+                },
+                {"required": ["url"], "properties": {"url": {"type": "string"}}},
+                {"required": ["path"], "properties": {"path": {"type": "string"}}},
+            ]
+        },
+    )
+
+    content: str | None = Field(
+        None,
+        description="the document: text, or base64 when content_encoding is base64 (files are "
+        "better sent as multipart/form-data or as the raw body: no base64)",
+    )
+    content_encoding: Literal["text", "base64"] = Field(
+        "text", description="how content is encoded"
+    )
+    url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="an http(s) URL for the server to fetch instead of sending content "
+        "(public addresses only, unless allow-listed)",
+    )
+    path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="a file on the kbmesh server, relative to its upload root "
+        "(KBMESH_UPLOAD_ROOT), instead of sending content",
+    )
+
     @model_validator(mode="after")
     def _one_source(self) -> UploadFields:
         given = [n for n in ("content", "url", "path") if getattr(self, n) is not None]
@@ -111,13 +122,26 @@ class UploadFields(BaseModel):
         return self
 
 
+_KB_ID = Field(None, description="KB id or name: direct membership")
+_REPLACE_SAME_URI = Field(
+    False,
+    description="replace the document with the same uri (in the KB uploaded into, else "
+    "among all you can see) with a new revision instead of adding another",
+)
+
+
 class UploadBody(UploadFields):
-    kb_id: str | None = Field(None, description="KB id or name: direct membership")
-    replace_same_uri: bool = Field(
-        False,
-        description="replace the document with the same uri (in the KB uploaded into, else "
-        "among all you can see) with a new revision instead of adding another",
-    )
+    kb_id: str | None = _KB_ID
+    replace_same_uri: bool = _REPLACE_SAME_URI
+
+
+class FileFields(DocumentFields):
+    """The fields of a file upload: the form fields beside the file part of a multipart
+    body, or the query parameters of a raw body. `tags` may be given several times;
+    `metadata` is a JSON object."""
+
+    kb_id: str | None = _KB_ID
+    replace_same_uri: bool = _REPLACE_SAME_URI
 
 
 class UploadResult(BaseModel):
@@ -127,7 +151,11 @@ class UploadResult(BaseModel):
         description="processing: accepted, not yet searchable; complete: searchable; "
         "awaiting_ocr: scanned, waits for OCR; failed: see error; stored: in no KB"
     )
-    mime_type: str | None = Field(None, description="the type the document was stored as")
+    mime_type: str | None = Field(
+        None,
+        description="the type the document was read as; while it is processing, the type "
+        "declared (null when none was: the server reads it from the bytes and the name)",
+    )
     revision: int | None = None
     kb_ids: list[str] = Field(default_factory=list)
     chunk_count: int | None = None

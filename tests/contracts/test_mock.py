@@ -167,3 +167,33 @@ async def test_mock_answers_say_what_the_request_asked(mock: httpx.AsyncClient):
         f"{TOOLS_PATH}/manageKnowledge", json={"operation": "getChunk", "chunkId": "abc-123"}
     )
     assert refused.status_code == 422 and refused.json()["field"] == "chunkId", refused.text
+
+
+async def test_mock_takes_files_on_the_upload_routes_as_the_gateway_does(mock: httpx.AsyncClient):
+    """A multipart form and a raw file body are uploads to the mock too, answered with the
+    upload example; the raw body's fields are held to their schema (a repeated `tags` is a
+    list), and other routes still take JSON only."""
+    example = FILES["rest/examples/upload_to_kb_v1_kbs__kb__documents_post.json"]
+    form = await mock.post(
+        "/v1/kbs/handbook/documents",
+        files={"file": ("notes.md", b"# Notes", "text/markdown")},
+        data={"tags": ["a", "b"]},
+    )
+    assert form.status_code == example["response"]["status"], form.text
+    assert form.json() == example["response"]["body"]
+    raw = await mock.post(
+        "/v1/documents",
+        params={"name": "notes.md", "tags": ["a", "b"], "replace_same_uri": "true"},
+        content=b"# Notes",
+        headers={"Content-Type": "text/markdown"},
+    )
+    assert raw.status_code in (200, 202), raw.text
+    refused = await mock.post(
+        "/v1/documents",
+        params={"name": "notes.md", "replace_same_uri": "maybe"},
+        content=b"# Notes",
+        headers={"Content-Type": "text/markdown"},
+    )
+    assert refused.status_code == 422 and refused.json()["field"] == "replace_same_uri"
+    other = await mock.post("/v1/kbs", files={"file": ("notes.md", b"# Notes", "text/markdown")})
+    assert other.status_code == 422, other.text

@@ -14,10 +14,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.cli.runtime import gateway_app
 from tests.conftest import running_stack
 from tests.support.asgi import serve_app
 from tests.support.domain import create_kb, uid
-from tests.support.mcp_client import kbmesh_ingest, serve_http
+from tests.support.mcp_client import kbmesh_ingest
 
 TREE = {
     "README.md": "# Handbook\n\nHow the platform team runs the knowledge base.",
@@ -35,19 +36,32 @@ TREE = {
 }
 
 
+class Recorded:
+    """The gateway app, noting the media type of every request body it is sent."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.bodies: list[tuple[str, str, str]] = []  # (method, path, content type)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            media = dict(scope["headers"]).get(b"content-type", b"").decode()
+            self.bodies.append((scope["method"], scope["path"], media.split(";")[0]))
+        await self.app(scope, receive, send)
+
+
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory, embedders) -> AsyncIterator[tuple[Any, httpx.AsyncClient, str]]:
-    async with (
-        running_stack(
-            # The web page of the URL test is served on loopback, which the egress guard
-            # refuses unless allow-listed.
-            tmp_path_factory.mktemp("ingest-cli"),
-            embedders=embedders,
-            egress={"allowlist": ["127.0.0.1"]},
-        ) as (rt, client),
-        serve_http(rt) as (base, _app),
-    ):
-        yield rt, client, base
+    async with running_stack(
+        # The web page of the URL test is served on loopback, which the egress guard
+        # refuses unless allow-listed.
+        tmp_path_factory.mktemp("ingest-cli"),
+        embedders=embedders,
+        egress={"allowlist": ["127.0.0.1"]},
+    ) as (rt, client):
+        rt.recorded = Recorded(gateway_app(rt))
+        async with serve_app(rt.recorded, limits=rt.settings.http) as base:
+            yield rt, client, base
 
 
 def make_tree(root: Path) -> None:
@@ -83,10 +97,11 @@ async def source_documents(client: httpx.AsyncClient, source: str) -> dict[str, 
 
 async def test_folder_ingest_skips_unchanged_and_syncs_deletions(stack, tmp_path):
     """12 files in three levels (plus a binary, an ignored build folder, a hidden folder):
-    the first run uploads the 12 and reports the binary skipped; the second uploads nothing
-    and embeds nothing; after deleting one file and editing another, --sync deletes exactly
-    the deleted file's document and re-uploads the edited one."""
-    _rt, client, base = stack
+    the first run uploads the 12 — as files in multipart forms, never as base64 — and
+    reports the binary skipped; the second uploads nothing and embeds nothing;
+    after deleting one file and editing another, --sync deletes exactly the deleted file's
+    document and re-uploads the edited one."""
+    rt, client, base = stack
     kb = await create_kb(client)
     root = tmp_path / "handbook"
     make_tree(root)
@@ -104,6 +119,8 @@ async def test_folder_ingest_skips_unchanged_and_syncs_deletions(stack, tmp_path
     assert set(stored) == set(TREE), "uris are the paths relative to the folder given"
     assert all(d["status"] == "complete" and d["kb_ids"] == [kb["kb_id"]] for d in stored.values())
     assert all("modified_at" in d["metadata"] and d["tags"] for d in stored.values())
+    uploads = {(m, media) for m, path, media in rt.recorded.bodies if path.endswith("/documents")}
+    assert uploads == {("GET", ""), ("POST", "multipart/form-data")}, uploads
     stats = (await client.get(f"/v1/kbs/{kb['kb_id']}/stats")).json()
     assert stats["progress"] == {
         "total": 12,

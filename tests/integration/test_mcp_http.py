@@ -687,7 +687,8 @@ def allowlist(settings, entries: list[str]) -> Iterator[None]:
 
 async def test_url_ingest_from_allowlisted_loopback_and_refused_without(stack):
     """kb_upload by url fetches from an allow-listed loopback server (type from Content-Type,
-    redirects followed, HTML sniffed from octet-stream) and the result is searchable; without
+    redirects followed, HTML sniffed from octet-stream by ingest: without wait the answer
+    says no type yet) and the result is searchable; without
     the allow-list the same URL is refused before any request, as are private, link-local and
     non-http URLs; a host-name entry allows only that name; a body over the size limit is cut
     off while streaming."""
@@ -706,6 +707,13 @@ async def test_url_ingest_from_allowlisted_loopback_and_refused_without(stack):
                 )
             )
             page = ok(await session.call_tool("kb_upload", {"kb": kb, "url": f"{site}/page"}))
+            # Without wait the answer comes before ingest has read the type (none declared).
+            other = (await new_kb(session))["name"]
+            early = ok(
+                await session.call_tool(
+                    "kb_upload", {"kb": other, "url": f"{site}/page", "wait": False}
+                )
+            )
             huge = failed(
                 await session.call_tool("kb_upload", {"kb": kb, "url": f"{site}/huge.txt"}),
                 "ContentTooLarge",
@@ -717,6 +725,7 @@ async def test_url_ingest_from_allowlisted_loopback_and_refused_without(stack):
         )
         assert moved["status"] == "complete" and moved["mime_type"] == "text/markdown"
         assert page["status"] == "complete" and page["mime_type"] == "text/html"
+        assert early["status"] == "processing" and early["mime_type"] is None, early
         assert "10 MB" in huge["message"]
         hits = ok(
             await session.call_tool(

@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from services.common.domain.models import DEFAULT_MODEL, KnowledgeBase
-from services.common.messages.names import STREAM
+from services.common.messages.events import DocUploaded
+from services.common.messages.names import STREAM, Subject
 from services.common.store import Filter, Match
 from services.embed.chunking import chunk_text
 from services.embed.service import TITLE_TOKEN_BUDGET
@@ -163,6 +164,24 @@ async def object_count(rt: Any) -> int:
         return len(await rt.registries.texts.store.list(ignore_deletes=True))
     except NotFoundError:
         return 0
+
+
+async def uploaded_events(rt: Any) -> dict[str, DocUploaded]:
+    """Every doc.uploaded event in the stream so far, by document id (the last one wins)."""
+    sub = await rt.bus.js.subscribe(Subject.DOC_UPLOADED, stream=STREAM, ordered_consumer=True)
+    seen: dict[str, DocUploaded] = {}
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=2)
+            except TimeoutError:
+                return seen  # an empty stream
+            event = DocUploaded.model_validate_json(msg.data)
+            seen[event.document_id or ""] = event
+            if msg.metadata.num_pending == 0:
+                return seen
+    finally:
+        await sub.unsubscribe()
 
 
 async def registry_counts(rt: Any) -> dict[str, int]:

@@ -90,3 +90,56 @@ def test_configured_cors_origins_may_write():
     headers = {"origin": "https://app.example.com", "content-type": "application/json"}
     assert verdict(headers) == 403
     assert verdict(headers, ("https://app.example.com/",)) is None
+
+
+def file_verdict(headers: dict[str, str]) -> int | None:
+    """The verdict on a write to a route that takes file bodies (the document uploads)."""
+    guard = BrowserGuard(lambda *a: None)  # type: ignore[arg-type,return-value]
+    found = guard.inspect(Headers(headers={"host": "127.0.0.1:8080", **headers}), lambda: True)
+    return found[0] if found else None
+
+
+FORM = "multipart/form-data; boundary=x"
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({"content-type": FORM, "content-length": "9"}, None),  # curl -F, the CLI
+        ({"content-type": "application/pdf", "content-length": "9"}, None),  # a raw file
+        ({"content-type": "text/plain;charset=UTF-8", "content-length": "9"}, None),
+        ({"content-type": "application/json"}, None),
+        ({"origin": "http://127.0.0.1:8080", "content-type": FORM}, None),  # the console
+        ({"sec-fetch-site": "same-origin", "content-type": FORM}, None),
+        ({"origin": "http://evil.example", "content-type": FORM}, 403),
+        ({"origin": "null", "content-type": FORM}, 403),  # a sandboxed frame, a file: page
+        ({"origin": "http://evil.example", "content-type": "text/plain"}, 403),
+        ({"sec-fetch-site": "cross-site", "content-type": FORM}, 403),
+        ({"sec-fetch-site": "same-site", "content-type": "text/plain"}, 403),
+        ({"content-length": "9"}, 415),  # a body of no type at all
+        ({"content-type": "", "content-length": "9"}, 415),
+    ],
+)
+def test_file_uploads_take_forms_and_raw_files_only_from_their_own_origin(headers, status):
+    assert file_verdict(headers) == status
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "takes"),
+    [
+        ("POST", "/v1/documents", True),
+        ("POST", "/v1/kbs/manuals/documents", True),
+        ("POST", "/v1/kbs", False),
+        ("PATCH", "/v1/documents/abc", False),
+        ("DELETE", "/v1/documents", False),
+        ("POST", "/v1/search", False),
+        ("POST", "/api/v1/tools/kb_upload", False),
+    ],
+)
+def test_only_the_document_upload_routes_take_file_bodies(method, path, takes):
+    from services.gateway.api.files import takes_file_bodies, takes_files
+    from services.gateway.app import ROUTERS
+
+    routes = [r for router in ROUTERS for r in router.routes if takes_files(r)]
+    scope = {"type": "http", "method": method, "path": path, "root_path": ""}
+    assert takes_file_bodies(routes, scope) is takes

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, BinaryIO, Generic, TypeVar
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -243,8 +243,10 @@ class TextStore:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
 
-    async def put(self, name: str, data: bytes) -> None:
-        await self.store.put(name, data)
+    async def put(self, name: str, data: bytes | BinaryIO) -> None:
+        """Store `data` under `name`: bytes, or a file read in chunks (never whole)."""
+        # nats-py reads any file with `readinto` chunk by chunk, in a worker thread.
+        await self.store.put(name, data)  # type: ignore[arg-type]
 
     async def get(self, name: str) -> bytes | None:
         """The object's bytes, or None when there is none. Objects are replaced in place

@@ -22,7 +22,7 @@ def decode_content(content: str, encoding: str, max_bytes: int) -> bytes:
     if encoding == "base64":
         # Base64 inflates by 4/3: reject before decoding a huge string.
         if len(content) > (max_bytes * 4) // 3 + 4:
-            raise TooLarge(_too_large(max_bytes), field="content")
+            raise too_large(max_bytes)
         try:
             data = base64.b64decode(content, validate=True)
         except (binascii.Error, ValueError) as err:
@@ -30,8 +30,8 @@ def decode_content(content: str, encoding: str, max_bytes: int) -> bytes:
     else:
         if "\x00" in content:
             raise InvalidInput(
-                "text content contains a NUL character; send binary files base64-encoded "
-                "(content_encoding=base64) with their mime_type",
+                "text content contains a NUL character; send a binary file as a file (a "
+                "multipart form or the raw body), or base64-encoded (content_encoding=base64)",
                 field="content",
             )
         try:
@@ -47,15 +47,16 @@ def decode_content(content: str, encoding: str, max_bytes: int) -> bytes:
 
 def check_size(size: int, max_bytes: int) -> None:
     if size > max_bytes:
-        raise TooLarge(_too_large(max_bytes, size), field="content")
+        raise too_large(max_bytes, size)
 
 
-def _too_large(max_bytes: int, size: int | None = None) -> str:
+def too_large(max_bytes: int, size: int | None = None, field: str = "content") -> TooLarge:
+    """The refusal of content over `max_bytes` (`size`: its size, when known)."""
     got = f" (got {size} bytes)" if size is not None else ""
     mb = 1024 * 1024
     # Whole megabytes read best; any other configured limit is stated exactly (not "0 MB").
     limit = f"{max_bytes // mb} MB" if max_bytes % mb == 0 else f"{max_bytes} bytes"
-    return f"content exceeds the {limit} limit{got}"
+    return TooLarge(f"content exceeds the {limit} limit{got}", field=field)
 
 
 def checksum(text: str) -> str:
@@ -78,13 +79,23 @@ SUPPORTED = [f.mime_type for f in FORMATS if f.kind != "image"] + [GZIP_TYPE, "i
 
 
 def normalise_mime(mime_type: str | None, name: str = "") -> str:
-    """The media type an upload is recorded with: the declared one (an alias such as
-    text/x-markdown becomes its format's usual name), else what the name says, else
-    text/plain. Ingest sniffs the bytes again: a declared type is a hint, not the truth."""
+    """The media type text content is recorded with: the declared one, else what the name
+    says, else text/plain. Ingest sniffs the bytes again: a declared type is a hint, not the
+    truth."""
+    declared = declared_mime(mime_type)
+    if declared is not None:
+        return declared
+    named = by_name(name)
+    return named.mime_type if named is not None else "text/plain"
+
+
+def declared_mime(mime_type: str | None) -> str | None:
+    """A declared media type as documents are recorded with it (an alias such as
+    text/x-markdown becomes its format's usual name), or None when it says nothing about the
+    content (absent, or generic such as application/octet-stream)."""
     mime = clean_mime(mime_type)
     if not mime or mime in GENERIC_TYPES:
-        named = by_name(name)
-        return named.mime_type if named is not None else "text/plain"
+        return None
     known = by_mime(mime)
     if known is None or known.kind == "image":
         return mime

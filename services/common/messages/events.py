@@ -58,7 +58,9 @@ def _own_object(org_id: str, object_ref: str | None) -> None:
 
 
 class DocUploaded(Event):
-    """A document to store and index. Content travels inline or as an object-store name."""
+    """A document to store and index. Its content travels inline (text) or as the name of
+    its bytes in the object store; the gateway stages every file there, so that bytes are
+    never base64 on the bus. Inline base64 stays accepted from upstream publishers."""
 
     document_id: str | None = Field(None, pattern=_ID, description="assigned when absent")
     name: str = Field(min_length=1, max_length=512)
@@ -69,10 +71,14 @@ class DocUploaded(Event):
     collection: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     kb_id: str | None = Field(None, description="direct upload: adds the KB's implicit tag")
-    content: str | None = Field(None, description="inline content, text or base64")
+    content: str | None = Field(
+        None, description="inline content: text, or base64 (content_encoding) for small files"
+    )
     content_encoding: Literal["text", "base64"] = "text"
     object_ref: str | None = Field(
-        None, description="name in the `texts` object store, under '<org_id>/'"
+        None,
+        description="instead of content: the bytes' name in the `texts` object store, under "
+        "'<org_id>/' (the gateway stages under 'uploads/<org_id>/')",
     )
     needs_ocr: bool = False
     scope_kb_ids: list[str] | None = Field(None, description=SCOPE_DESCRIPTION)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, Request, Response
 
 from services.gateway.auth import KeyResolver, Principal
 from services.gateway.guard import resolved_principal
@@ -86,3 +86,10 @@ Keys = Annotated[KeyResolver, Depends(get_keys)]
 WAITED: dict[int | str, dict[str, Any]] = {
     200: {"model": UploadResult, "description": "indexed (or stored) before answering"}
 }
+
+
+def answered(result: UploadResult, response: Response) -> UploadResult:
+    """An upload's answer: 200 once it is indexed (or stored in no KB), 202 while it is not."""
+    if result.status in ("complete", "stored"):
+        response.status_code = 200
+    return result

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 
-from services.gateway.api.deps import WAITED, Caller, Docs
+from services.gateway.api.deps import WAITED, Caller, Docs, answered
+from services.gateway.api.files import accepts_files, receive_file
 from services.gateway.api.routing import StrictBodyRoute
 from services.gateway.schemas import (
     DeleteResult,
@@ -21,15 +22,21 @@ router = APIRouter(prefix="/v1/documents", tags=["documents"], route_class=Stric
 Wait = Annotated[bool, Query(description="wait until the index reflects the change")]
 
 
+async def upload_file(
+    request: Request, documents: Docs, caller: Caller, response: Response, wait: Wait = False
+) -> UploadResult:
+    result = await receive_file(request, documents, caller, None, wait=wait)
+    return answered(result, response)
+
+
 @router.post("", status_code=202, responses=WAITED)
+@accepts_files(upload_file)
 async def upload(
     body: UploadBody, documents: Docs, caller: Caller, response: Response, wait: Wait = False
 ) -> UploadResult:
     """Upload a document; it joins every KB whose tag_ids its tags match (and `kb_id`)."""
     result = await documents.upload(caller, body, None, wait=wait)
-    if result.status in ("complete", "stored"):
-        response.status_code = 200
-    return result
+    return answered(result, response)
 
 
 @router.get("")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 
-from services.gateway.api.deps import WAITED, Caller, Docs, Kbs
+from services.gateway.api.deps import WAITED, Caller, Docs, Kbs, answered
+from services.gateway.api.files import accepts_files, receive_file
 from services.gateway.api.routing import StrictBodyRoute
 from services.gateway.schemas import (
     Ack,
@@ -96,7 +97,20 @@ async def kb_documents(
     return await kbs.documents(caller, kb, skip, limit, name_search, status)
 
 
+async def upload_file_to_kb(
+    kb: str,
+    request: Request,
+    documents: Docs,
+    caller: Caller,
+    response: Response,
+    wait: Wait = False,
+) -> UploadResult:
+    result = await receive_file(request, documents, caller, kb, wait=wait)
+    return answered(result, response)
+
+
 @router.post("/{kb}/documents", status_code=202, responses=WAITED)
+@accepts_files(upload_file_to_kb)
 async def upload_to_kb(
     kb: str,
     body: UploadBody,
@@ -107,6 +121,4 @@ async def upload_to_kb(
 ) -> UploadResult:
     """Upload a document into this KB (its implicit tag) and any KB its tags match."""
     result = await documents.upload(caller, body, kb, wait=wait)
-    if result.status in ("complete", "stored"):
-        response.status_code = 200
-    return result
+    return answered(result, response)

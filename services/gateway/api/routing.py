@@ -2,10 +2,15 @@
 FastAPI validates it, without type coercion, exactly as the tools hold their arguments
 (`tools.registry.run_tool`). Pydantic alone would take `"5"` or `true` for an integer; the
 schema a client reads says neither is one, and REST and the tools must refuse the same
-bodies."""
+bodies.
+
+A route whose endpoint `files.accepts_files` marks takes a file body too: a request whose body
+is not JSON goes to the marked endpoint, through FastAPI's own handling of its parameters,
+with the body unread."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Coroutine
 from functools import cache
@@ -15,9 +20,11 @@ import jsonschema_rs
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from fastapi.utils import deep_dict_update
 from jsonschema import Draft202012Validator
 from pydantic import BaseModel, ValidationError
 
+from services.gateway.api.files import file_bodies_openapi, files_endpoint, is_json
 from services.gateway.tools.registry import schema_errors
 
 
@@ -49,7 +56,34 @@ def _model_accepts(model: type[BaseModel], body: Any) -> bool:
 
 
 class StrictBodyRoute(APIRoute):
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if files_endpoint(endpoint) is not None:
+            extra = copy.deepcopy(file_bodies_openapi())
+            deep_dict_update(extra, kwargs.get("openapi_extra") or {})
+            kwargs["openapi_extra"] = extra
+        super().__init__(path, endpoint, **kwargs)
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = self._json_handler()
+        files = files_endpoint(self.endpoint)
+        if files is None:
+            return handler
+        file_handler = APIRoute(
+            self.path,
+            files,
+            status_code=self.status_code,
+            dependencies=self.dependencies,
+            dependency_overrides_provider=self.dependency_overrides_provider,
+        ).get_route_handler()
+
+        async def either(request: Request) -> Response:
+            if is_json(request.headers.get("content-type")):
+                return await handler(request)
+            return await file_handler(request)
+
+        return either
+
+    def _json_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         model = _body_model(self.body_field.field_info.annotation if self.body_field else None)
         if model is None:

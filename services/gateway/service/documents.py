@@ -4,18 +4,19 @@ only through events to ingest; with `wait`, a call returns once the index reflec
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import BinaryIO
 
 from services.common.bus.client import Bus
 from services.common.bus.registry import Registries
 from services.common.domain.content import (
     HTML_TYPES,
     TEXT_TYPES,
+    check_size,
+    declared_mime,
     decode_content,
     is_supported,
     normalise_mime,
@@ -43,6 +44,7 @@ from services.gateway.schemas import (
     DeleteResult,
     DocumentPatch,
     DocumentView,
+    FileFields,
     Page,
     UploadBody,
     UploadResult,
@@ -54,6 +56,7 @@ from services.gateway.service.access import (
     visible_kb_ids,
     visible_tags,
 )
+from services.gateway.service.incoming import Incoming
 from services.gateway.service.kbs import KnowledgeBases
 from services.gateway.service.waiting import Events, Waiting
 
@@ -66,13 +69,24 @@ INLINE_CONTENT_BYTES = 256 * 1024
 VERDICT_SECONDS = 10.0
 
 
+# The type an event names when nobody said one: ingest reads it from the bytes and the name.
+UNDECLARED = "application/octet-stream"
+
+
 @dataclass(frozen=True)
-class _Content:
-    name: str
-    text: str
-    encoding: Literal["text", "base64"]
-    mime_type: str
-    uri: str | None
+class Content:
+    """An upload's content as it came in, and what came with it. `body` is text (a JSON
+    body's text content), bytes (base64 decoded at the entrance, a fetched URL, a server
+    file) or a file that streamed in (`Incoming`); it keeps that form up to the event, which
+    carries text inline and references everything else staged in the object store. `name`,
+    `mime_type` and `uri` are the file's own (a form's filename and part type, the URL's);
+    the upload's fields, when given, win over them. `field` names the content in errors."""
+
+    body: str | bytes | Incoming
+    name: str | None = None
+    mime_type: str | None = None
+    uri: str | None = None
+    field: str = "content"
 
 
 class Documents:
@@ -97,38 +111,79 @@ class Documents:
         `url` or read from `path`; with `replace_same_uri` a document with the same uri is
         replaced. With `wait`, returns once the index reflects it; content that cannot be
         read (e.g. a broken PDF) is then refused like any other invalid input."""
-        kb_ref = kb_ref or body.kb_id
         # Resolved (and write access checked) first: a key that cannot write fetches nothing.
+        kb = await self.target(p, kb_ref or body.kb_id)
+        content = await self._content(body)
+        return await self._upload(p, body, content, kb, wait=wait)
+
+    async def upload_content(
+        self,
+        p: Principal,
+        fields: FileFields,
+        content: Content,
+        kb_ref: str | None = None,
+        *,
+        wait: bool = False,
+    ) -> UploadResult:
+        """Add or replace a document whose content the caller already holds (a file that
+        streamed in, content a tool decoded), as `upload` does."""
+        kb = await self.target(p, kb_ref or fields.kb_id)
+        return await self._upload(p, fields, content, kb, wait=wait)
+
+    async def target(self, p: Principal, kb_ref: str | None) -> KnowledgeBase | None:
+        """The KB an upload goes into (None: by its tags alone), once `p` may write there."""
         kb = await self.kbs.resolve(p, kb_ref, write=True) if kb_ref else None
         if kb is None:
             p.check_org_wide_write()
-        content = await self._content(body)
-        mime = content.mime_type
-        if not is_supported(mime):
+        return kb
+
+    async def _upload(
+        self,
+        p: Principal,
+        fields: UploadBody | FileFields,
+        content: Content,
+        kb: KnowledgeBase | None,
+        *,
+        wait: bool,
+    ) -> UploadResult:
+        name = fields.name or content.name
+        if not name:
+            raise InvalidInput("name is required: the document's title or file name", field="name")
+        uri = fields.uri or content.uri
+        mime = self._declared_type(fields.mime_type or content.mime_type, name, content.body)
+        if mime is not None and not is_supported(mime):
             raise InvalidInput(
                 f"unsupported mime_type {mime!r}; supported: {MIME_TYPES}", field="mime_type"
             )
-        data = decode_content(content.text, content.encoding, self.settings.max_content_bytes)
+        limit = self.settings.max_content_bytes
+        body = content.body
+        payload: bytes | BinaryIO
+        if isinstance(body, Incoming):  # counted against the limit as it came in
+            payload, size, blank = body.reader(), body.size, body.blank
+        else:
+            data = decode_content(body, "text", limit) if isinstance(body, str) else body
+            check_size(len(data), limit)
+            payload, size, blank = data, len(data), not data.strip()
+        if blank:
+            raise InvalidInput(
+                "content has no text (it is empty or only whitespace)", field=content.field
+            )
         check_document_fields(
-            name=content.name,
-            source_id=body.source_id,
-            uri=content.uri,
-            tags=body.tags,
-            collection=body.collection,
-            metadata=body.metadata,
+            name=name,
+            source_id=fields.source_id,
+            uri=uri,
+            tags=fields.tags,
+            collection=fields.collection,
+            metadata=fields.metadata,
             limits=self.settings.limits,
         )
-        _check_label_prefixes(body.tags)
-        if mime in TEXT_TYPES and not data.strip():
-            raise InvalidInput(
-                "content has no text (it is empty or only whitespace)", field="content"
-            )
-        await self._check_tag_scope(p, body.tags)
-        document_id = body.document_id
-        if document_id is None and body.replace_same_uri and content.uri:
-            document_id = await self._same_uri(p, content.uri, kb)
+        _check_label_prefixes(fields.tags)
+        await self._check_tag_scope(p, fields.tags)
+        document_id = fields.document_id
+        if document_id is None and fields.replace_same_uri and uri:
+            document_id = await self._same_uri(p, uri, kb)
         document_id = document_id or new_id()
-        if body.document_id:
+        if fields.document_id:
             # Checked here for a quick answer; ingest checks again when it writes (the event
             # carries the scope), so a document moved meanwhile is safe too.
             existing = await self.reg.documents.get(f"{p.org_id}.{document_id}")
@@ -137,24 +192,25 @@ class Documents:
         event = DocUploaded(
             org_id=p.org_id,
             document_id=document_id,
-            name=content.name,
-            mime_type=mime,
-            source_id=body.source_id,
-            uri=content.uri,
-            tags=body.tags,
-            collection=body.collection,
-            metadata=body.metadata,
+            name=name,
+            mime_type=mime or UNDECLARED,
+            source_id=fields.source_id,
+            uri=uri,
+            tags=fields.tags,
+            collection=fields.collection,
+            metadata=fields.metadata,
             kb_id=kb.kb_id if kb else None,
             scope_kb_ids=p.scope,
             writer=p.writer,
         )
-        if len(data) <= self._inline_limit():
-            event.content, event.content_encoding = content.text, content.encoding
+        if isinstance(body, str) and size <= self._inline_limit():
+            event.content = body
         else:
+            # Bytes, and text too large for one message, travel as one staged object.
             event.object_ref = staging_name(p.org_id, event.event_id)
-            await self.reg.texts.put(event.object_ref, data)
+            await self.reg.texts.put(event.object_ref, payload)
         result = UploadResult(
-            document_id=document_id, name=content.name, status="processing", mime_type=mime
+            document_id=document_id, name=name, status="processing", mime_type=mime
         )
         if not wait:
             await self._publish_upload(event)
@@ -167,27 +223,31 @@ class Documents:
         limit = self.bus.nc.max_payload // 4 if self.bus.nc is not None else INLINE_CONTENT_BYTES
         return min(INLINE_CONTENT_BYTES, limit)
 
-    async def _content(self, body: UploadBody) -> _Content:
+    @staticmethod
+    def _declared_type(declared: str | None, name: str, body: str | bytes | Incoming) -> str | None:
+        """The type the caller states, for an early refusal of what kbmesh cannot read. Text
+        content is recorded as what the name says when nothing is declared (and as plain text
+        under the name of a binary format); bytes leave an undeclared type to ingest, which
+        reads it from the bytes and the name."""
+        if not isinstance(body, str):
+            return declared_mime(declared)
+        mime = normalise_mime(declared, name)
+        if declared_mime(declared) is None and mime not in TEXT_TYPES | HTML_TYPES:
+            mime = "text/plain"  # text content under, e.g., a .pdf name
+        return mime
+
+    async def _content(self, body: UploadBody) -> Content:
         if body.content is not None:
-            name = body.name or "document"
-            if body.mime_type:
-                mime = normalise_mime(body.mime_type, name)
-            else:
-                mime = normalise_mime(None, name)
-                if body.content_encoding == "text" and mime not in TEXT_TYPES | HTML_TYPES:
-                    mime = "text/plain"  # text content under, e.g., a .pdf name
-            return _Content(name, body.content, body.content_encoding, mime, body.uri)
+            if body.content_encoding == "base64":
+                # The one decode: bytes from here on, up to ingest.
+                data = decode_content(body.content, "base64", self.settings.max_content_bytes)
+                return Content(data)
+            return Content(body.content)
         if body.url is not None:
             fetched = await fetch_url(body.url, self.settings)
         else:
             fetched = await read_path(body.path or "", self.settings)
-        return _Content(
-            body.name or fetched.name,
-            base64.b64encode(fetched.data).decode("ascii"),
-            "base64",
-            normalise_mime(body.mime_type or fetched.mime_type, body.name or fetched.name),
-            body.uri or fetched.uri,
-        )
+        return Content(fetched.data, fetched.name, fetched.mime_type, fetched.uri)
 
     async def _same_uri(self, p: Principal, uri: str, kb: KnowledgeBase | None) -> str | None:
         """The document to replace: the one with this uri in `kb` (else among all the
@@ -265,6 +325,7 @@ class Documents:
             raise _overtaken(record.document_id, revision, record.revision)
         result.revision = record.revision
         result.kb_ids = record.kb_ids
+        result.mime_type = record.mime_type  # the type ingest read it as
         if record.status == DocStatus.awaiting_ocr:
             return result.model_copy(update={"status": "awaiting_ocr"})
         if record.status == DocStatus.failed:

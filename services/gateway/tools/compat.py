@@ -24,14 +24,20 @@ from pydantic import (
     model_validator,
 )
 
-from services.common.domain.content import HTML_TYPES, TEXT_TYPES, normalise_mime
+from services.common.domain.content import (
+    HTML_TYPES,
+    TEXT_TYPES,
+    decode_content,
+    normalise_mime,
+)
 from services.common.domain.errors import InvalidInput, NotFound
 from services.common.domain.ids import UUID_PATTERN, point_id
 from services.common.domain.models import DEFAULT_KB, DEFAULT_SOURCE
 from services.common.messages.queries import MatchType, SearchFilters, SearchHit, SearchQuery
 from services.gateway.auth import Principal
-from services.gateway.schemas import MIME_TYPES, UploadBody
+from services.gateway.schemas import MIME_TYPES, FileFields, UploadBody
 from services.gateway.service import GatewayService
+from services.gateway.service.documents import Content
 from services.gateway.tools.core import DeleteOutput, delete_output
 from services.gateway.tools.registry import tool
 
@@ -171,18 +177,18 @@ class UploadDocumentOutput(BaseModel):
 _BASE64 = re.compile(r"^[A-Za-z0-9+/]+={0,2}$")
 
 
-def _compat_encoding(content: str, mime: str) -> Literal["text", "base64"]:
-    """Binary types are base64. Text types are plain unless the content is unmistakably
-    base64: no whitespace, valid padding, and it decodes to UTF-8 text."""
+def _compat_content(content: str, mime: str, max_bytes: int) -> str | bytes:
+    """The document as these clients send it: binary types in base64 (decoded here, the one
+    decode), text types as text, unless the content is unmistakably base64 — no whitespace,
+    valid padding, and it decodes to UTF-8 text, which is then the document."""
     if mime not in TEXT_TYPES and mime not in HTML_TYPES:
-        return "base64"
+        return decode_content(content, "base64", max_bytes)
     if len(content) < 16 or len(content) % 4 or not _BASE64.match(content):
-        return "text"
+        return content
     try:
-        base64.b64decode(content, validate=True).decode("utf-8")
+        return base64.b64decode(content, validate=True).decode("utf-8")
     except (binascii.Error, ValueError):
-        return "text"
-    return "base64"
+        return content
 
 
 @tool(
@@ -197,15 +203,9 @@ async def upload_document(
     document. Documents over 10 MB, and content that cannot be read, are rejected."""
     kb_id = await _project(service, p, inp.projectId)
     mime = normalise_mime(inp.mimeType, inp.fileName)
-    body = UploadBody(
-        name=inp.fileName,
-        content=inp.content,
-        mime_type=mime,
-        content_encoding=_compat_encoding(inp.content, mime),
-        uri=inp.fileName,
-        replace_same_uri=True,
-    )
-    result = await service.documents.upload(p, body, kb_id, wait=True)
+    fields = FileFields(name=inp.fileName, mime_type=mime, uri=inp.fileName, replace_same_uri=True)
+    content = Content(_compat_content(inp.content, mime, service.settings.max_content_bytes))
+    result = await service.documents.upload_content(p, fields, content, kb_id, wait=True)
     if result.status == "failed":
         raise InvalidInput(f"the document could not be processed: {result.error}", field="content")
     return UploadDocumentOutput(

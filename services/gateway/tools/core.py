@@ -189,7 +189,10 @@ class KbUploadInput(UploadFields):
 
 
 class KbUploadOutput(UploadResult):
-    mime_type: str = Field(description="the type the document was stored and extracted as")
+    mime_type: str | None = Field(
+        description="the type the document was stored and extracted as (with wait false: the "
+        "type declared, or null when none was: the server reads it from the bytes)"
+    )
 
 
 @tool("core", title="Add a document", open_world=True, destructive=True, error_fields=KB_FIELD)

@@ -80,12 +80,15 @@ export function query(params) {
   return s ? `?${s}` : "";
 }
 
-/** POST with upload progress (fetch has none): onProgress(fraction) while bytes go out. */
-export function upload(path, body, onProgress) {
+/**
+ * POST a FormData (a file and its fields) with upload progress (fetch has none):
+ * onProgress(fraction) while bytes go out. The browser sets the multipart Content-Type.
+ */
+export function upload(path, form, onProgress) {
   return new Promise((resolve, reject) => {
     const xhr = new XMLHttpRequest();
     xhr.open("POST", path);
-    for (const [k, v] of Object.entries(headers(true))) xhr.setRequestHeader(k, v);
+    for (const [k, v] of Object.entries(headers(false))) xhr.setRequestHeader(k, v);
     xhr.upload.addEventListener("progress", (e) => {
       if (e.lengthComputable) onProgress(e.loaded / e.total);
     });
@@ -101,7 +104,7 @@ export function upload(path, body, onProgress) {
       else reject(failed(xhr.status, data));
     });
     xhr.addEventListener("error", () => reject(new ApiError(0, { detail: "network error" })));
-    xhr.send(JSON.stringify(body));
+    xhr.send(form);
   });
 }
 

@@ -5,25 +5,6 @@ import { clear, h } from "./dom.js";
 import { confirmDialog, docBadge, emptyState, errorBox, modal, nameSearch, num, pager, splitList, table, tagList, toast, when } from "./ui.js";
 
 const PAGE = 20;
-const MIME = {
-  md: "text/markdown", markdown: "text/markdown", txt: "text/plain", text: "text/plain",
-  html: "text/html", htm: "text/html", pdf: "application/pdf",
-  docx: "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
-  png: "image/png", jpg: "image/jpeg", jpeg: "image/jpeg", tif: "image/tiff", tiff: "image/tiff",
-  csv: "text/plain", json: "text/plain", rst: "text/plain",
-};
-
-function mimeOf(file) {
-  const ext = (file.name.split(".").pop() || "").toLowerCase();
-  return MIME[ext] || file.type || "text/plain";
-}
-
-async function base64(file) {
-  const bytes = new Uint8Array(await file.arrayBuffer());
-  let binary = "";
-  for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
-  return btoa(binary);
-}
 
 export function renderDocuments(panel, getKb, onChange) {
   const kbPath = () => encodeURIComponent(getKb().kb_id);
@@ -97,15 +78,10 @@ export function renderDocuments(panel, getKb, onChange) {
       row.dataset.state = kind;
     };
     try {
-      const mime = mimeOf(file);
-      const textual = mime.startsWith("text/");
-      const body = {
-        name: file.name,
-        mime_type: mime,
-        content: textual ? await file.text() : await base64(file),
-        content_encoding: textual ? "text" : "base64",
-      };
-      const result = await upload(`/v1/kbs/${kbPath()}/documents?wait=true`, body, (f) => {
+      // The file as it is, in a form: the server reads its type from its bytes and name.
+      const form = new FormData();
+      form.append("file", file, file.name);
+      const result = await upload(`/v1/kbs/${kbPath()}/documents?wait=true`, form, (f) => {
         bar.value = f;
         if (f >= 1) setStatus("Indexing…", "indexing");
       });
