@@ -212,6 +212,9 @@ class KbmeshMCP(MCPServer):
             raise resource_error(err) from err
         except BUS_UNAVAILABLE as err:
             raise resource_error(unavailable(err)) from err
+        except Exception as err:
+            log.exception("resource_list_failed")
+            raise internal_error("listing resources") from err
         return ListResourcesResult(
             resources=[listed(info) for info in listing.items], next_cursor=listing.next_cursor
         )
@@ -232,11 +235,8 @@ class KbmeshMCP(MCPServer):
         except BUS_UNAVAILABLE as err:
             raise resource_error(unavailable(err), address) from err
         except Exception as err:
-            # Recorded here with its traceback; the caller sees only that it happened.
             log.exception("resource_read_failed uri=%s", address[:200])
-            raise MCPError(
-                INTERNAL_ERROR, "internal error while reading it; the server log has the details"
-            ) from err
+            raise internal_error("reading the resource") from err
         meta = None
         if found.page is not None:
             page: dict[str, int | str] = {"page": found.page.page, "pages": found.page.pages}
@@ -357,6 +357,11 @@ def resource_error(err: KbmeshError, uri: str | None = None) -> MCPError:
     code = INVALID_PARAMS if err.status_code < 500 else INTERNAL_ERROR
     data = {"error_type": err.error_type, **({"uri": uri} if uri is not None else {})}
     return MCPError(code, err.message, data)
+
+
+def internal_error(doing: str) -> MCPError:
+    # Recorded with its traceback where it was caught; the caller sees only that it happened.
+    return MCPError(INTERNAL_ERROR, f"internal error while {doing}; the server log has the details")
 
 
 def create_mcp(
