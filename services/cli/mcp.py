@@ -3,8 +3,9 @@ reached over HTTP only (no NATS, no data directory on this machine).
 
 The process is a relay, not a second implementation: it opens one MCP session to the
 stack's `/mcp` (streamable HTTP, the API key as a bearer token) and answers the agent's
-`tools/list` and `tools/call` with what that session answers, so every rule of the stack
-(scope, input rules, errors) applies unchanged.
+tool requests (`tools/list`, `tools/call`) and resource requests (`resources/list`,
+`resources/templates/list`, `resources/read`) with what that session answers, so every rule
+of the stack (scope, input rules, errors) applies unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ TIMEOUT = httpx2.Timeout(30.0, read=300.0)
 
 
 async def relay(api: str, api_key: str | None) -> None:
-    """Serve MCP on stdin/stdout, relaying every tool call to the kbmesh at `api`."""
+    """Serve MCP on stdin/stdout, relaying every tool and resource request to the kbmesh at
+    `api`."""
     url = f"{api.rstrip('/')}/mcp"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with (
@@ -43,12 +45,30 @@ async def relay(api: str, api_key: str | None) -> None:
         async def call_tool(_ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
             return await remote.call_tool(params.name, params.arguments)
 
+        async def list_resources(
+            _ctx: Any, params: types.PaginatedRequestParams | None
+        ) -> types.ListResourcesResult:
+            return await remote.list_resources(params=params)
+
+        async def list_resource_templates(
+            _ctx: Any, params: types.PaginatedRequestParams | None
+        ) -> types.ListResourceTemplatesResult:
+            return await remote.list_resource_templates(params=params)
+
+        async def read_resource(
+            _ctx: Any, params: types.ReadResourceRequestParams
+        ) -> types.ReadResourceResult:
+            return await remote.read_resource(params.uri)
+
         server: Server[Any] = Server(
             info.server_info.name,
             version=info.server_info.version,
             instructions=info.instructions,
             on_list_tools=list_tools,
             on_call_tool=call_tool,
+            on_list_resources=list_resources,
+            on_list_resource_templates=list_resource_templates,
+            on_read_resource=read_resource,
         )
         log.info("mcp_stdio_ready api=%s relay=true", api)
         async with stdio_server() as (stdin, stdout):

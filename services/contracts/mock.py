@@ -20,8 +20,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from jsonschema import Draft202012Validator
+from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import Context
-from mcp_types import CallToolResult
+from mcp_types import CallToolResult, ListResourcesResult, PaginatedRequestParams
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import QueryParams
 from starlette.requests import Request
@@ -46,6 +47,7 @@ from services.gateway.api.tools import tool_arguments
 from services.gateway.auth import Principal
 from services.gateway.mcp import KbmeshMCP, MountRoot, call_result
 from services.gateway.problems import TOOLS_PATH, ProblemFieldError, problem
+from services.gateway.service.resources import ResourceText
 from services.gateway.tools import (
     TOOLSETS,
     ToolOutcome,
@@ -112,6 +114,19 @@ class MockMCP(KbmeshMCP):
         if refused is None:
             return await super().call_tool(name, arguments, context)
         return call_result(refused)
+
+    # The examples hold no documents: the mock lists no resources and reads none, while the
+    # links in its tool results are the gateway's (the same examples, the same addresses).
+    async def list_resource_page(
+        self, ctx: ServerRequestContext[Any], params: PaginatedRequestParams
+    ) -> ListResourcesResult:
+        return ListResourcesResult(resources=[])
+
+    async def _read(self, principal: Principal, address: str) -> ResourceText:
+        raise NotFound(
+            f"resource {address[:200]!r} not found: the mock serves the contract examples, "
+            "which hold no documents or knowledge bases to read"
+        )
 
 
 def create_mock_app(

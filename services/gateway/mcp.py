@@ -1,8 +1,13 @@
-"""The MCP server: the tools of `tools/` over streamable HTTP (mounted at /mcp by the app)
-and over stdio (`kbmesh mcp` serves it on the process's stdin/stdout).
+"""The MCP server: the tools of `tools/`, and knowledge bases and documents as resources
+(`service/resources.py`), over streamable HTTP (mounted at /mcp by the app) and over stdio
+(`kbmesh mcp` serves it on the process's stdin/stdout). It speaks every protocol revision the
+SDK does: 2026-07-28 (the SDK's newest: one self-contained request per exchange, which the
+SDK's session manager routes by its `MCP-Protocol-Version` header) and the revisions of the
+initialize handshake before it (2025-11-25 and older: a session per client).
 
-Built on the SDK's `MCPServer`; only `list_tools` and `call_tool` are ours, so kbmesh validates
-arguments itself and every failure comes back as the structured tool error with `isError`.
+Built on the SDK's `MCPServer`. The tool handlers are ours, so kbmesh validates arguments
+itself and every failure comes back as the structured tool error with `isError`; so are the
+resource handlers, so a listing is paged and every list and read runs as the caller.
 Over HTTP each call runs as the principal of its own request's API key, exactly as REST does,
 and each session belongs to the key that opened it: the SDK's session manager compares the
 request's user (`scope["user"]`, set here from the key) with the session's owner, so another
@@ -18,6 +23,8 @@ from typing import Any
 
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser, AuthorizationContext
 from mcp.server.auth.provider import AccessToken
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel.helper_types import ReadResourceContents
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.streamable_http import StreamableHTTPServerTransport
 from mcp.server.streamable_http_manager import (
@@ -27,7 +34,22 @@ from mcp.server.streamable_http_manager import (
     StreamableHTTPSessionManager,
 )
 from mcp.server.transport_security import TransportSecuritySettings
-from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from mcp.shared.exceptions import MCPError
+from mcp.shared.uri_template import UriTemplate
+from mcp_types import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    Annotations,
+    CallToolResult,
+    ContentBlock,
+    ListResourcesResult,
+    PaginatedRequestParams,
+    ResourceLink,
+    TextContent,
+    ToolAnnotations,
+)
+from mcp_types import Resource as MCPResource
+from mcp_types import ResourceTemplate as MCPResourceTemplate
 from mcp_types import Tool as MCPTool
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -42,6 +64,14 @@ from services.gateway.auth import KeyResolver, Principal, Unauthorized
 from services.gateway.bodylimit import body_limit
 from services.gateway.guard import PRINCIPAL, refusal, resolved_principal
 from services.gateway.service import GatewayService
+from services.gateway.service.resources import (
+    DOCUMENT_TEMPLATE,
+    KB_TEMPLATE,
+    LIST_PAGE,
+    PAGE_CHARS,
+    ResourceInfo,
+    ResourceText,
+)
 from services.gateway.tools import ToolOutcome, ToolSpec, error_outcome, run_tool, tools_for
 
 log = logging.getLogger("kbmesh.mcp")
@@ -61,6 +91,30 @@ INSTRUCTIONS = {
     "add documents with upload_document or manageKnowledge, remove them with "
     "delete_document.",
 }
+# The addresses `read_resource` answers; the templates list says what each gives.
+KB_ADDRESS = UriTemplate.parse(KB_TEMPLATE)
+DOCUMENT_ADDRESS = UriTemplate.parse(DOCUMENT_TEMPLATE)
+RESOURCE_TEMPLATES = (
+    MCPResourceTemplate(
+        uri_template=KB_TEMPLATE,
+        name="knowledge_base",
+        title="Knowledge base",
+        description="A knowledge base by name or id: its description, status, settings, "
+        "indexed document and chunk counts, and its documents as links, in markdown.",
+        mime_type="text/markdown",
+    ),
+    MCPResourceTemplate(
+        uri_template=DOCUMENT_TEMPLATE,
+        name="document",
+        title="Document",
+        description="A document by its document_id (from kb_search, kb_list_documents or the "
+        "resource list): its extracted text. Text longer than "
+        f"{PAGE_CHARS:,} characters reads in pages: page=1 (the default), 2, ...; each page "
+        "ends with a line naming the next page's address.",
+    ),
+)
+# Where a page of a long document says which page it is and which comes next, in `_meta`.
+PAGE_META = "kbmesh/page"
 
 
 class KbmeshMCP(MCPServer):
@@ -75,6 +129,7 @@ class KbmeshMCP(MCPServer):
         keys: KeyResolver | None,
         principal: Principal | None,
         sessions_per_key: int = SESSIONS_PER_KEY,
+        resource_page_size: int = LIST_PAGE,
     ) -> None:
         # MCPServer() calls logging.basicConfig; a placeholder handler makes that a no-op, so
         # logging stays configured where the process configures it (the CLI).
@@ -100,7 +155,12 @@ class KbmeshMCP(MCPServer):
         self.keys = keys
         self.principal = principal
         self.sessions_per_key = sessions_per_key
+        self.resource_page_size = resource_page_size
         self._sessions: StreamableHTTPSessionManager | None = None
+        # In place of MCPServer's listing, which has no pages and no caller.
+        self._lowlevel_server.add_request_handler(
+            "resources/list", PaginatedRequestParams, self.list_resource_page
+        )
 
     async def list_tools(self) -> list[MCPTool]:
         return [
@@ -139,13 +199,78 @@ class KbmeshMCP(MCPServer):
             return error_outcome(unavailable(err))
         return await run_tool(spec, self.service, principal, arguments)
 
+    async def list_resource_page(
+        self, ctx: ServerRequestContext[Any], params: PaginatedRequestParams
+    ) -> ListResourcesResult:
+        """resources/list: the caller's KBs and documents, `resource_page_size` a page."""
+        try:
+            principal = self.principal_of(ctx.request)
+            listing = await self.service.resources.listing(
+                principal, params.cursor, self.resource_page_size
+            )
+        except KbmeshError as err:
+            raise resource_error(err) from err
+        except BUS_UNAVAILABLE as err:
+            raise resource_error(unavailable(err)) from err
+        except Exception as err:
+            log.exception("resource_list_failed")
+            raise internal_error("listing resources") from err
+        return ListResourcesResult(
+            resources=[listed(info) for info in listing.items], next_cursor=listing.next_cursor
+        )
+
+    async def list_resource_templates(self) -> list[MCPResourceTemplate]:
+        return list(RESOURCE_TEMPLATES)
+
+    async def read_resource(
+        self, uri: Any, context: Context[Any, Any] | None = None
+    ) -> list[ReadResourceContents]:
+        """resources/read, as the caller: what is outside its reach, or of another org,
+        reads as not found, exactly as what does not exist."""
+        address = str(uri)
+        try:
+            found = await self._read(await self.principal_for(context), address)
+        except KbmeshError as err:
+            raise resource_error(err, address) from err
+        except BUS_UNAVAILABLE as err:
+            raise resource_error(unavailable(err), address) from err
+        except Exception as err:
+            log.exception("resource_read_failed uri=%s", address[:200])
+            raise internal_error("reading the resource") from err
+        meta = None
+        if found.page is not None:
+            page: dict[str, int | str] = {"page": found.page.page, "pages": found.page.pages}
+            if found.page.next_uri is not None:
+                page["next"] = found.page.next_uri
+            meta = {PAGE_META: page}
+        return [ReadResourceContents(content=found.text, mime_type=found.mime_type, meta=meta)]
+
+    async def _read(self, principal: Principal, address: str) -> ResourceText:
+        resources = self.service.resources
+        if (kb := KB_ADDRESS.match(address)) is not None:
+            return await resources.kb(principal, _value(kb["kb"]))
+        if (document := DOCUMENT_ADDRESS.match(address)) is not None:
+            page = document.get("page")
+            return await resources.document(
+                principal,
+                _value(document["document_id"]),
+                _value(page) if page is not None else None,
+            )
+        raise NotFound(
+            f"resource {address[:200]!r} not found; kbmesh's resources are {KB_TEMPLATE} "
+            f"and {DOCUMENT_TEMPLATE}"
+        )
+
     async def principal_for(self, context: Context[Any, Any] | None) -> Principal:
-        """HTTP: the principal of the request's API key, which `SessionOwner` resolved (or
-        the gateway's `KeyGate` before it). stdio: the principal the process runs as."""
         request = None
         if context is not None:
             with contextlib.suppress(ValueError):
                 request = context.request_context.request
+        return self.principal_of(request)
+
+    def principal_of(self, request: Any) -> Principal:
+        """HTTP: the principal of the request's API key, which `SessionOwner` resolved (or
+        the gateway's `KeyGate` before it). stdio: the principal the process runs as."""
         scope = getattr(request, "scope", None)
         resolved = resolved_principal(scope) if scope is not None else None
         if resolved is not None:
@@ -195,12 +320,48 @@ def call_result(outcome: ToolOutcome) -> CallToolResult:
     structured content (strict clients check it against the output schema even then); its
     error_type and field travel in `_meta` for programs that want them."""
     meta = {ERROR_META: outcome.error.model_dump(exclude_none=True)} if outcome.error else None
+    content: list[ContentBlock] = [TextContent(type="text", text=outcome.text)]
+    content += [ResourceLink(**_fields(info)) for info in outcome.links]
     return CallToolResult(
-        content=[TextContent(type="text", text=outcome.text)],
+        content=content,
         structured_content=outcome.structured,
         is_error=outcome.is_error,
         _meta=meta,
     )
+
+
+def listed(info: ResourceInfo) -> MCPResource:
+    return MCPResource(**_fields(info))
+
+
+def _fields(info: ResourceInfo) -> dict[str, Any]:
+    """What a resource listing and a resource link both say of a resource."""
+    modified = info.updated_at.isoformat() if info.updated_at else None
+    return {
+        "uri": info.uri,
+        "name": info.name,
+        "description": info.description,
+        "mime_type": info.mime_type,
+        "annotations": Annotations(last_modified=modified) if modified else None,
+    }
+
+
+def _value(found: str | list[str]) -> str:
+    return found if isinstance(found, str) else ",".join(found)
+
+
+def resource_error(err: KbmeshError, uri: str | None = None) -> MCPError:
+    """A kbmesh error as the JSON-RPC error of a resource request: the caller's fault
+    (not found, a bad page or cursor) is invalid params, anything else an internal error;
+    the message is the error's own, error_type and the uri travel in `data`."""
+    code = INVALID_PARAMS if err.status_code < 500 else INTERNAL_ERROR
+    data = {"error_type": err.error_type, **({"uri": uri} if uri is not None else {})}
+    return MCPError(code, err.message, data)
+
+
+def internal_error(doing: str) -> MCPError:
+    # Recorded with its traceback where it was caught; the caller sees only that it happened.
+    return MCPError(INTERNAL_ERROR, f"internal error while {doing}; the server log has the details")
 
 
 def create_mcp(
@@ -210,10 +371,12 @@ def create_mcp(
     principal: Principal | None = None,
     toolsets: Sequence[str] | None = None,
     sessions_per_key: int = SESSIONS_PER_KEY,
+    resource_page_size: int = LIST_PAGE,
 ) -> KbmeshMCP:
     """The MCP server with `toolsets` (default: `KBMESH_MCP_TOOLSETS`). Over HTTP, pass the
     app's `KeyResolver`; stdio passes the fixed `principal` it runs as instead. Over HTTP one
-    key (or keyless loopback, all together) may hold `sessions_per_key` sessions at once."""
+    key (or keyless loopback, all together) may hold `sessions_per_key` sessions at once.
+    resources/list answers `resource_page_size` resources a page."""
     if keys is None and principal is None:
         raise ValueError("create_mcp needs the API keys (HTTP) or a fixed principal (stdio)")
     settings = service.settings
@@ -225,6 +388,7 @@ def create_mcp(
         keys=keys,
         principal=principal,
         sessions_per_key=sessions_per_key,
+        resource_page_size=resource_page_size,
     )
 
 

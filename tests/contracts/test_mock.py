@@ -10,6 +10,8 @@ import sys
 
 import httpx
 import pytest
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_PARAMS
 
 from services.contracts.export import TOOLS_PATH, Contracts, build
 from services.contracts.mock import create_mock_app
@@ -126,6 +128,15 @@ async def test_mock_over_mcp_lists_the_tools_and_answers_from_examples(contracts
 
         bad = await session.call_tool("kb_search", {"query": 42})
         assert failed(bad, "ValidationError")["field"] == "query"
+
+        # The example's hits are linked as the gateway links them; the mock holds no
+        # documents, so it lists no resources and reads each as not found, saying why.
+        link = result.content[1]
+        assert link.type == "resource_link" and link.uri.startswith("kbmesh://documents/")
+        assert (await session.list_resources()).resources == []
+        with pytest.raises(MCPError, match="mock") as caught:
+            await session.read_resource(link.uri)
+        assert caught.value.error.code == INVALID_PARAMS
 
 
 def test_mock_runs_without_nats_a_store_or_a_model():

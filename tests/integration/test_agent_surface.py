@@ -354,6 +354,46 @@ async def test_typescript_sdk_reads_the_message_of_a_failing_tool(stack, tmp_pat
     assert "project 'no-such-project' not found" in result["content"][0]["text"]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_typescript_sdk_accepts_search_results_that_link_documents(
+    stack, tmp_path, transport
+):
+    """The official TypeScript SDK calls kb_search: it accepts the structured result (checked
+    against the output schema) beside the resource links to the cited documents, and reading
+    a link with it gives that document's text."""
+    if why := ts_sdk_missing():
+        pytest.skip(why)
+    kb = await new_kb(stack)
+    text = "The lighthouse keeper trims the wick at dusk and winds the clockwork at midnight."
+    r = await stack.client.post(
+        f"/v1/kbs/{kb['kb_id']}/documents?wait=true", json={"name": "keeper.txt", "content": text}
+    )
+    assert r.json()["status"] == "complete", r.text
+    document_id = r.json()["document_id"]
+    if transport == "http":
+        target, env = f"{stack.base}/mcp", {}
+    else:
+        target = json.dumps([*kbmesh_command(), "mcp"])
+        env = {
+            **bus_env(stack.rt),
+            "KBMESH_MCP_TOOLSETS": "core,compat",
+            "KBMESH_DATA_DIR": str(tmp_path),
+            "KBMESH_LOG_LEVEL": "WARNING",
+        }
+    outcome = await ts_call_tool(
+        transport, target, "kb_search", {"kb": kb["name"], "query": "who trims the wick"}, env
+    )
+    assert outcome["raised"] is None, outcome
+    result = outcome["result"]
+    assert not result.get("isError") and result["structuredContent"]["hits"], result
+    links = [c for c in result["content"] if c["type"] == "resource_link"]
+    assert [(c["uri"], c["name"]) for c in links] == [
+        (f"kbmesh://documents/{document_id}", "keeper.txt")
+    ]
+    (read,) = outcome["linked"]["contents"]
+    assert read["text"].strip() == text
+
+
 # ---- REST shares the operations --------------------------------------------------------------
 
 

@@ -10,15 +10,21 @@ import sys
 from urllib.parse import urlparse
 
 import pytest
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.shared.exceptions import MCPError
+from mcp_types.version import KNOWN_PROTOCOL_VERSIONS, LATEST_PROTOCOL_VERSION
 
 from services.gateway.tools import TOOLS
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys, bus_env
 from tests.support.corpus import DOCS, PARAPHRASES
 from tests.support.mcp_client import (
+    OFFLINE_ENV,
     REPO,
     failed,
     http_session,
+    kbmesh_command,
     ok,
     serve_http,
     stdio_session,
@@ -55,8 +61,14 @@ async def test_stdio_against_a_running_stack(stack, tmp_path):
             assert up["status"] == "complete"
             r = await client.get(f"/v1/documents/{up['document_id']}")
             assert r.status_code == 200 and r.json()["name"] == "volcanoes.md"
-            hits = ok(await s.call_tool("kb_search", {"query": PARAPHRASES["volcanoes.md"]}))
-            assert hits["hits"][0]["document_id"] == up["document_id"]
+            found = await s.call_tool("kb_search", {"query": PARAPHRASES["volcanoes.md"]})
+            assert ok(found)["hits"][0]["document_id"] == up["document_id"]
+            # The cited document is linked, listed and read as a resource.
+            uri = f"kbmesh://documents/{up['document_id']}"
+            assert [c.uri for c in found.content if c.type == "resource_link"][:1] == [uri]
+            assert uri in {r.uri for r in (await s.list_resources()).resources}
+            read = (await s.read_resource(uri)).contents[0]
+            assert read.text.strip() == DOCS["volcanoes.md"].strip()
             failed(await s.call_tool("kb_search", {"query": ""}), "ValidationError")
             failed(
                 await s.call_tool(
@@ -68,6 +80,36 @@ async def test_stdio_against_a_running_stack(stack, tmp_path):
             assert gone["deleted_count"] == 1
     assert (await client.get(f"/v1/documents/{up['document_id']}")).status_code == 404
     assert "mcp_stdio_ready" in (tmp_path / "stderr.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("mode", "revision"),
+    [("auto", LATEST_PROTOCOL_VERSION), ("legacy", KNOWN_PROTOCOL_VERSIONS[-2])],
+)
+async def test_stdio_serves_the_newest_revision_and_the_one_before(stack, tmp_path, mode, revision):
+    """Over stdio, the official client negotiates the SDK's newest protocol revision by
+    default and the previous one when it asks for it; on each, tools and resources answer."""
+    rt, _ = stack
+    command, *prefix = kbmesh_command()
+    params = StdioServerParameters(
+        command=command,
+        args=[*prefix, "mcp"],
+        cwd=str(REPO),
+        env={
+            **OFFLINE_ENV,
+            **bus_env(rt),
+            "PYTHONPATH": str(REPO),
+            "KBMESH_DATA_DIR": str(tmp_path),
+            "KBMESH_LOG_LEVEL": "WARNING",
+        },
+    )
+    async with Client(params, mode=mode, read_timeout_seconds=180) as client:
+        assert client.protocol_version == revision
+        assert "items" in ok(await client.call_tool("kb_list", {}))
+        listed = (await client.list_resources()).resources
+        assert "kbmesh://kbs/default" in {r.uri for r in listed}
+        page = (await client.read_resource("kbmesh://kbs/default")).contents[0]
+        assert page.text.startswith("# default\n")
 
 
 async def test_stdio_api_key_confines_the_process(stack, tmp_path):
@@ -82,6 +124,10 @@ async def test_stdio_api_key_confines_the_process(stack, tmp_path):
     async with stdio_session([], env) as s:
         listed = ok(await s.call_tool("kb_list", {}))
         assert [k["kb_id"] for k in listed["items"]] == [kb["kb_id"]]
+        resources = (await s.list_resources()).resources
+        assert [r.uri for r in resources] == [f"kbmesh://kbs/{kb['kb_id']}"]
+        with pytest.raises(MCPError, match="not found"):
+            await s.read_resource("kbmesh://kbs/default")
         failed(
             await s.call_tool("kb_upload", {"kb": kb["kb_id"], "name": "a", "content": "x"}),
             "Forbidden",
@@ -113,6 +159,13 @@ async def test_stdio_relays_to_a_stack_reached_over_http_only(stack, tmp_path):
             hits = ok(await s.call_tool("kb_search", {"query": PARAPHRASES["volcanoes.md"]}))
             assert up["document_id"] in {h["document_id"] for h in hits["hits"]}
             failed(await s.call_tool("kb_search", {"query": ""}), "ValidationError")
+            # Resources are the stack's too: listed, templated and read through the relay.
+            uri = f"kbmesh://documents/{up['document_id']}"
+            assert uri in {r.uri for r in (await s.list_resources()).resources}
+            templates = (await s.list_resource_templates()).resource_templates
+            assert len(templates) == 2
+            read = (await s.read_resource(uri)).contents[0]
+            assert read.text.strip() == DOCS["volcanoes.md"].strip()
 
         kb = (await client.post("/v1/kbs", json={"name": "relay-scope"}, headers=auth)).json()
         scoped = await keys.create(
@@ -125,6 +178,8 @@ async def test_stdio_relays_to_a_stack_reached_over_http_only(stack, tmp_path):
                 await s.call_tool("kb_upload", {"kb": kb["kb_id"], "name": "a", "content": "x"}),
                 "Forbidden",
             )
+            with pytest.raises(MCPError, match="not found"):
+                await s.read_resource(f"kbmesh://documents/{up['document_id']}")
     assert not (tmp_path / "nothing-here").exists()
 
 

@@ -1,6 +1,7 @@
-// Calls one tool with the official TypeScript MCP SDK and prints one JSON line: the result,
-// or the error the SDK raised. The SDK validates structured content against the tool's
-// output schema (listed first), even on errors, as strict desktop clients do.
+// Calls one tool with the official TypeScript MCP SDK and prints one JSON line: the result
+// (and what reading the first resource it links gives), or the error the SDK raised. The
+// SDK validates structured content against the tool's output schema (listed first), even
+// on errors, as strict desktop clients do.
 //   node call_tool.mjs http <url> <tool> <arguments-json>
 //   node call_tool.mjs stdio <command-json> <tool> <arguments-json>
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
@@ -21,7 +22,9 @@ let outcome;
 try {
   await client.listTools();
   const result = await client.callTool({ name: tool, arguments: JSON.parse(argsJson) });
-  outcome = { raised: null, result };
+  const link = (result.content ?? []).find((item) => item.type === "resource_link");
+  const linked = link ? await client.readResource({ uri: link.uri }) : null;
+  outcome = { raised: null, result, linked };
 } catch (err) {
   outcome = { raised: String(err?.message ?? err), result: null };
 }

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx2
-from mcp import ClientSession
+from mcp import Client, ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
@@ -64,6 +64,22 @@ async def http_session(base_url: str, api_key: str | None = None) -> AsyncIterat
     ):
         await session.initialize()
         yield session
+
+
+@contextlib.asynccontextmanager
+async def sdk_client(
+    base_url: str, api_key: str | None = None, *, mode: str = "auto"
+) -> AsyncIterator[Client]:
+    """The official SDK's `Client` over streamable HTTP, negotiating as `mode` says: "auto"
+    (what the SDK does by default: the newest revision both sides speak) or "legacy" (the
+    initialize handshake of the revisions before 2026-07-28)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    timeout = httpx2.Timeout(120.0, read=300.0)
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=timeout) as http,
+        Client(streamable_http_client(f"{base_url}/mcp", http_client=http), mode=mode) as client,
+    ):
+        yield client
 
 
 def kbmesh_command() -> list[str]:

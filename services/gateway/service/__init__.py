@@ -1,6 +1,6 @@
 """The gateway's logic, shared by REST and MCP and free of both: knowledge bases, documents,
-search, answers and stored prompts, the access rules of API-key scopes, and read-your-writes
-waiting.
+search, answers and stored prompts, KBs and documents as resources to list and read, the
+access rules of API-key scopes, and read-your-writes waiting.
 
 It never writes vectors: documents change through events to ingest; KB definitions are
 written here (the gateway owns the KB API) and announced with `kb.changed`."""
@@ -16,6 +16,7 @@ from services.gateway.service.audit import AuditLog
 from services.gateway.service.deadletters import DeadLetters
 from services.gateway.service.documents import Documents
 from services.gateway.service.kbs import KnowledgeBases, checked_kb
+from services.gateway.service.resources import Resources
 from services.gateway.service.search import Search
 from services.gateway.service.waiting import Waiting
 
@@ -26,6 +27,7 @@ __all__ = [
     "Documents",
     "GatewayService",
     "KnowledgeBases",
+    "Resources",
     "Search",
     "checked_kb",
 ]
@@ -41,6 +43,7 @@ class GatewayService:
         self.waiting = Waiting(registries, settings.wait_timeout_seconds)
         self.kbs = KnowledgeBases(bus, registries, settings)
         self.documents = Documents(bus, registries, settings, self.kbs, self.waiting)
+        self.resources = Resources(registries, self.kbs, self.documents)
         self.search = Search(bus, self.kbs, timeout_seconds=settings.search.timeout_seconds)
         self.progress = ProgressFeed()
         self.answers = Answers(bus, registries, settings, self.kbs)

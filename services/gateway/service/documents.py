@@ -356,6 +356,19 @@ class Documents:
         record = await self._record(p, document_id)
         return await self._view(record, p)
 
+    async def text(self, p: Principal, document_id: str) -> tuple[DocumentRecord, str]:
+        """A document the caller may see, with its extracted text."""
+        record = await self._record(p, document_id)
+        if record.status != DocStatus.ready:
+            raise Conflict(
+                f"document {document_id!r} has no text yet (status {record.status.value})",
+                field="document_id",
+            )
+        text = await self.reg.texts.get_text(record.text_object)
+        if text is None:
+            raise Conflict(f"document {document_id!r} has no stored text", field="document_id")
+        return record, text
+
     async def page(
         self,
         p: Principal,

@@ -9,7 +9,7 @@ from services.common.messages.answers import AskOptions, AskQuery, AskResponse, 
 from services.gateway.auth import Principal
 from services.gateway.service import GatewayService
 from services.gateway.tools.registry import tool
-from services.gateway.tools.rendering import render_answer
+from services.gateway.tools.rendering import answer_links, render_answer
 
 
 class KbAskInput(AskQuery):
@@ -26,6 +26,7 @@ class KbAskInput(AskQuery):
     "core",
     title="Answer from the knowledge bases",
     render=render_answer,
+    cites=answer_links,
     read_only=True,
     open_world=True,
 )

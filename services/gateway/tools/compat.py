@@ -39,7 +39,8 @@ from services.gateway.schemas import MIME_TYPES, FileFields, UploadBody
 from services.gateway.service import GatewayService
 from services.gateway.service.documents import Content
 from services.gateway.tools.core import DeleteOutput, delete_output
-from services.gateway.tools.registry import tool
+from services.gateway.tools.registry import CitingOutput, tool
+from services.gateway.tools.rendering import hit_links
 
 
 async def _project(service: GatewayService, p: Principal, project_id: str) -> str:
@@ -76,7 +77,7 @@ class DocResult(BaseModel):
     score: float = Field(description="similarity to the query (cosine, 0-1 for relevant text)")
 
 
-class SearchDocsOutput(BaseModel):
+class SearchDocsOutput(CitingOutput):
     results: list[DocResult] = Field(description="best match first")
 
 
@@ -112,6 +113,7 @@ def render_knowledge(out: SearchKnowledgeBaseOutput) -> str:
     "compat",
     title="Search project documents",
     render=render_docs,
+    cites=CitingOutput.cited,
     read_only=True,
     error_fields=PROJECT_FIELDS,
 )
@@ -143,7 +145,7 @@ async def search_docs(
             for h in resp.hits
             if h.is_matched
         ]
-    )
+    ).citing(hit_links(resp.hits))
 
 
 class UploadDocumentInput(BaseModel):
@@ -341,7 +343,7 @@ OPERATION_FIELDS = {
 }
 
 
-class ManageKnowledgeOutput(BaseModel):
+class ManageKnowledgeOutput(CitingOutput):
     success: bool = Field(True, description="true: the operation succeeded")
     operation: Literal["ingest", "search", "deleteBySource", "getChunk"] = Field(
         description="the operation this answers"
@@ -392,7 +394,7 @@ def _name_from_uri(uri: str | None) -> str:
     return (PurePosixPath(unquote(parsed.path)).name or parsed.netloc or uri)[:512]
 
 
-@tool("compat", title="Manage the knowledge base", destructive=True)
+@tool("compat", title="Manage the knowledge base", cites=CitingOutput.cited, destructive=True)
 async def manageKnowledge(
     service: GatewayService, p: Principal, inp: ManageKnowledgeInput
 ) -> ManageKnowledgeOutput:
@@ -414,17 +416,17 @@ async def manageKnowledge(
                 filters=SearchFilters(source_ids=only) if only else None,
             ),
         )
-        matched = [_knowledge_chunk(h) for h in resp.hits if h.is_matched]
-        chunks = matched[: inp.limit]
+        hits = [h for h in resp.hits if h.is_matched]
+        shown = hits[: inp.limit]
         return ManageKnowledgeOutput(
             operation=op,
-            chunks=chunks,
-            totalMatches=len(matched),
+            chunks=[_knowledge_chunk(h) for h in shown],
+            totalMatches=len(hits),
             query=inp.query,
-            message=f"Found {len(matched)} matching chunks"
-            if chunks
+            message=f"Found {len(hits)} matching chunks"
+            if shown
             else "No matching documents found",
-        )
+        ).citing(hit_links(shown))
     if op == "getChunk":
         found = await service.search.chunk(p, inp.chunkId or "")
         return ManageKnowledgeOutput(
@@ -505,14 +507,20 @@ class KnowledgeResult(BaseModel):
     chunk_index: int
 
 
-class SearchKnowledgeBaseOutput(BaseModel):
+class SearchKnowledgeBaseOutput(CitingOutput):
     results: list[KnowledgeResult]
     query: str
     sources_searched: int = Field(description="how many knowledge bases were searched")
     coalesced: int = Field(description="neighbour chunks added on each side of a match")
 
 
-@tool("compat", title="Search the knowledge base", render=render_knowledge, read_only=True)
+@tool(
+    "compat",
+    title="Search the knowledge base",
+    render=render_knowledge,
+    cites=CitingOutput.cited,
+    read_only=True,
+)
 async def search_knowledge_base(
     service: GatewayService, p: Principal, inp: SearchKnowledgeBaseInput
 ) -> SearchKnowledgeBaseOutput:
@@ -548,4 +556,4 @@ async def search_knowledge_base(
         query=resp.query,
         sources_searched=len(resp.kb_ids),
         coalesced=resp.coalesced,
-    )
+    ).citing(hit_links(resp.hits))

@@ -39,7 +39,7 @@ from services.gateway.schemas import (
 )
 from services.gateway.service import GatewayService
 from services.gateway.tools.registry import tool
-from services.gateway.tools.rendering import render_chunk, render_search
+from services.gateway.tools.rendering import render_chunk, render_search, search_links
 
 # Errors about a KB name the `kb` parameter.
 KB_FIELD = {"kb_id": "kb"}
@@ -114,6 +114,7 @@ class KbSearchInput(BaseModel):
     "core",
     title="Search knowledge bases",
     render=render_search,
+    cites=search_links,
     read_only=True,
     error_fields=KB_FIELD,
 )
@@ -123,7 +124,8 @@ async def kb_search(service: GatewayService, p: Principal, inp: KbSearchInput) -
     list (document, chunk, score, uri) and the structured hits; cite the document names.
     Use filters to restrict by tags, collection, source, document or metadata,
     coalesce_neighbors to get surrounding context, and max_tokens to bound the answer's size.
-    Call kb_get_chunk to expand one hit."""
+    Call kb_get_chunk to expand one hit. The result links each cited document as a resource
+    (kbmesh://documents/<document_id>) that reads as its whole text."""
     query = SearchQuery(
         query=inp.query,
         kb_ids=[inp.kb] if inp.kb else None,

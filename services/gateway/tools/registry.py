@@ -14,16 +14,16 @@ import inspect
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from functools import cached_property
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Self, Union, get_args, get_origin, get_type_hints
 
 import jsonschema_rs
 from jsonschema import Draft202012Validator
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 from pydantic.alias_generators import to_camel
 
 from services.common.bus.client import BUS_UNAVAILABLE, unavailable
@@ -31,6 +31,7 @@ from services.common.domain.errors import InvalidInput, KbmeshError
 from services.gateway.auth import Principal
 from services.gateway.schemas import ProblemFieldError
 from services.gateway.service import GatewayService
+from services.gateway.service.resources import ResourceInfo
 
 log = logging.getLogger("kbmesh.tools")
 
@@ -38,6 +39,8 @@ TOOLSETS = ("core", "compat")
 
 
 ToolFn = Callable[[GatewayService, Principal, Any], Awaitable[BaseModel]]
+# The documents a tool's result cites, as links a client can open (MCP `resource_link`).
+Cites = Callable[[Any], Sequence[ResourceInfo]]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class ToolSpec:
     output_model: type[BaseModel]
     fn: ToolFn
     render: Callable[[Any], str] | None = None
+    cites: Cites | None = None
     read_only: bool = False
     destructive: bool = False
     open_world: bool = False
@@ -101,13 +105,15 @@ def tool(
     *toolsets: str,
     title: str,
     render: Callable[[Any], str] | None = None,
+    cites: Cites | None = None,
     read_only: bool = False,
     destructive: bool = False,
     open_world: bool = False,
     error_fields: Mapping[str, str] | None = None,
 ) -> Callable[[ToolFn], ToolFn]:
     """Register `fn(service, principal, input) -> output` under its own name; the input and
-    output models are read from its annotations and the description from its docstring."""
+    output models are read from its annotations and the description from its docstring.
+    `render` writes the output's text, `cites` lists the documents it cites."""
 
     def register(fn: ToolFn) -> ToolFn:
         hints = get_type_hints(fn)
@@ -121,6 +127,7 @@ def tool(
             output_model=hints["return"],
             fn=fn,
             render=render,
+            cites=cites,
             read_only=read_only,
             destructive=destructive,
             open_world=open_world,
@@ -141,6 +148,20 @@ def tools_for(toolsets: list[str] | tuple[str, ...]) -> dict[str, ToolSpec]:
     return {n: s for n, s in TOOLS.items() if set(s.toolsets) & set(toolsets)}
 
 
+class CitingOutput(BaseModel):
+    """An output whose contract names no document ids (a compat shape) but whose tool links
+    the documents it cites: the links ride along outside its schema and its JSON."""
+
+    _cited: list[ResourceInfo] = PrivateAttr(default_factory=list)
+
+    def citing(self, links: Sequence[ResourceInfo]) -> Self:
+        self._cited = list(links)
+        return self
+
+    def cited(self) -> list[ResourceInfo]:
+        return self._cited
+
+
 class ToolErrorResult(BaseModel):
     """What every tool returns on failure (flagged `isError` in MCP; a 4xx/5xx in REST)."""
 
@@ -155,12 +176,14 @@ class ToolErrorResult(BaseModel):
 
 @dataclass(frozen=True)
 class ToolOutcome:
-    """A tool call's answer. A result has `structured` content (matching the output schema)
-    and its text; a failure has only text and `error` — MCP clients validate structured
-    content against the output schema even on errors, so an error must not carry any."""
+    """A tool call's answer. A result has `structured` content (matching the output schema),
+    its text and links to the documents it cites; a failure has only text and `error` — MCP
+    clients validate structured content against the output schema even on errors, so an
+    error must not carry any."""
 
     text: str
     structured: dict[str, Any] | None = None
+    links: tuple[ResourceInfo, ...] = ()
     error: ToolErrorResult | None = None
     status_code: int = 200
 
@@ -208,7 +231,8 @@ async def run_tool(
     text = (
         spec.render(output) if spec.render else json.dumps(structured, indent=2, ensure_ascii=False)
     )
-    return ToolOutcome(text=text, structured=structured)
+    links = tuple(spec.cites(output)) if spec.cites else ()
+    return ToolOutcome(text=text, structured=structured, links=links)
 
 
 def error_outcome(err: KbmeshError, field: str | None = None) -> ToolOutcome:

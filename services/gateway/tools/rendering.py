@@ -1,5 +1,5 @@
-"""Tool results as text: the numbered, source-attributed listings an LLM reads (the same
-results travel as structured content too)."""
+"""Tool results as clients read them: the numbered, source-attributed listings an LLM reads
+(the same results travel as structured content too), and links to the documents they cite."""
 
 from __future__ import annotations
 
@@ -7,6 +7,20 @@ import json
 
 from services.common.messages.answers import AskResponse
 from services.common.messages.queries import ChunkResponse, SearchHit, SearchResponse, place_text
+from services.gateway.service.resources import ResourceInfo, document_links
+
+
+def search_links(resp: SearchResponse) -> list[ResourceInfo]:
+    return hit_links(resp.hits)
+
+
+def hit_links(hits: list[SearchHit]) -> list[ResourceInfo]:
+    """The documents of the matched hits, best first."""
+    return document_links((h.document_id, h.document_name) for h in hits if h.is_matched)
+
+
+def answer_links(resp: AskResponse) -> list[ResourceInfo]:
+    return document_links((c.document_id, c.document_name) for c in resp.citations)
 
 
 def _hit_header(hit: SearchHit) -> str:
