@@ -9,18 +9,16 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from nats.js.errors import APIError
-
 from services.common.bus.audit import AuditAction, AuditEntry, AuditSink
 from services.common.bus.auth import CURRENT_PUBLISHER
-from services.common.bus.registry import Registries
+from services.common.bus.registry import Registries, compare_and_set
 from services.common.domain.content import (
     check_size,
     checksum,
     content_checksum,
     decode_content,
 )
-from services.common.domain.errors import Conflict, InvalidInput, KbmeshError, NotFound, Transient
+from services.common.domain.errors import InvalidInput, KbmeshError, NotFound, Transient
 from services.common.domain.ids import check_id, new_id
 from services.common.domain.layout import Layout, layout_object
 from services.common.domain.limits import (
@@ -64,7 +62,6 @@ T = TypeVar("T")
 # document records: every write is compare-and-set, and a lost race re-runs the read-decide-
 # write step. A race that keeps being lost is left to the bus's redelivery with backoff.
 CAS_ATTEMPTS = 10
-WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed compare-and-set
 # A failure's reason as kept on the document and the audit trail: as much as a dead letter's.
 REASON_LENGTH = 2000
 # The longest media type RFC 6838 allows (127 characters each side of the slash).
@@ -452,12 +449,7 @@ class IngestService:
                 await self._announce(record, [], lost)
                 # Only the record we cleared: a change that slipped in meanwhile (and may
                 # have indexed the document again) is cleared and announced once more.
-                try:
-                    await self.reg.documents.kv.delete(key, last=last)
-                except APIError as err:
-                    if err.err_code == WRONG_LAST_SEQUENCE:
-                        raise _Raced(key) from err
-                    raise
+                await self.reg.documents.delete_unchanged(key, last)
                 return record
 
             record = await self._cas(clear)
@@ -553,22 +545,19 @@ class IngestService:
             members,
             lost,
         )
+        # Until the KB list read after our last write agrees with it: each correction is a
+        # write, after which a KB may have changed again.
         for _ in range(CAS_ATTEMPTS):
             kbs = await self.reg.kbs.list(f"{record.org_id}.")
             now = sorted(kb.kb_id for kb in kbs if kb.matches(record.tags))
             if now == record.kb_ids:
                 return record
-            current, last = await self._get(record.key)
-            if current is None or current.revision != record.revision:
+            corrected = await self._cas(functools.partial(self._set_members, record, now))
+            if corrected is None:
                 return record  # deleted or changed again: that change announces itself
-            gained = sorted(set(now) - set(current.kb_ids))
-            lost = sorted(set(current.kb_ids) - set(now))
-            current.kb_ids = now
-            try:
-                last = await self._save(current, last)
-            except _Raced:
-                continue
-            record = current
+            record, was = corrected
+            gained = sorted(set(now) - set(was))
+            lost = sorted(set(was) - set(now))
             log.info(
                 "membership corrected org_id=%s document_id=%s kbs=%s removed=%s",
                 record.org_id,
@@ -581,6 +570,20 @@ class IngestService:
             for kb_id in lost:
                 await self._remove(record, kb_id, dedupe=False)
         raise Transient(f"knowledge bases of {record.org_id} keep changing; retrying later")
+
+    async def _set_members(
+        self, record: DocumentRecord, members: list[str]
+    ) -> tuple[DocumentRecord, list[str]] | None:
+        """Write `members` as the KBs of `record`'s revision as stored; that record and the
+        KBs it had (a `kb.changed` may have moved it meanwhile), or None when it was deleted
+        or changed again."""
+        current, last = await self._get(record.key)
+        if current is None or current.revision != record.revision:
+            return None
+        was = current.kb_ids
+        current.kb_ids = members
+        await self._save(current, last)
+        return current, was
 
     async def _announce(self, record: DocumentRecord, members: list[str], lost: list[str]) -> None:
         for kb_id in members:
@@ -615,21 +618,14 @@ class IngestService:
         return found if found is not None else (None, None)
 
     async def _save(self, record: DocumentRecord, last: int | None) -> int:
-        """Compare-and-set: create when `last` is None, else update only from `last`."""
-        try:
-            if last is None:
-                return await self.reg.documents.create(record.key, record)
-            return await self.reg.documents.update(record.key, record, last)
-        except Conflict as err:
-            raise _Raced(record.key) from err
+        """Compare-and-set: create when `last` is None, else update only from `last`
+        (`Raced` otherwise, which `_cas` answers by running its step again)."""
+        if last is None:
+            return await self.reg.documents.create(record.key, record)
+        return await self.reg.documents.update(record.key, record, last)
 
     async def _cas(self, step: Callable[[], Awaitable[T]]) -> T:
-        for _ in range(CAS_ATTEMPTS):
-            try:
-                return await step()
-            except _Raced:
-                continue
-        raise Transient("the document keeps changing concurrently; retrying later")
+        return await compare_and_set(step, what="the document", attempts=CAS_ATTEMPTS)
 
     async def _kb(self, org_id: str, kb_ref: str) -> KnowledgeBase:
         kb = await self.reg.kbs.get(f"{org_id}.{kb_ref}")
@@ -655,10 +651,6 @@ class IngestService:
 
 def _seen(record: DocumentRecord, event_id: str) -> bool:
     return record.last_event_id == event_id or event_id in record.recent_events
-
-
-class _Raced(Exception):
-    """Another writer changed the record between our read and our write."""
 
 
 def _derived_id(event_id: str) -> str:
