@@ -35,6 +35,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_result,
+    stop_after_delay,
+    wait_fixed,
+)
 
 from services.common.domain.formats import FORMATS, GZIP_TYPE
 from services.common.settings import ClientSettings
@@ -589,13 +596,8 @@ class Ingest:
     async def _settled(self, uri: str, result: dict[str, Any], size: int) -> None:
         """Count an upload once its document is indexed or failed (polling when the upload's
         own wait ended first)."""
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while result["status"] == "processing" and time.monotonic() < deadline:
-            await asyncio.sleep(POLL_SECONDS)
-            doc = await self._call("GET", f"/v1/documents/{result['document_id']}")
-            result = {**doc, "chunk_count": None}
-            if doc["status"] == "complete":
-                result["chunk_count"] = await self._chunk_count(doc)
+        if result["status"] == "processing":
+            result = await self._polled(result["document_id"])
         if result["status"] == "failed":
             self.tally.failures.append((uri, result.get("error") or "failed"))
         elif result["status"] == "processing":
@@ -603,6 +605,30 @@ class Ingest:
         else:
             self.tally.uploaded += 1
         self.progress.add(size, result.get("chunk_count") or 0)
+
+    async def _polled(self, document_id: str) -> dict[str, Any]:
+        """The document once it is no longer processing, looked at every POLL_SECONDS; as
+        it is after SETTLE_SECONDS."""
+
+        async def look() -> dict[str, Any]:
+            response = await self.http.get(f"/v1/documents/{document_id}")
+            if response.status_code == 404:
+                # Accepted, but ingest has not taken the upload yet (a long queue).
+                return {"status": "processing", "document_id": document_id}
+            doc = self._answer(response)
+            result = {**doc, "chunk_count": None}
+            if doc["status"] == "complete":
+                result["chunk_count"] = await self._chunk_count(doc)
+            return result
+
+        retrying = AsyncRetrying(
+            retry=retry_if_result(lambda result: result["status"] == "processing"),
+            wait=wait_fixed(POLL_SECONDS),
+            stop=stop_after_delay(SETTLE_SECONDS),
+            retry_error_callback=_last_result,
+        )
+        result: dict[str, Any] = await retrying(look)
+        return result
 
     async def _chunk_count(self, doc: dict[str, Any]) -> int:
         page = await self._call(
@@ -636,6 +662,11 @@ class Ingest:
                 detail = response.text
             raise RequestFailed(f"HTTP {response.status_code}: {detail}")
         return response.json()
+
+
+def _last_result(state: RetryCallState) -> Any:
+    """What the last poll found, once polling stops."""
+    return state.outcome.result() if state.outcome else None
 
 
 def _reason(err: Exception) -> str:
