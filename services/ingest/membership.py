@@ -93,26 +93,35 @@ class Membership:
             await self._remove(record, kb_id)
 
     async def _index(self, record: DocumentRecord, kb_id: str, *, dedupe: bool = True) -> None:
-        event = KbIndex(
-            org_id=record.org_id,
-            kb_id=kb_id,
-            document_id=record.document_id,
-            revision=record.revision,
-        )
-        if dedupe:
-            event.event_id = _event_id("i", record, kb_id)
-        await self.publish(Subject.KB_INDEX, event)
+        await self._send(Subject.KB_INDEX, KbIndex, "i", record, kb_id, dedupe)
 
     async def _remove(self, record: DocumentRecord, kb_id: str, *, dedupe: bool = True) -> None:
-        event = KbRemove(
+        await self._send(Subject.KB_REMOVE, KbRemove, "r", record, kb_id, dedupe)
+
+    async def _send(
+        self,
+        subject: Subject,
+        kind: type[KbIndex] | type[KbRemove],
+        prefix: str,
+        record: DocumentRecord,
+        kb_id: str,
+        dedupe: bool,
+    ) -> None:
+        event = kind(
             org_id=record.org_id,
             kb_id=kb_id,
             document_id=record.document_id,
             revision=record.revision,
         )
         if dedupe:
-            event.event_id = _event_id("r", record, kb_id)
-        await self.publish(Subject.KB_REMOVE, event)
+            # Deterministic: a redelivered upload republishes the same ids, and JetStream
+            # drops them. The change's own event id is part of it because a revision alone
+            # is not unique over time: a document deleted and uploaded again starts over at
+            # revision 1.
+            event.event_id = (
+                f"{prefix}-{kb_id}-{record.document_id}-{record.revision}-{record.last_event_id}"
+            )
+        await self.publish(subject, event)
 
     async def kb_changed(self, ev: KbChanged) -> None:
         """Backfill or remove documents when a KB is created, retagged, reconfigured."""
@@ -153,10 +162,3 @@ class Membership:
             if not rebuild and member(listed) == (ev.kb_id in listed.kb_ids):
                 continue
             await self.records.cas(functools.partial(move, listed.key))
-
-
-def _event_id(kind: str, record: DocumentRecord, kb_id: str) -> str:
-    # Deterministic: a redelivered upload republishes the same ids, and JetStream drops them.
-    # The change's own event id is part of it because a revision alone is not unique over
-    # time: a document deleted and uploaded again starts over at revision 1.
-    return f"{kind}-{kb_id}-{record.document_id}-{record.revision}-{record.last_event_id}"
