@@ -30,7 +30,6 @@ are protected like the key store. API keys and stored prompts are restored only 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import gzip
@@ -50,8 +49,18 @@ from typing import Any, TypeVar
 
 import nats
 from nats.js import JetStreamContext
-from nats.js.errors import NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_fixed,
+)
 
 from services.cli.runtime import SERVICES, Runtime, build_runtime, start_consuming
 from services.common.bus import auth as busauth
@@ -105,7 +114,11 @@ MANIFEST_BYTES = 64 * MiB  # about 350,000 members
 HEADER_BYTES = 64 * 1024
 READ_CHUNK = MiB
 
+# A document whose text and record disagree is read again this often, this far apart.
 READS_PER_DOCUMENT = 5
+MID_CHANGE_SECONDS = 0.2
+# How often a restore looks whether everything is indexed.
+INDEXED_POLL_SECONDS = 0.5
 # What ingest consumes from upstream and the gateway, with its durable consumers' names.
 INGEST_CONSUMERS = (
     (Subject.DOC_UPLOADED, "ingest-doc-uploaded"),
@@ -210,40 +223,66 @@ async def _entries(js: JetStreamContext, bucket: str) -> dict[str, bytes]:
 
 
 async def _document(
-    js: JetStreamContext, texts: TextStore, key: str, value: bytes
+    kv: KeyValue, texts: TextStore, key: str
 ) -> tuple[bytes, dict[str, bytes]] | None:
     """The record at `key` with the objects of that same revision; None when it is not
-    extracted yet (or gone). Read again while the text and the record disagree."""
-    kv = await js.key_value("documents")
-    for _ in range(READS_PER_DOCUMENT):
+    extracted yet (or gone). Read again, after a pause, while the text and the record
+    disagree: a change is being written."""
+
+    async def read() -> tuple[bytes, dict[str, bytes]] | None:
+        try:
+            value = (await kv.get(key)).value or b""
+        except KeyNotFoundError:  # deleted meanwhile
+            return None
         record = DocumentRecord.model_validate_json(value)
         if record.status not in (DocStatus.ready, DocStatus.failed):
             return None
-        objects: dict[str, bytes] = {}
-        text = await texts.get(record.text_object)
-        original = await texts.get(_original(record))
-        # Headings and pages of the text, when its format has them
-        # (services/common/domain/layout.py).
-        layout = await texts.get(layout_object(record.org_id, record.document_id))
-        consistent = True
-        if record.status == DocStatus.ready:
-            consistent = text is not None and checksum(text.decode("utf-8")) == record.checksum
-        if original is not None and record.content_checksum is not None:
-            consistent = consistent and content_checksum(original) == record.content_checksum
-        if consistent:
-            if text is not None:
-                objects[record.text_object] = text
-            if original is not None:
-                objects[_original(record)] = original
-            if layout is not None:
-                objects[layout_object(record.org_id, record.document_id)] = layout
-            return value, objects
-        await asyncio.sleep(0.2)  # mid-change: its new revision is being written
-        try:
-            value = (await kv.get(key)).value or b""
-        except Exception:  # deleted meanwhile
-            return None
-    raise BackupError(f"document {key} kept changing while it was read; run the backup again")
+        objects = await _objects(texts, record)
+        if objects is None:
+            raise _MidChange(key)
+        return value, objects
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(_MidChange),
+        wait=wait_fixed(MID_CHANGE_SECONDS),
+        stop=stop_after_attempt(READS_PER_DOCUMENT),
+        reraise=True,
+    )
+    try:
+        return await retrying(read)
+    except _MidChange as err:
+        raise BackupError(
+            f"document {key} kept changing while it was read; run the backup again"
+        ) from err
+
+
+async def _objects(texts: TextStore, record: DocumentRecord) -> dict[str, bytes] | None:
+    """The record's text, original bytes and layout, by object name; None when the text or
+    the original is not the one the record names."""
+    text = await texts.get(record.text_object)
+    original = await texts.get(_original(record))
+    # Headings and pages of the text, when its format has them
+    # (services/common/domain/layout.py).
+    layout = await texts.get(layout_object(record.org_id, record.document_id))
+    consistent = True
+    if record.status == DocStatus.ready:
+        consistent = text is not None and checksum(text.decode("utf-8")) == record.checksum
+    if original is not None and record.content_checksum is not None:
+        consistent = consistent and content_checksum(original) == record.content_checksum
+    if not consistent:
+        return None
+    objects: dict[str, bytes] = {}
+    if text is not None:
+        objects[record.text_object] = text
+    if original is not None:
+        objects[_original(record)] = original
+    if layout is not None:
+        objects[layout_object(record.org_id, record.document_id)] = layout
+    return objects
+
+
+class _MidChange(Exception):
+    """A document's text and record disagree: its new revision is being written."""
 
 
 async def backup(js: JetStreamContext, path: Path, *, limit: int = MEMBER_BYTES) -> Manifest:
@@ -259,8 +298,9 @@ async def backup(js: JetStreamContext, path: Path, *, limit: int = MEMBER_BYTES)
     for bucket in BUCKETS:
         buckets[bucket] = await _entries(js, bucket)
     documents: dict[str, bytes] = {}
-    for key, value in buckets["documents"].items():
-        taken = await _document(js, texts, key, value)
+    documents_kv = await js.key_value("documents")
+    for key in buckets["documents"]:
+        taken = await _document(documents_kv, texts, key)
         if taken is None:
             manifest.skipped_documents.append(key)
             continue
@@ -820,27 +860,34 @@ class _Restorer:
 async def _indexed(js: JetStreamContext, reg: Registries, timeout: float) -> None:
     """Until ingest has taken every event and every ready document is indexed (or failed)
     in every KB its tags match."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if await _ingest_idle(js):
-            kbs = await reg.kbs.list(fresh=True)
-            documents = await reg.documents.list(fresh=True)
-            wanted = {
-                (kb.kb_id, d.document_id)
-                for kb in kbs
-                for d in documents
-                if d.status == DocStatus.ready and d.org_id == kb.org_id and kb.matches(d.tags)
-            }
-            done = {(e.kb_id, e.document_id) for e in await reg.index.list(fresh=True)}
-            failed = {(kb_id, d.document_id) for d in documents for kb_id in d.kb_errors}
-            if wanted <= done | failed:
-                return
-        if time.monotonic() > deadline:
-            raise BackupError(
-                f"restore: not every document is indexed after {timeout:.0f} s; run "
-                "`kbmesh up` on the data dir and it carries on"
-            )
-        await asyncio.sleep(0.5)
+
+    async def indexed() -> bool:
+        if not await _ingest_idle(js):
+            return False
+        kbs = await reg.kbs.list(fresh=True)
+        documents = await reg.documents.list(fresh=True)
+        wanted = {
+            (kb.kb_id, d.document_id)
+            for kb in kbs
+            for d in documents
+            if d.status == DocStatus.ready and d.org_id == kb.org_id and kb.matches(d.tags)
+        }
+        done = {(e.kb_id, e.document_id) for e in await reg.index.list(fresh=True)}
+        failed = {(kb_id, d.document_id) for d in documents for kb_id in d.kb_errors}
+        return wanted <= done | failed
+
+    retrying = AsyncRetrying(
+        retry=retry_if_result(lambda done: not done),
+        wait=wait_fixed(INDEXED_POLL_SECONDS),
+        stop=stop_after_delay(timeout),
+    )
+    try:
+        await retrying(indexed)
+    except RetryError as err:
+        raise BackupError(
+            f"restore: not every document is indexed after {timeout:.0f} s; run "
+            "`kbmesh up` on the data dir and it carries on"
+        ) from err
 
 
 async def _ingest_idle(js: JetStreamContext) -> bool:

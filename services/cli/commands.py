@@ -13,7 +13,7 @@ import sys
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from services.common.settings import RETIRED, ClientSettings, unread_variables
 
@@ -37,22 +37,56 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+# What `add_subparsers` returns; each `_add_<command>` adds its command (and subcommands) to it.
+_Subparsers: TypeAlias = "argparse._SubParsersAction[_Parser]"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every command and option of `kbmesh` (the docs' client configurations are checked
-    against it)."""
+    against it), in the order `kbmesh --help` lists them."""
+    from services.cli.api import add_parsers as add_api_parsers
+    from services.cli.ingest import add_parser as add_ingest_parser
+
     parser = _Parser(prog="kbmesh", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_up,
+        _add_serve,
+        _add_keys,
+        _add_mcp,
+        add_ingest_parser,
+        add_api_parsers,
+        _add_mock,
+        _add_contracts,
+        _add_dlq,
+        _add_backup,
+        _add_restore,
+        _add_audit,
+        _add_publishers,
+        _add_bus,
+    ):
+        add(sub)
+    return parser
 
+
+def _add_up(sub: _Subparsers) -> None:
+    """`kbmesh up`: the whole stack in one process."""
     up = sub.add_parser("up", help="everything in one process: private NATS, embedded Qdrant")
     _server_args(up)
 
+
+def _add_serve(sub: _Subparsers) -> None:
+    """`kbmesh serve`: chosen services against a shared NATS."""
     serve = sub.add_parser("serve", help="the named services, against KBMESH_NATS_URL")
     serve.add_argument(
         "services", nargs="+", metavar="SERVICE", help="ingest, embed, search, gateway"
     )
     _server_args(serve)
 
+
+def _add_keys(sub: _Subparsers) -> None:
+    """`kbmesh keys`: create, list and revoke API keys."""
     keys = sub.add_parser("keys", help="API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it once")
@@ -69,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (create, keys_list, revoke):
         p.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
 
+
+def _add_mcp(sub: _Subparsers) -> None:
+    """`kbmesh mcp`: MCP over stdio, joined to a stack, embedded, or relayed over HTTP."""
     mcp = sub.add_parser(
         "mcp", help="MCP over stdio for desktop agents; logs go to stderr, stdout is the protocol"
     )
@@ -98,14 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the default org, unscoped",
     )
 
-    from services.cli.ingest import add_parser as add_ingest_parser
 
-    add_ingest_parser(sub)
-
-    from services.cli.api import add_parsers as add_api_parsers
-
-    add_api_parsers(sub)
-
+def _add_mock(sub: _Subparsers) -> None:
+    """`kbmesh mock`: the contract examples served without NATS or a model."""
     mock = sub.add_parser(
         "mock", help="serve the contract examples (REST, /api/v1/tools, MCP); no NATS, no model"
     )
@@ -113,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     mock.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     mock.add_argument("--toolsets", default="core,compat", help="core, compat or core,compat")
 
+
+def _add_contracts(sub: _Subparsers) -> None:
+    """`kbmesh contracts`: export or check the JSON Schemas and examples."""
     contracts = sub.add_parser("contracts", help="the JSON Schemas and examples in contracts/")
     contracts_sub = contracts.add_subparsers(dest="contracts_command", required=True)
     for name, text in (
@@ -123,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--dir", type=Path, default=Path("contracts"), help="default ./contracts"
         )
 
+
+def _add_dlq(sub: _Subparsers) -> None:
+    """`kbmesh dlq`: list, replay and discard dead letters."""
     dlq = sub.add_parser("dlq", help="dead letters: list them, replay them, discard them")
     dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
     dlq_list = dlq_sub.add_parser("list", help="one JSON line per dead letter, oldest first")
@@ -146,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--org", help="only dead letters of this org")
         p.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
 
+
+def _add_backup(sub: _Subparsers) -> None:
+    """`kbmesh backup`: an archive of a running stack."""
     backup = sub.add_parser(
         "backup",
         help="write an archive of a running stack (KBs, keys, prompts, documents and their "
@@ -155,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     backup.add_argument(
         "--data-dir", type=Path, help="where `kbmesh up` runs (default ./.kbmesh, KBMESH_DATA_DIR)"
     )
+
+
+def _add_restore(sub: _Subparsers) -> None:
+    """`kbmesh restore`: a new data dir from an archive."""
     restore = sub.add_parser(
         "restore",
         help="make a new data dir from an archive, its indexes rebuilt; `kbmesh up` then serves it",
@@ -172,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument(
         "--with-prompts", action="store_true", help="restore the archive's stored prompts too"
     )
+
+
+def _add_audit(sub: _Subparsers) -> None:
+    """`kbmesh audit`: an org's audit trail, filtered."""
     audit = sub.add_parser(
         "audit", help="the audit trail of an org: one JSON line per entry, oldest first"
     )
@@ -189,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--until", type=_timestamp, help="ISO 8601")
     audit.add_argument("--limit", type=int, default=100, help="at most this many, 1-1000 (100)")
     audit.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
+
+
+def _add_publishers(sub: _Subparsers) -> None:
+    """`kbmesh publishers`: NATS credentials for upstream systems."""
     publishers = sub.add_parser(
         "publishers", help="NATS credentials for upstream systems, each bound to one org"
     )
@@ -206,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     for p in publishers_sub.choices.values():
         p.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
 
+
+def _add_bus(sub: _Subparsers) -> None:
+    """`kbmesh bus`: NATS accounts for deployments."""
     bus = sub.add_parser("bus", help="NATS users and permissions for deployments")
     bus_sub = bus.add_subparsers(dest="bus_command", required=True)
     bus_config = bus_sub.add_parser(
@@ -220,8 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME:ORG",
         help="an upstream publisher bound to ORG (repeat); its password: NATS_PASSWORD_<NAME>",
     )
-
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:

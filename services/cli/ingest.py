@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +34,23 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
+import rich.progress
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_result,
+    stop_after_delay,
+    wait_fixed,
+)
 
 from services.common.domain.formats import FORMATS, GZIP_TYPE
 from services.common.settings import ClientSettings
@@ -340,82 +356,71 @@ def file_checksum(path: Path) -> str:
 # ---- progress -------------------------------------------------------------------------------
 
 
-@dataclass
 class Progress:
-    """Files, bytes and chunks done; drawn as one redrawn line on a terminal, as a plain
-    line every few seconds otherwise."""
+    """Files, bytes and chunks done, with rich's transfer rate and time left: a bar redrawn
+    in place on a terminal; elsewhere (a log, a CI job), where a redrawn line would be
+    noise, the same figures as a plain `progress:` line every few seconds."""
 
-    files_total: int
-    bytes_total: int
-    out: TextIO = field(default_factory=lambda: sys.stderr)
-    files_done: int = 0
-    bytes_done: int = 0
-    chunks: int = 0
-    started: float = field(default_factory=time.monotonic)
+    def __init__(self, files_total: int, bytes_total: int, out: TextIO | None = None) -> None:
+        self.out = out or sys.stderr
+        self.files_done = 0
+        self.chunks = 0
+        self._files = TextColumn("{task.fields[files]}/{task.fields[files_total]} files")
+        self._bytes = DownloadColumn()
+        self._chunks = TextColumn("{task.fields[chunks]} chunks indexed")
+        self._rate = TransferSpeedColumn()
+        self._eta = TimeRemainingColumn()
+        self.bar = rich.progress.Progress(
+            self._files,
+            BarColumn(),
+            TaskProgressColumn(),
+            self._bytes,
+            self._chunks,
+            self._rate,
+            TextColumn("ETA"),
+            self._eta,
+            console=Console(file=self.out),
+            refresh_per_second=1 / TTY_EVERY_SECONDS,
+        )
+        self.task = self.bar.add_task(
+            "ingest", total=bytes_total, files=0, files_total=files_total, chunks=0
+        )
 
     def add(self, size: int, chunks: int = 0) -> None:
         self.files_done += 1
-        self.bytes_done += size
         self.chunks += chunks
+        self.bar.update(self.task, advance=size, files=self.files_done, chunks=self.chunks)
 
     def line(self) -> str:
-        elapsed = max(time.monotonic() - self.started, 1e-6)
-        rate = self.bytes_done / elapsed
-        eta = "--:--"
-        if rate > 0 and self.bytes_done:
-            eta = _clock((self.bytes_total - self.bytes_done) / rate)
-        return (
-            f"{self.files_done}/{self.files_total} files, "
-            f"{_size(self.bytes_done)}/{_size(self.bytes_total)}, "
-            f"{self.chunks} chunks indexed, {self.files_done / elapsed:.1f} files/s "
-            f"({_size(rate)}/s), ETA {eta}"
-        )
-
-    def bar(self, width: int = 24) -> str:
-        share = self.bytes_done / self.bytes_total if self.bytes_total else 1.0
-        filled = int(share * width)
-        return f"[{'#' * filled}{'.' * (width - filled)}] {share:4.0%} {self.line()}"
+        """The bar's figures as text: `1/4 files, 1.0/4.1 kB, 3 chunks indexed, ...`."""
+        task = self.bar.tasks[0]
+        shown = [str(c.render(task)) for c in (self._files, self._bytes, self._chunks, self._rate)]
+        return f"{', '.join(shown)}, ETA {self._eta.render(task)}"
 
     @contextlib.asynccontextmanager
     async def shown(self) -> AsyncIterator[None]:
-        tty = self.out.isatty()
+        if self.bar.console.is_terminal:
+            with self.bar:  # redrawn by rich, and left on its own line at the end
+                yield
+            return
 
-        async def draw() -> None:
+        async def print_lines() -> None:
             while True:
-                await asyncio.sleep(TTY_EVERY_SECONDS if tty else PLAIN_EVERY_SECONDS)
-                self._show(tty)
+                await asyncio.sleep(PLAIN_EVERY_SECONDS)
+                self._print()
 
-        task = asyncio.create_task(draw())
+        task = asyncio.create_task(print_lines())
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            self._show(tty)
-            if tty:
-                self.out.write("\n")
-            self.out.flush()
+            self._print()
 
-    def _show(self, tty: bool) -> None:
-        if tty:
-            self.out.write("\r\x1b[2K" + self.bar())
-        else:
-            self.out.write(f"progress: {self.line()}\n")
+    def _print(self) -> None:
+        self.out.write(f"progress: {self.line()}\n")
         self.out.flush()
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"  # pragma: no cover
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -594,13 +599,8 @@ class Ingest:
     async def _settled(self, uri: str, result: dict[str, Any], size: int) -> None:
         """Count an upload once its document is indexed or failed (polling when the upload's
         own wait ended first)."""
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while result["status"] == "processing" and time.monotonic() < deadline:
-            await asyncio.sleep(POLL_SECONDS)
-            doc = await self._call("GET", f"/v1/documents/{result['document_id']}")
-            result = {**doc, "chunk_count": None}
-            if doc["status"] == "complete":
-                result["chunk_count"] = await self._chunk_count(doc)
+        if result["status"] == "processing":
+            result = await self._polled(result["document_id"])
         if result["status"] == "failed":
             self.tally.failures.append((uri, result.get("error") or "failed"))
         elif result["status"] == "processing":
@@ -608,6 +608,30 @@ class Ingest:
         else:
             self.tally.uploaded += 1
         self.progress.add(size, result.get("chunk_count") or 0)
+
+    async def _polled(self, document_id: str) -> dict[str, Any]:
+        """The document once it is no longer processing, looked at every POLL_SECONDS; as
+        it is after SETTLE_SECONDS."""
+
+        async def look() -> dict[str, Any]:
+            response = await self.http.get(f"/v1/documents/{document_id}")
+            if response.status_code == 404:
+                # Accepted, but ingest has not taken the upload yet (a long queue).
+                return {"status": "processing", "document_id": document_id}
+            doc = self._answer(response)
+            result = {**doc, "chunk_count": None}
+            if doc["status"] == "complete":
+                result["chunk_count"] = await self._chunk_count(doc)
+            return result
+
+        retrying = AsyncRetrying(
+            retry=retry_if_result(lambda result: result["status"] == "processing"),
+            wait=wait_fixed(POLL_SECONDS),
+            stop=stop_after_delay(SETTLE_SECONDS),
+            retry_error_callback=_last_result,
+        )
+        result: dict[str, Any] = await retrying(look)
+        return result
 
     async def _chunk_count(self, doc: dict[str, Any]) -> int:
         page = await self._call(
@@ -641,6 +665,11 @@ class Ingest:
                 detail = response.text
             raise RequestFailed(f"HTTP {response.status_code}: {detail}")
         return response.json()
+
+
+def _last_result(state: RetryCallState) -> Any:
+    """What the last poll found, once polling stops."""
+    return state.outcome.result() if state.outcome else None
 
 
 def _reason(err: Exception) -> str:

@@ -14,11 +14,13 @@ from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.bus.client import BUS_UNAVAILABLE
 from services.common.domain.errors import KbmeshError
+from services.common.settings import Settings
 from services.gateway.api import (
     answers,
     audit,
@@ -114,6 +116,37 @@ def create_app(
     /mcp and no /api/v1/tools). `ready` is set once the process's subscribers run; /readyz
     reports it with the names of the `services` this process runs. `nats_status` reports the
     private server of `kbmesh up` (`{"running": bool, ...}`), whose death /healthz reports."""
+    app = FastAPI(
+        title="kbmesh",
+        version="0.1.0",
+        description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
+        lifespan=_lifespan(service, mcp),
+        middleware=_middleware(service.settings, keys),
+        # Served by `mount_api_docs` from packaged assets instead of a CDN.
+        docs_url=None,
+        redoc_url=None,
+        # FastAPI's own OpenTelemetry (0.165+) would wrap `TracedRequests`' span in a second
+        # server span of the same name, plus an operation span, for every request, and keep
+        # HTTP metrics of its own beside /metrics. (An older FastAPI keeps this as `extra`.)
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
+    app.state.service = service
+    app.state.keys = keys
+    _exception_handlers(app, keys)
+    _health(app, service, ready=ready, services=services, nats_status=nats_status)
+    _routers(app, keys)
+    if mcp is not None:
+        _mount_mcp(app, mcp)
+    mount_api_docs(app)
+    mount_console(app)
+    return app
+
+
+def _lifespan(
+    service: GatewayService, mcp: KbmeshMCP | None
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Start the service (its default KB; its subscribers start with the bus) and the MCP
+    session manager, which stops with the app."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -123,44 +156,47 @@ def create_app(
                 await stack.enter_async_context(mcp.session_manager.run())
             yield
 
-    app = FastAPI(
-        title="kbmesh",
-        version="0.1.0",
-        description="Event-driven knowledge base for AI agents: REST, tools and MCP.",
-        lifespan=lifespan,
-        # Served by `mount_api_docs` from packaged assets instead of a CDN.
-        docs_url=None,
-        redoc_url=None,
-        # FastAPI's own OpenTelemetry (0.165+) would wrap `TracedRequests`' span in a second
-        # server span of the same name, plus an operation span, for every request, and keep
-        # HTTP metrics of its own beside /metrics. (An older FastAPI keeps this as `extra`.)
-        telemetry={"tracing": False, "metrics": False, "logs": False},
-    )
-    # Outermost last: the span, then Host, CORS, browser writes, the key, the body's size
-    # (the first to read a body), the JSON body.
-    settings = service.settings
-    file_routes = [r for router in ROUTERS for r in router.routes if takes_files(r)]
-    app.add_middleware(JsonBodyGuard)
-    app.add_middleware(BodyLimit, settings=settings)
-    app.add_middleware(KeyGate, keys=keys)
-    app.add_middleware(
-        BrowserGuard,
-        cors_origins=settings.cors_origins,
-        takes_files=lambda scope: takes_file_bodies(file_routes, scope),
-    )
-    if settings.cors_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-            allow_headers=["Authorization", "Content-Type", "Mcp-Session-Id", "Last-Event-ID"],
-            expose_headers=["Mcp-Session-Id", "Retry-After"],
-        )
-    app.add_middleware(HostGuard, rule=HostRule(settings))
-    app.state.service = service
-    app.state.keys = keys
+    return lifespan
 
-    app.add_middleware(TracedRequests)
+
+def _middleware(settings: Settings, keys: KeyResolver) -> list[Middleware]:
+    """The layers a request passes, outermost first. The order is the security boundary:
+    the span sees every request; a foreign Host (DNS rebinding) is refused before CORS
+    answers a preflight; browser writes are refused before a key is looked up; the key
+    before a byte of the body is read; BodyLimit is the first to read the body and bounds
+    it before JsonBodyGuard parses it."""
+    cors = (
+        [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=settings.cors_origins,
+                allow_methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                allow_headers=["Authorization", "Content-Type", "Mcp-Session-Id", "Last-Event-ID"],
+                expose_headers=["Mcp-Session-Id", "Retry-After"],
+            )
+        ]
+        if settings.cors_origins
+        else []
+    )
+    file_routes = [r for router in ROUTERS for r in router.routes if takes_files(r)]
+    return [
+        Middleware(TracedRequests),
+        Middleware(HostGuard, rule=HostRule(settings)),
+        *cors,
+        Middleware(
+            BrowserGuard,
+            cors_origins=settings.cors_origins,
+            takes_files=lambda scope: takes_file_bodies(file_routes, scope),
+        ),
+        Middleware(KeyGate, keys=keys),
+        Middleware(BodyLimit, settings=settings),
+        Middleware(JsonBodyGuard),
+    ]
+
+
+def _exception_handlers(app: FastAPI, keys: KeyResolver) -> None:
+    """Every error as a problem body: kbmesh's own, the bus being down, the framework's
+    refusals, and request validation."""
 
     @app.exception_handler(KbmeshError)
     async def on_error(request: Request, err: KbmeshError) -> JSONResponse:
@@ -202,6 +238,17 @@ def create_app(
             errors=[e.model_dump() for e in errors],
         )
 
+
+def _health(
+    app: FastAPI,
+    service: GatewayService,
+    *,
+    ready: asyncio.Event | None,
+    services: Sequence[str],
+    nats_status: Callable[[], dict[str, Any]] | None,
+) -> None:
+    """/healthz (liveness) and /readyz (readiness); both exempt from the Host check."""
+
     @app.get("/healthz", tags=["health"], responses={503: {"description": "NATS is down"}})
     async def healthz() -> JSONResponse:
         """Liveness: the process answers and, under `kbmesh up`, its private nats-server
@@ -228,6 +275,10 @@ def create_app(
         }
         return JSONResponse(body, status_code=200 if is_ready else 503)
 
+
+def _routers(app: FastAPI, keys: KeyResolver) -> None:
+    """The REST resources under /v1, and the OpenAPI document that describes them."""
+
     def documented_openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = openapi_document(app)
@@ -239,14 +290,14 @@ def create_app(
     if keys.oauth is not None:
         # RFC 9728 metadata: where OAuth clients learn which provider signs kbmesh's tokens.
         app.router.routes.extend(protected_resource_routes(keys.oauth))
-    if mcp is not None:
-        app.include_router(tools.create_router(mcp))
-        mcp_http = mcp.streamable_http_app(streamable_http_path="/")
-        # /mcp itself too, not only /mcp/...: no redirect for clients to follow.
-        app.router.routes.append(
-            Route("/mcp", MountRoot(mcp_http, "/mcp"), methods=["GET", "POST", "DELETE"])
-        )
-        app.mount("/mcp", mcp_http)
-    mount_api_docs(app)
-    mount_console(app)
-    return app
+
+
+def _mount_mcp(app: FastAPI, mcp: KbmeshMCP) -> None:
+    """The tools as plain HTTP under /api/v1/tools, and the MCP server at /mcp."""
+    app.include_router(tools.create_router(mcp))
+    mcp_http = mcp.streamable_http_app(streamable_http_path="/")
+    # /mcp itself too, not only /mcp/...: no redirect for clients to follow.
+    app.router.routes.append(
+        Route("/mcp", MountRoot(mcp_http, "/mcp"), methods=["GET", "POST", "DELETE"])
+    )
+    app.mount("/mcp", mcp_http)

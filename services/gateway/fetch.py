@@ -15,10 +15,11 @@ the type from the bytes and the name, as it does for every upload.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import os
-import re
 import stat
 from dataclasses import dataclass
+from email.message import Message
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote
 
@@ -147,12 +148,18 @@ def _mb(limit: int) -> str:
     return f"{limit / (1024 * 1024):g} MB"
 
 
-_FILENAME = re.compile(r"""filename\*?=(?:UTF-8'')?"?([^";]+)"?""", re.IGNORECASE)
+def _header(name: str, value: str) -> Message:
+    """A MIME header parsed by the stdlib: its parameters quoted or not, RFC 2231's encoded
+    (`filename*=ISO-8859-1''caf%E9.md`) and continued ones decoded."""
+    message = Message()
+    message[name] = value
+    return message
 
 
 def _name_from(disposition: str | None, url: httpx.URL) -> str:
-    if disposition and (m := _FILENAME.search(disposition)):
-        name = PurePosixPath(unquote(m.group(1)).strip()).name
+    if disposition:
+        name = _header("content-disposition", disposition).get_filename() or ""
+        name = PurePosixPath(name.strip()).name
         if name:
             return name[:512]
     segment = PurePosixPath(unquote(url.path)).name
@@ -166,13 +173,15 @@ def _to_utf8(data: bytes, content_type: str | None) -> bytes:
     mime = clean_mime(content_type)
     if not content_type or not (mime.startswith("text/") or mime == "application/json"):
         return data
-    m = re.search(r"charset=\"?([\w.:-]+)", content_type, re.IGNORECASE)
-    if not m or m.group(1).lower().replace("_", "-") in ("utf-8", "utf8", "us-ascii", "ascii"):
+    charset = _header("content-type", content_type).get_content_charset()
+    if not charset:
         return data
     try:
-        return data.decode(m.group(1), errors="replace").encode("utf-8")
+        if codecs.lookup(charset).name in ("utf-8", "ascii"):
+            return data
+        return data.decode(charset, errors="replace").encode("utf-8")
     except LookupError:
-        return data
+        return data  # no text encoding (unknown, or `base64`): the reader decides
 
 
 # ---- path -----------------------------------------------------------------------------------

@@ -105,6 +105,9 @@ def refusal(
 
 
 class HostGuard:
+    # Not Starlette's TrustedHostMiddleware: it drops the port (no `name:port` rules), has
+    # no exempt paths for probes, and refuses with a plain-text 400, not a 421 problem body.
+
     def __init__(self, app: ASGIApp, rule: HostRule) -> None:
         self.app = app
         self.rule = rule

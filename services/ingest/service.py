@@ -1,15 +1,12 @@
-"""Ingest: owns the document registry and the texts; decides KB membership from tags and
-turns every change into `kb.index` / `kb.remove` for the embed service."""
+"""Ingest: owns the document registry and the texts. Uploads, OCR results, tag changes and
+deletes become document records (`records.py`, compare-and-set), and every change becomes
+`kb.index` / `kb.remove` for the embed service by KB membership (`membership.py`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
-from nats.js.errors import APIError
 
 from services.common.bus.audit import AuditAction, AuditEntry, AuditSink
 from services.common.bus.auth import CURRENT_PUBLISHER
@@ -20,7 +17,7 @@ from services.common.domain.content import (
     content_checksum,
     decode_content,
 )
-from services.common.domain.errors import Conflict, InvalidInput, KbmeshError, NotFound, Transient
+from services.common.domain.errors import InvalidInput, KbmeshError, NotFound
 from services.common.domain.ids import check_id, new_id
 from services.common.domain.layout import Layout, layout_object
 from services.common.domain.limits import (
@@ -46,8 +43,6 @@ from services.common.messages.events import (
     DocFailed,
     DocUploaded,
     KbChanged,
-    KbIndex,
-    KbRemove,
     OcrDone,
     Publish,
     TagsChanged,
@@ -56,15 +51,11 @@ from services.common.messages.names import Subject
 from services.common.ops import metrics
 from services.common.settings import Settings
 from services.ingest.extract import NeedsOcr
+from services.ingest.membership import Membership
+from services.ingest.records import Records
 from services.ingest.sandbox import Extractor
 
 log = logging.getLogger("kbmesh.ingest")
-T = TypeVar("T")
-# Ingest's consumers (uploads, OCR, tags, deletes, KB changes) run side by side and all write
-# document records: every write is compare-and-set, and a lost race re-runs the read-decide-
-# write step. A race that keeps being lost is left to the bus's redelivery with backoff.
-CAS_ATTEMPTS = 10
-WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed compare-and-set
 # A failure's reason as kept on the document and the audit trail: as much as a dead letter's.
 REASON_LENGTH = 2000
 # The longest media type RFC 6838 allows (127 characters each side of the slash).
@@ -98,6 +89,8 @@ class IngestService:
         self.settings = settings
         self.audit = audit
         self.extractor = Extractor(settings.limits)
+        self.records = Records(registries.documents)
+        self.membership = Membership(registries, self.records, publish)
 
     def close(self) -> None:
         self.extractor.close()
@@ -136,7 +129,7 @@ class IngestService:
         existing = await self.reg.documents.get(key)
         if existing is not None and _seen(existing, ev.event_id):
             # A redelivery of an upload we already applied: re-announce, change nothing.
-            await self._announce(existing, existing.kb_ids, [])
+            await self.membership.announce(existing, existing.kb_ids, [])
             return existing
         check_document_fields(
             name=ev.name,
@@ -169,7 +162,7 @@ class IngestService:
         await self.reg.texts.put(f"{ev.org_id}/{document_id}/original", data)
 
         async def write() -> DocumentRecord:
-            existing, last = await self._get(key)
+            existing, last = await self.records.get(key)
             if existing is not None and _seen(existing, ev.event_id):
                 return existing  # a concurrent redelivery applied it meanwhile
             if existing is not None and not existing.writable_in(ev.scope_kb_ids):
@@ -197,12 +190,12 @@ class IngestService:
             record.upload_event_id = ev.event_id
             if text is None:
                 record.status = DocStatus.awaiting_ocr
-                await self._save(record, last)
+                await self.records.save(record, last)
                 log.info("awaiting_ocr org_id=%s document_id=%s", ev.org_id, document_id)
                 return record
             return await self._store_text(record, text, existing, last, layout)
 
-        record = await self._cas(write)
+        record = await self.records.cas(write)
         if record.upload_event_id == ev.event_id:
             await self._audit(ev, record, "uploaded")
         return record
@@ -219,7 +212,7 @@ class IngestService:
         document_id = ev.document_id
         record = None
         if document_id:
-            record = await self._cas(
+            record = await self.records.cas(
                 functools.partial(self._record_failure, ev, document_id, reason)
             )
         else:
@@ -258,13 +251,13 @@ class IngestService:
         self, ev: DocUploaded, document_id: str, reason: str
     ) -> DocumentRecord | None:
         key = f"{ev.org_id}.{document_id}"
-        existing, last = await self._get(key)
+        existing, last = await self.records.get(key)
         if existing is not None and existing.last_event_id == ev.event_id:
             # This upload wrote the record, then failed (e.g. announcing it to embed).
             existing.status = DocStatus.failed
             existing.error = reason
             existing.updated_at = utcnow()
-            await self._save(existing, last)
+            await self.records.save(existing, last)
             return existing
         if existing is not None and (
             existing.status != DocStatus.failed or existing.content_checksum is not None
@@ -278,7 +271,7 @@ class IngestService:
             record.created_at = existing.created_at
             record.writers = list(existing.writers)
         record.written(writer_for_bus_event(ev))
-        await self._save(record, last)
+        await self.records.save(record, last)
         return record
 
     async def _failed_record(
@@ -322,7 +315,7 @@ class IngestService:
         key = f"{ev.org_id}.{ev.document_id}"
 
         async def write() -> DocumentRecord:
-            record, last = await self._get(key)
+            record, last = await self.records.get(key)
             if record is None:
                 raise NotFound(f"document {ev.document_id} not found")
             if record.status != DocStatus.awaiting_ocr:
@@ -332,7 +325,7 @@ class IngestService:
                 record.error = f"OCR failed: {ev.error or 'no reason given'}"
                 metrics.DOCUMENTS_FAILED.labels(stage="ocr").inc()
                 record.updated_at = utcnow()
-                await self._save(record, last)
+                await self.records.save(record, last)
                 await self._audit(ev, record, "failed", record.error)
                 await self.publish(
                     Subject.DOC_FAILED,
@@ -359,7 +352,7 @@ class IngestService:
             # The upload made this revision; OCR supplies its text, so the revision stays.
             return await self._store_text(record, text, record, last)
 
-        return await self._cas(write)
+        return await self.records.cas(write)
 
     async def _store_text(
         self,
@@ -380,7 +373,7 @@ class IngestService:
         )
         record.status = DocStatus.ready
         record.error = None
-        return await self._apply_membership(record, last)
+        return await self.membership.apply(record, last)
 
     async def change_tags(self, ev: TagsChanged) -> DocumentRecord | None:
         key = f"{ev.org_id}.{ev.document_id}"
@@ -390,14 +383,14 @@ class IngestService:
             check_metadata(ev.metadata, self.settings.limits)
 
         async def write() -> DocumentRecord | None:
-            record, last = await self._get(key)
+            record, last = await self.records.get(key)
             if record is None:
                 raise NotFound(f"document {ev.document_id} not found")
             if _seen(record, ev.event_id):
                 # A redelivery of a change already applied (past JetStream's de-duplication
                 # window, or after a crash before the ack): re-announce, change nothing.
                 if record.status == DocStatus.ready:
-                    await self._announce(record, record.kb_ids, [])
+                    await self.membership.announce(record, record.kb_ids, [])
                 return record
             if not record.writable_in(ev.scope_kb_ids):
                 raise NotFound(f"document {ev.document_id} not found", field="document_id")
@@ -418,11 +411,11 @@ class IngestService:
             record.applied(ev.event_id, writer_for_bus_event(ev))
             if record.status in (DocStatus.awaiting_ocr, DocStatus.failed):
                 record.updated_at = utcnow()
-                await self._save(record, last)
+                await self.records.save(record, last)
                 return record
-            return await self._apply_membership(record, last)
+            return await self.membership.apply(record, last)
 
-        changed = await self._cas(write)
+        changed = await self.records.cas(write)
         if changed is not None and changed.last_event_id == ev.event_id:
             await self._audit(ev, changed, "changed")
         return changed
@@ -439,7 +432,7 @@ class IngestService:
         for key in dict.fromkeys(keys):
 
             async def clear(key: str = key) -> DocumentRecord | None:
-                record, last = await self._get(key)
+                record, last = await self.records.get(key)
                 if record is None:
                     return None
                 # Remove vectors first: the record is what embed checks membership against.
@@ -447,19 +440,14 @@ class IngestService:
                 record.revision += 1
                 record.kb_ids = []
                 record.tags = []
-                last = await self._save(record, last)
-                await self._announce(record, [], lost)
+                last = await self.records.save(record, last)
+                await self.membership.announce(record, [], lost)
                 # Only the record we cleared: a change that slipped in meanwhile (and may
                 # have indexed the document again) is cleared and announced once more.
-                try:
-                    await self.reg.documents.kv.delete(key, last=last)
-                except APIError as err:
-                    if err.err_code == WRONG_LAST_SEQUENCE:
-                        raise _Raced(key) from err
-                    raise
+                await self.reg.documents.delete_unchanged(key, last)
                 return record
 
-            record = await self._cas(clear)
+            record = await self.records.cas(clear)
             if record is None:
                 continue
             await self.reg.texts.delete(record.text_object)
@@ -473,42 +461,7 @@ class IngestService:
 
     async def kb_changed(self, ev: KbChanged) -> None:
         """Backfill or remove documents when a KB is created, retagged, reconfigured."""
-        kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
-        if ev.change == "deleted":
-            kb = None
-        rebuild = ev.change in ("settings", "reindex", "retry_failed")
-
-        def member(record: DocumentRecord) -> bool:
-            return kb is not None and kb.matches(record.tags)
-
-        async def apply(key: str) -> None:
-            record, last = await self._get(key)  # again: it may have changed since the listing
-            if record is None or record.status != DocStatus.ready:
-                return
-            now, was = member(record), ev.kb_id in record.kb_ids
-            retried = rebuild and ev.kb_id in record.kb_errors
-            if now != was or retried:
-                record.kb_ids = sorted(
-                    {*record.kb_ids, ev.kb_id} if now else set(record.kb_ids) - {ev.kb_id}
-                )
-                record.kb_errors.pop(ev.kb_id, None)
-                await self._save(record, last)
-            # Fresh event ids: a KB change moves documents without bumping their revision, so
-            # a document can leave, rejoin and leave a KB at one revision; ids derived from
-            # the revision would make JetStream drop the second removal as a duplicate.
-            if now and (rebuild or not was):
-                await self._index(record, ev.kb_id, dedupe=False)
-            elif was and not now:
-                await self._remove(record, ev.kb_id, dedupe=False)
-
-        for listed in await self.reg.documents.list(f"{ev.org_id}."):
-            # A document written after the listing checks the KBs again itself (see
-            # `_apply_membership`), so deciding from the listing here loses nothing.
-            if listed.status != DocStatus.ready:
-                continue
-            if not rebuild and member(listed) == (ev.kb_id in listed.kb_ids):
-                continue
-            await self._cas(functools.partial(apply, listed.key))
+        await self.membership.kb_changed(ev)
 
     async def indexing_failed(self, ev: DocFailed) -> None:
         """Record why embed gave up on a document in a KB, so its status says why."""
@@ -517,118 +470,17 @@ class IngestService:
         kb_id = ev.kb_id
 
         async def record_error() -> None:
-            record, last = await self._get(f"{ev.org_id}.{ev.document_id}")
+            record, last = await self.records.get(f"{ev.org_id}.{ev.document_id}")
             if record is None or (ev.revision is not None and ev.revision < record.revision):
                 return  # gone, or a newer revision is already being indexed
             if record.kb_errors.get(kb_id) == ev.error:
                 return
             record.kb_errors[kb_id] = ev.error
-            await self._save(record, last)
+            await self.records.save(record, last)
 
-        await self._cas(record_error)
+        await self.records.cas(record_error)
 
     # ---- helpers --------------------------------------------------------------------------
-
-    async def _apply_membership(self, record: DocumentRecord, last: int | None) -> DocumentRecord:
-        """Write `record` with its KB membership (compare-and-set on `last`) and announce it.
-
-        The KB list is read before the write; a KB changed after that read is handled by
-        ingest's `kb.changed` consumer only if it sees this write. When it may have read the
-        record before it, the KB list read again after the write shows the change, and the
-        membership is corrected here."""
-        kbs = await self.reg.kbs.list(f"{record.org_id}.")
-        members = sorted(kb.kb_id for kb in kbs if kb.matches(record.tags))
-        lost = sorted(set(record.kb_ids) - set(members))
-        record.kb_ids = members
-        record.kb_errors = {}  # a new revision is a new attempt everywhere
-        record.updated_at = utcnow()
-        last = await self._save(record, last)
-        await self._announce(record, members, lost)
-        log.info(
-            "document org_id=%s document_id=%s revision=%d kbs=%s removed=%s",
-            record.org_id,
-            record.document_id,
-            record.revision,
-            members,
-            lost,
-        )
-        for _ in range(CAS_ATTEMPTS):
-            kbs = await self.reg.kbs.list(f"{record.org_id}.")
-            now = sorted(kb.kb_id for kb in kbs if kb.matches(record.tags))
-            if now == record.kb_ids:
-                return record
-            current, last = await self._get(record.key)
-            if current is None or current.revision != record.revision:
-                return record  # deleted or changed again: that change announces itself
-            gained = sorted(set(now) - set(current.kb_ids))
-            lost = sorted(set(current.kb_ids) - set(now))
-            current.kb_ids = now
-            try:
-                last = await self._save(current, last)
-            except _Raced:
-                continue
-            record = current
-            log.info(
-                "membership corrected org_id=%s document_id=%s kbs=%s removed=%s",
-                record.org_id,
-                record.document_id,
-                gained,
-                lost,
-            )
-            for kb_id in gained:
-                await self._index(record, kb_id, dedupe=False)
-            for kb_id in lost:
-                await self._remove(record, kb_id, dedupe=False)
-        raise Transient(f"knowledge bases of {record.org_id} keep changing; retrying later")
-
-    async def _announce(self, record: DocumentRecord, members: list[str], lost: list[str]) -> None:
-        for kb_id in members:
-            await self._index(record, kb_id)
-        for kb_id in lost:
-            await self._remove(record, kb_id)
-
-    async def _index(self, record: DocumentRecord, kb_id: str, *, dedupe: bool = True) -> None:
-        event = KbIndex(
-            org_id=record.org_id,
-            kb_id=kb_id,
-            document_id=record.document_id,
-            revision=record.revision,
-        )
-        if dedupe:
-            event.event_id = _event_id("i", record, kb_id)
-        await self.publish(Subject.KB_INDEX, event)
-
-    async def _remove(self, record: DocumentRecord, kb_id: str, *, dedupe: bool = True) -> None:
-        event = KbRemove(
-            org_id=record.org_id,
-            kb_id=kb_id,
-            document_id=record.document_id,
-            revision=record.revision,
-        )
-        if dedupe:
-            event.event_id = _event_id("r", record, kb_id)
-        await self.publish(Subject.KB_REMOVE, event)
-
-    async def _get(self, key: str) -> tuple[DocumentRecord | None, int | None]:
-        found = await self.reg.documents.get_versioned(key)
-        return found if found is not None else (None, None)
-
-    async def _save(self, record: DocumentRecord, last: int | None) -> int:
-        """Compare-and-set: create when `last` is None, else update only from `last`."""
-        try:
-            if last is None:
-                return await self.reg.documents.create(record.key, record)
-            return await self.reg.documents.update(record.key, record, last)
-        except Conflict as err:
-            raise _Raced(record.key) from err
-
-    async def _cas(self, step: Callable[[], Awaitable[T]]) -> T:
-        for _ in range(CAS_ATTEMPTS):
-            try:
-                return await step()
-            except _Raced:
-                continue
-        raise Transient("the document keeps changing concurrently; retrying later")
 
     async def _kb(self, org_id: str, kb_ref: str) -> KnowledgeBase:
         kb = await self.reg.kbs.get(f"{org_id}.{kb_ref}")
@@ -656,18 +508,7 @@ def _seen(record: DocumentRecord, event_id: str) -> bool:
     return record.last_event_id == event_id or event_id in record.recent_events
 
 
-class _Raced(Exception):
-    """Another writer changed the record between our read and our write."""
-
-
 def _derived_id(event_id: str) -> str:
     """Upstream uploads without an id get one derived from the event, so a redelivery
     names the same document."""
     return check_id(event_id[:32].replace(".", "-"), "document_id") if event_id else new_id()
-
-
-def _event_id(kind: str, record: DocumentRecord, kb_id: str) -> str:
-    # Deterministic: a redelivered upload republishes the same ids, and JetStream drops them.
-    # The change's own event id is part of it because a revision alone is not unique over
-    # time: a document deleted and uploaded again starts over at revision 1.
-    return f"{kind}-{kb_id}-{record.document_id}-{record.revision}-{record.last_event_id}"

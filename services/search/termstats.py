@@ -33,7 +33,8 @@ class TermStatsCache:
         self.max_terms = max_terms
         self.clock = clock
         # (collection, term) → (read at, document frequency); collection → (read at, points).
-        # Our own bounded dict, not functools: entries expire by age and one probe fills many.
+        # Our own bounded dict, not functools: entries expire by age and one probe fills many
+        # (and no cache library, cachetools or other, is a dependency).
         self._df: OrderedDict[tuple[str, int], tuple[float, int]] = OrderedDict()
         self._points: dict[str, tuple[float, int]] = {}
 

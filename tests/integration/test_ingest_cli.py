@@ -174,6 +174,27 @@ async def test_failed_extraction_is_listed_and_exits_1(stack, tmp_path):
     assert failed - failed_before == 1
 
 
+async def test_uploads_still_processing_when_the_servers_wait_ends_are_polled(
+    stack, tmp_path, monkeypatch
+):
+    """The gateway's wait for indexing ends before embed is done (a long queue): each upload
+    answers `processing`, and the command keeps looking until the documents are indexed,
+    counting them uploaded with their chunks."""
+    rt, client, base = stack
+    monkeypatch.setattr(rt.gateway.waiting, "timeout_seconds", 0.001)
+    kb = await create_kb(client)
+    for name in ("one.md", "two.md"):
+        (tmp_path / name).write_text(f"# {name}\n\nA page that is indexed after the wait.")
+    status, lines = await kbmesh_ingest(base, tmp_path, "--kb", kb["kb_id"])
+    assert status == 0, lines
+    assert lines[-1] == "2 uploaded, 0 unchanged, 0 deleted, 0 skipped, 0 failed", lines
+    progress = [line for line in lines if line.startswith("progress: ")]
+    assert progress and progress[-1].startswith("progress: 2/2 files"), lines
+    assert " 0 chunks indexed" not in progress[-1], lines
+    docs = (await client.get("/v1/documents", params={"kb": kb["kb_id"]})).json()["items"]
+    assert sorted(d["status"] for d in docs) == ["complete", "complete"]
+
+
 PAGE = b"""<html><head><title>Runbook</title></head><body><h1>Runbook</h1><p>Restart the
 gateway first, then the workers, one replica at a time.</p></body></html>"""
 

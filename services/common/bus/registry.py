@@ -1,7 +1,7 @@
 """Registries on JetStream KV (`kbs`, `documents`, `index`, `keys`, `prompts`) and the
 `texts` object store. Values are pydantic records stored as JSON; writes that race use
-compare-and-set (`Registry.change`), and a caller that needs a value to reach a state
-waits on a watch of its key (`Registry.wait_for`), never by polling.
+compare-and-set (`compare_and_set`, `Registry.change`), and a caller that needs a value to
+reach a state waits on a watch of its key (`Registry.wait_for`), never by polling.
 
 Keys are built in one place per registry (`kbs.key(org, kb)`, `documents.key(org, doc)`,
 `index.key(kb, doc)`), next to the lookups the domain needs (`kbs.resolve(org, ref)`).
@@ -16,26 +16,48 @@ import base64
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, BinaryIO, Generic, TypeVar
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TEMPLATE, ObjectStore
 from pydantic import BaseModel
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 
-from services.common.domain.errors import Conflict, Transient
+from services.common.domain.errors import Raced, Transient
 from services.common.domain.ids import is_id, uuid_forms
 from services.common.domain.models import DocumentRecord, IndexEntry, KnowledgeBase
 from services.common.messages.answers import Prompt
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 CAS_ATTEMPTS = 20
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed compare-and-set
 
 
 _WATCH_RECHECK_SECONDS = 1.0
+
+
+async def compare_and_set(
+    step: Callable[[], Awaitable[T]], *, what: str, attempts: int = CAS_ATTEMPTS
+) -> T:
+    """Optimistic concurrency, the one way kbmesh changes what others change at the same
+    time: `step` reads, decides and writes with compare-and-set (`Registry.update`, `create`
+    or `delete_unchanged`; or reads and checks what it read), raising `Raced` when another
+    writer got in between; it then runs again on what is there now, at once (the winner has
+    already written). `attempts` lost races in a row are `Transient`: a consumer is
+    redelivered later with the bus's backoff, a client gets 503 with Retry-After. Any other
+    error of `step` is raised as it is."""
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(Raced), stop=stop_after_attempt(attempts), reraise=True
+    )
+    try:
+        return await retrying(step)
+    except Raced as err:
+        raise Transient(f"{what} keeps changing concurrently; try again") from err
 
 
 class Registry(Generic[M]):
@@ -111,18 +133,28 @@ class Registry(Generic[M]):
         try:
             revision = await self.kv.create(key, value.model_dump_json().encode())
         except KeyWrongLastSequenceError as err:
-            raise Conflict(f"{key} already exists") from err
+            raise Raced(f"{key} already exists") from err
         self._remember(key, value)
         return revision
 
     async def update(self, key: str, value: M, last: int) -> int:
-        """Write only if nobody wrote since revision `last` (raises Conflict otherwise)."""
+        """Write only if nobody wrote since revision `last` (raises Raced otherwise)."""
         try:
             revision = await self.kv.update(key, value.model_dump_json().encode(), last=last)
         except KeyWrongLastSequenceError as err:
-            raise Conflict(f"{key} changed concurrently") from err
+            raise Raced(f"{key} changed concurrently") from err
         self._remember(key, value)
         return revision
+
+    async def delete_unchanged(self, key: str, last: int) -> None:
+        """Delete only if nobody wrote since revision `last` (raises Raced otherwise)."""
+        try:
+            await self.kv.delete(key, last=last)
+        except APIError as err:
+            if err.err_code == WRONG_LAST_SEQUENCE:
+                raise Raced(f"{key} changed concurrently") from err
+            raise
+        self._remember(key, None)
 
     async def change(
         self, key: str, apply: Callable[[M], M], *, attempts: int = CAS_ATTEMPTS
@@ -130,18 +162,17 @@ class Registry(Generic[M]):
         """Compare-and-set: `apply(current) -> updated` is written only if nobody wrote the
         key meanwhile, else it runs again on the newer value, so concurrent changes each
         count. Returns (old, new), or None when the key does not exist."""
-        for _ in range(attempts):
+
+        async def step() -> tuple[M, M] | None:
             found = await self.get_versioned(key)
             if found is None:
                 return None
             current, last = found
             updated = apply(current.model_copy(deep=True))
-            try:
-                await self.update(key, updated, last)
-            except Conflict:
-                continue
+            await self.update(key, updated, last)
             return current, updated
-        raise Transient(f"{key} is being changed concurrently; try again")
+
+        return await compare_and_set(step, what=key, attempts=attempts)
 
     async def wait_for(
         self, key: str, predicate: Callable[[M | None], bool], timeout: float
@@ -253,7 +284,8 @@ class TextStore:
         (a document's text under one name): nats-py's own `get` waits forever for chunks
         that a replacement purged mid-read, so chunks are read here with a bound, and a
         read that stalls starts again on the current version."""
-        for _ in range(_READ_ATTEMPTS):
+
+        async def read() -> bytes | None:
             try:
                 info = await self.store.get_info(name)
             except (NotFoundError, KeyNotFoundError):
@@ -264,9 +296,11 @@ class TextStore:
                 data = await self._only_chunk(info.nuid or "")
             else:
                 data = await self._chunks(info.nuid or "")
-            if data is not None and _digest(data) == info.digest:
-                return data
-        raise Transient(f"object {name} keeps changing while it is read")
+            if data is None or _digest(data) != info.digest:
+                raise Raced(f"object {name} was replaced while it was read")
+            return data
+
+        return await compare_and_set(read, what=f"object {name}", attempts=_READ_ATTEMPTS)
 
     def _chunk_subject(self, nuid: str) -> str:
         return OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.store._name, obj=nuid)

@@ -6,6 +6,7 @@ KbmeshError
 ├── NotFound       HTTP 404 (also anything in another org)
 ├── Forbidden      HTTP 403 (key scope, read-only keys)
 ├── Conflict       HTTP 409 (limits, duplicate names)
+│   └── Raced      a compare-and-set lost to another writer; `compare_and_set` runs it again
 ├── BadModelOutput HTTP 502 (a model's answer broke the requested schema, even after repair)
 └── Transient      retried with backoff; dead letter after the last try
 """
@@ -49,6 +50,12 @@ class Forbidden(KbmeshError):
 class Conflict(KbmeshError):
     status_code = 409
     error_type = "Conflict"
+
+
+class Raced(Conflict):
+    """A compare-and-set lost: the key was written after it was read. Under
+    `registry.compare_and_set` the step runs again on what is there now; anywhere else it
+    is a conflict like any other."""
 
 
 class BadModelOutput(KbmeshError):

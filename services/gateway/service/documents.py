@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from services.common.bus.client import Bus
-from services.common.bus.registry import Registries
+from services.common.bus.registry import Registries, compare_and_set
 from services.common.domain.content import (
     HTML_TYPES,
     TEXT_TYPES,
@@ -22,7 +22,7 @@ from services.common.domain.content import (
     normalise_mime,
     staging_name,
 )
-from services.common.domain.errors import Conflict, InvalidInput, NotFound, error_class
+from services.common.domain.errors import Conflict, InvalidInput, NotFound, Raced, error_class
 from services.common.domain.ids import new_id
 from services.common.domain.limits import check_document_fields, check_labels, check_metadata
 from services.common.domain.models import (
@@ -60,6 +60,8 @@ from services.gateway.service.incoming import Incoming
 from services.gateway.service.kbs import KnowledgeBases
 from services.gateway.service.waiting import Events, Waiting
 
+# A PATCH whose change is dropped as stale this many times in a row (the document keeps
+# changing under it) answers 503: try again.
 PATCH_ATTEMPTS = 10
 # Uploads up to this size travel inside their event, larger ones through the `texts` object
 # store; on a NATS server with a small message limit, up to a quarter of that limit (base64
@@ -413,71 +415,84 @@ class Documents:
         for indexing, unless `wait`): a dropped change is applied again on the newer record
         (what the caller asked to set is set); one applied and then overwritten by a later
         change of the same field answers 409. Nothing is lost silently."""
-        record = await self._record(p, document_id)
-        check_document_write(p, record)
-        if patch.metadata is not None:
-            check_metadata(patch.metadata, self.settings.limits)
         deadline = self.waiting.deadline()
         if not wait:
             deadline = min(deadline, time.monotonic() + VERDICT_SECONDS)
-        for _ in range(PATCH_ATTEMPTS):
-            labels, collection = split_tags(record.tags)
-            if patch.tags is not None:
-                # Implicit KB tags stay: they are membership, not labels the caller manages.
-                labels = [t for t in labels if t.startswith("kb:")] + patch.tags
-            if patch.clear_collection:
-                collection = None
-            elif patch.collection is not None:
-                collection = patch.collection
-            check_labels(labels, collection)
-            _check_label_prefixes(patch.tags or [])
-            tags = join_tags(labels, collection)
-            await self._check_tag_scope(p, tags)
-            metadata = patch.metadata if patch.metadata is not None else record.metadata
-            if tags == record.tags and metadata == record.metadata:
-                return await self._view(record, p)
-            revision = record.revision + 1
-            event = TagsChanged(
-                org_id=p.org_id,
-                document_id=document_id,
-                tags=tags,
-                metadata=patch.metadata,
-                revision=revision,
-                scope_kb_ids=p.scope,
-                writer=p.writer,
-            )
-            async with self.waiting.watch([document_id]) as events:
-                await self.bus.publish(Subject.TAGS_CHANGED, event)
-                updated = await self.waiting.record(record.key, _at_least(revision), deadline)
-                if not isinstance(updated, DocumentRecord):
-                    if wait:
-                        break  # timed out, or deleted meanwhile
-                    return await self._view(record, p)  # accepted, not applied yet
-                mine = _revision_of(updated, event.event_id)
-                if mine is None:
-                    if _patched(patch, updated):
-                        break  # another change set the same: nothing of ours is lost
-                    record = updated  # ours was dropped as stale: again, on the newer record
-                    check_document_write(p, record)
-                    continue
-                if wait and updated.status == DocStatus.ready:
-                    lost = set(record.kb_ids) - set(updated.kb_ids)
-                    await self.waiting.indexed(
-                        events, p.org_id, document_id, set(updated.kb_ids), lost, mine, deadline
-                    )
-                # Applied in order; later changes build on it. The answer is the document
-                # now, as long as it still holds what this call set: a later change of the
-                # same field won (last writer wins), and this call says so instead of
-                # showing another request's value as its own.
-                current = await self.reg.documents.get(record.key) or updated
-                if not _patched(patch, current):
-                    raise _overtaken(document_id, mine, current.revision)
-                return await self._view(current, p)
-        else:
-            raise Conflict(
-                f"document {document_id!r} keeps changing; try again", field="document_id"
-            )
-        return await self.get(p, document_id)
+
+        async def attempt() -> DocumentView:
+            record = await self._record(p, document_id)
+            check_document_write(p, record)
+            return await self._patch_once(p, record, patch, wait=wait, deadline=deadline)
+
+        return await compare_and_set(
+            attempt, what=f"document {document_id!r}", attempts=PATCH_ATTEMPTS
+        )
+
+    async def _patch_once(
+        self,
+        p: Principal,
+        record: DocumentRecord,
+        patch: DocumentPatch,
+        *,
+        wait: bool,
+        deadline: float,
+    ) -> DocumentView:
+        """`patch` sent as the revision after `record`'s; `Raced` when ingest dropped it as
+        stale (another change came first) and the document does not hold it."""
+        document_id = record.document_id
+        if patch.metadata is not None:
+            check_metadata(patch.metadata, self.settings.limits)
+        labels, collection = split_tags(record.tags)
+        if patch.tags is not None:
+            # Implicit KB tags stay: they are membership, not labels the caller manages.
+            labels = [t for t in labels if t.startswith("kb:")] + patch.tags
+        if patch.clear_collection:
+            collection = None
+        elif patch.collection is not None:
+            collection = patch.collection
+        check_labels(labels, collection)
+        _check_label_prefixes(patch.tags or [])
+        tags = join_tags(labels, collection)
+        await self._check_tag_scope(p, tags)
+        metadata = patch.metadata if patch.metadata is not None else record.metadata
+        if tags == record.tags and metadata == record.metadata:
+            return await self._view(record, p)
+        revision = record.revision + 1
+        event = TagsChanged(
+            org_id=p.org_id,
+            document_id=document_id,
+            tags=tags,
+            metadata=patch.metadata,
+            revision=revision,
+            scope_kb_ids=p.scope,
+            writer=p.writer,
+        )
+        async with self.waiting.watch([document_id]) as events:
+            await self.bus.publish(Subject.TAGS_CHANGED, event)
+            updated = await self.waiting.record(record.key, _at_least(revision), deadline)
+            if not isinstance(updated, DocumentRecord):
+                if wait:
+                    return await self.get(p, document_id)  # timed out, or deleted meanwhile
+                return await self._view(record, p)  # accepted, not applied yet
+            mine = _revision_of(updated, event.event_id)
+            if mine is None:
+                if _patched(patch, updated):
+                    # Another change set the same: nothing of ours is lost.
+                    return await self.get(p, document_id)
+                raise Raced(f"document {document_id!r}: the change was dropped as stale")
+            if wait and updated.status == DocStatus.ready:
+                lost = set(record.kb_ids) - set(updated.kb_ids)
+                await self.waiting.indexed(
+                    events, p.org_id, document_id, set(updated.kb_ids), lost, mine, deadline
+                )
+            # Applied in order; later changes build on it. The answer is the document now,
+            # as long as it still holds what this call set: a later change of the same
+            # field won (last writer wins), and this call says so instead of showing
+            # another request's value as its own.
+            current = await self.reg.documents.get(record.key) or updated
+            if not _patched(patch, current):
+                raise _overtaken(document_id, mine, current.revision)
+            return await self._view(current, p)
 
     async def delete(self, p: Principal, document_id: str, *, wait: bool = True) -> DeleteResult:
         if not document_id.strip():
