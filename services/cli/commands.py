@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_api_parsers(sub)
 
+    from services.cli.login import add_parsers as add_login_parsers
+
+    add_login_parsers(sub, ClientSettings().api)
+
     mock = sub.add_parser(
         "mock", help="serve the contract examples (REST, /api/v1/tools, MCP); no NATS, no model"
     )
@@ -268,6 +272,10 @@ def main(argv: list[str] | None = None) -> None:
         from services.cli.api import run as run_api
 
         sys.exit(run_api(args))
+    elif args.command in ("login", "logout"):
+        from services.cli.login import run as run_login
+
+        sys.exit(run_login(args))
     elif args.command in ("backup", "restore"):
         sys.exit(asyncio.run(_backup_or_restore(args)))
     elif args.command == "audit":

@@ -37,7 +37,7 @@ from services.gateway.bodylimit import BodyLimit
 from services.gateway.console import mount_console
 from services.gateway.guard import BrowserGuard, HostGuard, HostRule, KeyGate
 from services.gateway.mcp import KbmeshMCP, MountRoot
-from services.gateway.oauth import protected_resource_routes
+from services.gateway.oauth import SignIn, protected_resource_routes, sign_in, sign_in_origins
 from services.gateway.problems import (
     ProblemFieldError,
     bus_problem,
@@ -211,6 +211,12 @@ def create_app(
         }
         return JSONResponse(body, status_code=200 if is_ready else 503)
 
+    @app.get("/v1/sign-in", tags=["sign-in"], response_model=SignIn)
+    async def sign_in_config() -> SignIn:
+        """How people sign in here, asked before anyone has: the identity provider and the
+        public client the console and `kbmesh login` use (null: API keys only). Public."""
+        return sign_in(keys.oauth)
+
     def documented_openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = openapi_document(app)
@@ -238,5 +244,5 @@ def create_app(
         )
         app.mount("/mcp", mcp_http)
     mount_api_docs(app)
-    mount_console(app)
+    mount_console(app, sign_in_origins(keys.oauth))
     return app
