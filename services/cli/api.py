@@ -2,7 +2,8 @@
 kbmesh's REST API, for people at a terminal and for scripts (`--json`).
 
 The API is `--api`, else KBMESH_API_URL, else http://127.0.0.1:$KBMESH_PORT (8080); the key
-is KBMESH_API_KEY. Errors name the URL and the server's reason; the exit status is 1.
+is KBMESH_API_KEY, else the token `kbmesh login` stored for that API. Errors name the URL and
+the server's reason; the exit status is 1.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 
 from services.cli.ingest import default_api
-from services.common.settings import ClientSettings
+from services.cli.login import credential
 
 EXIT_ERROR = 1
 MODES = ("hybrid", "dense", "keyword")
@@ -96,7 +97,7 @@ def _common(p: argparse.ArgumentParser, run: Callable[[Api, argparse.Namespace],
         "--api",
         default=default_api(),
         help="the kbmesh REST API (KBMESH_API_URL; default http://127.0.0.1:$KBMESH_PORT); "
-        "the key comes from KBMESH_API_KEY",
+        "the key comes from KBMESH_API_KEY, else `kbmesh login`",
     )
     p.add_argument("--json", action="store_true", help="print the API's JSON answer")
     p.set_defaults(api_run=run)
@@ -104,7 +105,7 @@ def _common(p: argparse.ArgumentParser, run: Callable[[Api, argparse.Namespace],
 
 def run(args: argparse.Namespace) -> int:
     """Entry point from the CLI: returns the exit status."""
-    api = Api(args.api, ClientSettings().api_key or None)
+    api = Api(args.api, credential(args.api))
     try:
         result = args.api_run(api, args)
     except ApiFailure as err:

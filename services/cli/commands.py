@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_mcp,
         add_ingest_parser,
         add_api_parsers,
+        _add_login,
         _add_mock,
         _add_contracts,
         _add_dlq,
@@ -134,6 +135,13 @@ def _add_mcp(sub: _Subparsers) -> None:
         help="run as this API key's org and scope (KBMESH_API_KEY); "
         "default: the default org, unscoped",
     )
+
+
+def _add_login(sub: _Subparsers) -> None:
+    """`kbmesh login` / `logout`: a token from the identity provider for the REST commands."""
+    from services.cli.login import add_parsers
+
+    add_parsers(sub, ClientSettings().api)
 
 
 def _add_mock(sub: _Subparsers) -> None:
@@ -322,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
         from services.cli.api import run as run_api
 
         sys.exit(run_api(args))
+    elif args.command in ("login", "logout"):
+        from services.cli.login import run as run_login
+
+        sys.exit(run_login(args))
     elif args.command in ("backup", "restore"):
         sys.exit(asyncio.run(_backup_or_restore(args)))
     elif args.command == "audit":

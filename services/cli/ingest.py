@@ -52,6 +52,7 @@ from tenacity import (
     wait_fixed,
 )
 
+from services.cli.login import credential
 from services.common.domain.formats import FORMATS, GZIP_TYPE
 from services.common.settings import ClientSettings
 
@@ -174,7 +175,7 @@ class Options:
             sync=args.sync,
             concurrency=args.concurrency,
             api=args.api.rstrip("/"),
-            api_key=ClientSettings().api_key or None,
+            api_key=credential(args.api),
             create_kb=bool(getattr(args, "create_kb", False)),
         )
 

@@ -150,6 +150,12 @@ class OAuthSettings(BaseModel):
     jwks_url: str | None = Field(
         None, description="the provider's signing keys; unset: its discovery document's jwks_uri"
     )
+    client_id: str | None = Field(
+        None,
+        description="a public client (no secret) registered with the provider, with kbmesh's "
+        "own URL (`/`) as redirect URI and the device grant, that the console and `kbmesh "
+        "login` sign people in with; unset: the console asks for an API key",
+    )
 
     @model_validator(mode="after")
     def _resource_with_issuer(self) -> OAuthSettings:

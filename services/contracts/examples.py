@@ -47,6 +47,7 @@ from services.common.messages.queries import (
     SearchQuery,
     SearchResponse,
 )
+from services.gateway.oauth import SignIn
 from services.gateway.schemas import (
     Ack,
     AuditList,
@@ -977,6 +978,17 @@ REST_EXAMPLES: list[RestExample] = [
             total=1,
         ),
         query={"writer": HR_KEY.key_id or "", "kind": "document"},
+    ),
+    RestExample(
+        "GET",
+        "/v1/sign-in",
+        200,
+        SignIn(
+            issuer="https://login.example.com/realms/acme",
+            client_id="kbmesh",
+            resource="https://kb.example.com/mcp",
+            scopes=["openid", "profile", "email", "kb:read", "kb:write", "kb:admin"],
+        ),
     ),
     RestExample(
         "POST",

@@ -40,7 +40,7 @@ from services.gateway.bodylimit import BodyLimit
 from services.gateway.console import mount_console
 from services.gateway.guard import BrowserGuard, HostGuard, HostRule, KeyGate
 from services.gateway.mcp import KbmeshMCP, MountRoot
-from services.gateway.oauth import protected_resource_routes
+from services.gateway.oauth import SignIn, protected_resource_routes, sign_in, sign_in_origins
 from services.gateway.problems import (
     ProblemFieldError,
     bus_problem,
@@ -138,7 +138,7 @@ def create_app(
     if mcp is not None:
         _mount_mcp(app, mcp)
     mount_api_docs(app)
-    mount_console(app)
+    mount_console(app, sign_in_origins(keys.oauth))
     return app
 
 
@@ -287,6 +287,13 @@ def _routers(app: FastAPI, keys: KeyResolver) -> None:
     app.openapi = documented_openapi  # type: ignore[method-assign]
     for router in ROUTERS:
         app.include_router(router)
+
+    @app.get("/v1/sign-in", tags=["sign-in"], response_model=SignIn)
+    async def sign_in_config() -> SignIn:
+        """How people sign in here, asked before anyone has: the identity provider and the
+        public client the console and `kbmesh login` use (null: API keys only). Public."""
+        return sign_in(keys.oauth)
+
     if keys.oauth is not None:
         # RFC 9728 metadata: where OAuth clients learn which provider signs kbmesh's tokens.
         app.router.routes.extend(protected_resource_routes(keys.oauth))

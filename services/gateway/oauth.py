@@ -11,6 +11,7 @@ Its scopes are the rights keys have today; the org and the KBs it may reach come
   provider's keys cannot be had).
 - `principal_fields`: an `AccessToken` → what the `Principal` every route and tool checks holds.
 - `protected_resource_routes`: RFC 9728 metadata naming the issuer and the scopes.
+- `sign_in`: what the console and `kbmesh login` need to sign a person in (`GET /v1/sign-in`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import httpx
 import jwt
 from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.routes import build_resource_metadata_url, create_protected_resource_routes
-from pydantic import AnyHttpUrl
+from pydantic import AnyHttpUrl, BaseModel, Field
 from starlette.routing import Route
 
 from services.common.domain.errors import KbmeshError, Transient
@@ -34,6 +35,9 @@ from services.common.settings import OAuthSettings
 
 READ_SCOPE, WRITE_SCOPE, ADMIN_SCOPE = "kb:read", "kb:write", "kb:admin"
 SCOPES = (READ_SCOPE, WRITE_SCOPE, ADMIN_SCOPE)
+# What a person's sign-in asks for beside kbmesh's scopes: an ID token naming them, and a
+# refresh token so that `kbmesh login` lasts beyond one access token.
+SIGN_IN_SCOPES = ("openid", "profile", "email", "offline_access")
 # Scopes of the form kb:<kb id> limit a user to those KBs when KBMESH_OAUTH__KB_CLAIM=scope.
 KB_SCOPE_PREFIX = "kb:"
 # Only signatures by a public key: never `none`, and never HMAC, where the published key
@@ -257,3 +261,40 @@ def protected_resource_routes(settings: OAuthSettings) -> list[Route]:
     if all(r.path != bare for r in routes):
         routes.append(Route(bare, endpoint=routes[0].endpoint, methods=["GET", "OPTIONS"]))
     return routes
+
+
+class SignIn(BaseModel):
+    """How people sign in to this kbmesh: null fields mean with an API key only."""
+
+    issuer: str | None = Field(None, description="the identity provider (OpenID issuer URL)")
+    client_id: str | None = Field(
+        None, description="the public client the console and `kbmesh login` sign in as"
+    )
+    resource: str | None = Field(
+        None, description="kbmesh's resource URL: the `resource` to ask tokens for (RFC 8707)"
+    )
+    scopes: list[str] = Field(
+        default_factory=list, description="the scopes a person's sign-in asks for"
+    )
+
+
+def sign_in(settings: OAuthSettings | None) -> SignIn:
+    """The provider and client to sign people in with, when both are configured."""
+    if settings is None or not settings.issuer or not settings.client_id:
+        return SignIn()
+    return SignIn(
+        issuer=settings.issuer,
+        client_id=settings.client_id,
+        resource=settings.resource,
+        scopes=[*SIGN_IN_SCOPES, *SCOPES],
+    )
+
+
+def sign_in_origins(settings: OAuthSettings | None) -> list[str]:
+    """Origins the console's page must be allowed to fetch from to sign in (its CSP's
+    `connect-src`): the provider's, for its discovery document and token endpoint."""
+    config = sign_in(settings)
+    if config.issuer is None:
+        return []
+    parts = urlsplit(config.issuer)
+    return [f"{parts.scheme}://{parts.netloc}"]

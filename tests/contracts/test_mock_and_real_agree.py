@@ -250,6 +250,7 @@ REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
     ),
     ("GET", "/v1/dead-letters"): _list_dead_letters,
     ("GET", "/v1/types"): lambda w: w.http.get("/v1/types"),
+    ("GET", "/v1/sign-in"): lambda w: w.http.get("/v1/sign-in"),
     ("POST", "/v1/dead-letters/{sequence}/replay"): _replay_dead_letter,
     ("GET", "/v1/dead-letters/{sequence}"): _get_dead_letter,
     ("DELETE", "/v1/dead-letters/{sequence}"): _discard_dead_letter,

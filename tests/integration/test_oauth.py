@@ -10,12 +10,9 @@ import base64
 import contextlib
 import hashlib
 import json
-import os
 import re
-import shutil
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import parse_qs, urlencode, urljoin, urlsplit
 
@@ -38,46 +35,11 @@ from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys
 from tests.support.corpus import DOCS
 from tests.support.mcp_client import failed, ok, serve_http
+from tests.support.oidc import oidc_provider, provider_missing
 
-OIDC_DIR = Path(__file__).resolve().parents[1] / "oidc"
 REDIRECT = "http://127.0.0.1:1/callback"  # never served: the test catches the code on its way
 
-
-def provider_missing() -> str | None:
-    if shutil.which("node") is None:
-        return "node is not installed (the OpenID provider of these tests runs on node 20+)"
-    if not (OIDC_DIR / "node_modules" / "oidc-provider").is_dir():
-        return (
-            "oidc-provider is not installed in tests/oidc (`make test` runs `npm ci` there; "
-            "it needs node 20+ and npm)"
-        )
-    return None
-
-
 pytestmark = pytest.mark.skipif(provider_missing() is not None, reason=provider_missing() or "")
-
-
-@contextlib.asynccontextmanager
-async def oidc_provider(issuer: str, port: int, accounts: Path) -> AsyncIterator[None]:
-    """tests/oidc/provider.mjs listening on `port`, naming itself `issuer`."""
-    proc = await asyncio.create_subprocess_exec(
-        "node",
-        str(OIDC_DIR / "provider.mjs"),
-        str(port),
-        issuer,
-        cwd=str(OIDC_DIR),
-        env={"PATH": os.environ["PATH"], "ACCOUNTS_FILE": str(accounts)},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
-        assert line.strip() == b"ready", line
-        yield
-    finally:
-        proc.terminate()
-        await proc.wait()
 
 
 async def sign_in(authorization_url: str, user: str) -> dict[str, str]:

@@ -4,7 +4,10 @@
 // the scopes kb:read kb:write kb:admin; kbmesh itself decides whether the audience is its own.
 // Accounts: any login name; its claims (org, kbs, name, e-mail) are read from the JSON file
 // named by ACCOUNTS_FILE at each token, so a test may limit a user to KBs it created.
-// Clients: "kbmesh-test" (tokens live 10 min) and "kbmesh-short" (tokens live 1 s).
+// Clients: "kbmesh-test" (tokens live 10 min) and "kbmesh-short" (tokens live 1 s); with
+// CONSOLE_URL set, "kbmesh-people": the public client people sign in as, from the console at
+// that URL (code + PKCE, its token endpoint open to the console's origin) and from `kbmesh
+// login` (the device grant, RFC 8628).
 import { generateKeyPairSync, randomUUID } from "node:crypto";
 import { readFileSync } from "node:fs";
 import Provider from "oidc-provider";
@@ -22,8 +25,20 @@ const client = (id) => ({
   scope: "openid offline_access kb:read kb:write kb:admin",
 });
 
+const people = process.env.CONSOLE_URL && {
+  ...client("kbmesh-people"),
+  redirect_uris: [process.env.CONSOLE_URL],
+  grant_types: ["authorization_code", "refresh_token", "urn:ietf:params:oauth:grant-type:device_code"],
+  scope: "openid profile email offline_access kb:read kb:write kb:admin",
+};
+
 const provider = new Provider(issuer, {
-  clients: [client("kbmesh-test"), client("kbmesh-short")],
+  clients: [client("kbmesh-test"), client("kbmesh-short"), ...(people ? [people] : [])],
+  // A public client's token endpoint answers pages served from its redirect URIs' origins.
+  clientBasedCORS: (ctx, origin, client) =>
+    client.clientAuthMethod === "none" && client.redirectUris.some((uri) => new URL(uri).origin === origin),
+  // Name and e-mail in the ID token itself, where the console reads who signed in.
+  conformIdTokenClaims: false,
   jwks: { keys: [{ ...signing, kid: randomUUID(), use: "sig", alg: "RS256" }] },
   scopes: ["openid", "offline_access", "kb:read", "kb:write", "kb:admin"],
   claims: { openid: ["sub"], email: ["email"], profile: ["name"] },
@@ -31,6 +46,7 @@ const provider = new Provider(issuer, {
   findAccount: (ctx, sub) => ({ accountId: sub, claims: () => ({ sub, ...(accounts()[sub] || {}) }) }),
   features: {
     devInteractions: { enabled: true },
+    deviceFlow: { enabled: true },
     registration: { enabled: true },
     resourceIndicators: {
       enabled: true,

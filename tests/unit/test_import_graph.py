@@ -27,18 +27,21 @@ ALLOWED: dict[str, set[str]] = {
 # REST clients (`kbmesh ingest|status|search|kb`, `kbmesh mcp --api`) import no service.
 CLI = ROOT / "cli"
 CLI_ALLOWED: dict[str, set[str]] = {
-    "ingest": set(),
-    "api": {"ingest"},
+    # The credential every REST command sends: KBMESH_API_KEY, else `kbmesh login`'s token.
+    "login": set(),
+    "ingest": {"login"},
+    "api": {"ingest", "login"},
     "mcp": set(),
     # The launcher: the services wired into one process.
     "runtime": set(),
     # Backup reads the bus; restore runs ingest and embed over a new data dir.
     "backup": {"runtime"},
-    "commands": {"api", "ingest", "mcp", "backup", "runtime"},
+    "commands": {"api", "ingest", "login", "mcp", "backup", "runtime"},
     "__main__": {"commands"},
 }
 # What a CLI module may import of services/ outside the CLI.
 CLI_SERVICES: dict[str, set[str]] = {
+    "login": {"common"},
     "ingest": {"common"},
     "api": {"common"},
     "mcp": set(),

@@ -13,40 +13,57 @@ from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
 STATIC = Path(__file__).parent / "static"
-CSP = "; ".join(
-    [
-        "default-src 'none'",
-        "script-src 'self'",
-        "style-src 'self'",
-        "img-src 'self' data:",
-        "connect-src 'self'",
-        "base-uri 'none'",
-        "form-action 'none'",
-        "frame-ancestors 'none'",
-    ]
-)
-HEADERS = {
-    "Content-Security-Policy": CSP,
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "X-Frame-Options": "DENY",
-    # Revalidate (ETag) on every load: a new release's modules are never mixed with old ones.
-    "Cache-Control": "no-cache",
-}
+
+
+def headers(connect: list[str]) -> dict[str, str]:
+    """The console's response headers; `connect`: origins beside its own that its scripts
+    may fetch from (the identity provider's, for signing in)."""
+    csp = "; ".join(
+        [
+            "default-src 'none'",
+            "script-src 'self'",
+            "style-src 'self'",
+            "img-src 'self' data:",
+            " ".join(["connect-src 'self'", *connect]),
+            "base-uri 'none'",
+            "form-action 'none'",
+            "frame-ancestors 'none'",
+        ]
+    )
+    return {
+        "Content-Security-Policy": csp,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+        # Revalidate (ETag) on every load: a new release's modules are never mixed with old
+        # ones.
+        "Cache-Control": "no-cache",
+    }
+
+
+# Without a provider to sign in with: this origin only (the API docs' pages build on these).
+HEADERS = headers([])
+CSP = HEADERS["Content-Security-Policy"]
 
 
 class _ConsoleFiles(StaticFiles):
+    def __init__(self, *, directory: Path, headers: dict[str, str]) -> None:
+        super().__init__(directory=directory)
+        self.headers = headers
+
     async def get_response(self, path: str, scope: Any) -> Response:
         response = await super().get_response(path, scope)
-        response.headers.update(HEADERS)
+        response.headers.update(self.headers)
         return response
 
 
-def mount_console(app: FastAPI) -> None:
-    """`/` answers the console's page; its scripts, styles and icon live under `/console/`."""
+def mount_console(app: FastAPI, connect: list[str]) -> None:
+    """`/` answers the console's page (also where the identity provider sends a person back
+    after signing in); its scripts, styles and icon live under `/console/`."""
+    page_headers = headers(connect)
 
     @app.get("/", include_in_schema=False)
     async def console() -> FileResponse:
-        return FileResponse(STATIC / "index.html", headers=HEADERS)
+        return FileResponse(STATIC / "index.html", headers=page_headers)
 
-    app.mount("/console", _ConsoleFiles(directory=STATIC), name="console")
+    app.mount("/console", _ConsoleFiles(directory=STATIC, headers=page_headers), name="console")

@@ -1,5 +1,7 @@
-// The public REST API, and nothing else. A key typed by the user lives in sessionStorage
-// (this tab only) and goes out as a bearer token; a 401 asks for one.
+// The public REST API, and nothing else. The bearer token is the signed-in person's access
+// token (signin.js), else a key typed by the user; both live in sessionStorage (this tab
+// only); a 401 asks for one.
+import { session } from "./signin.js";
 
 const KEY = "kbmesh.apiKey";
 
@@ -34,7 +36,7 @@ export const apiKey = {
 export function headers(json) {
   const out = { Accept: "application/json" };
   if (json) out["Content-Type"] = "application/json";
-  const key = apiKey.get();
+  const key = session.get()?.access_token || apiKey.get();
   if (key) out.Authorization = `Bearer ${key}`;
   return out;
 }

@@ -5,6 +5,7 @@ import { renderDeadLetters } from "./deadletters.js";
 import { renderKb } from "./kb.js";
 import { renderKbNew } from "./kbform.js";
 import { renderKbList } from "./kbs.js";
+import { beginSignIn, completeSignIn, session, signInConfig, who } from "./signin.js";
 import { toast } from "./ui.js";
 
 const main = document.getElementById("main");
@@ -49,7 +50,20 @@ export function navigate(hash) {
 
 function renderKeySlot() {
   const slot = clear(document.getElementById("keyslot"));
-  if (apiKey.get()) {
+  const signedIn = session.get();
+  if (signedIn) {
+    slot.append(
+      h("span.keystate", `Signed in as ${who(signedIn.user)}`),
+      h("button.btn.btn-small.btn-ghost", {
+        type: "button",
+        onclick: () => {
+          session.clear();
+          renderKeySlot();
+          route();
+        },
+      }, "Sign out"),
+    );
+  } else if (apiKey.get()) {
     slot.append(
       h("span.keystate", "API key set"),
       h("button.btn.btn-small.btn-ghost", {
@@ -64,9 +78,10 @@ function renderKeySlot() {
   }
 }
 
-function askForKey(message) {
+async function askForKey(message) {
   const bar = document.getElementById("keybar");
   if (!bar.hidden) return;
+  const provider = await signInConfig();
   const input = h("input#api-key", { type: "password", autocomplete: "off", required: true, placeholder: "kbm_…", "aria-describedby": "api-key-error" });
   const error = h("p.field-error#api-key-error", { role: "alert", hidden: true });
   bar.hidden = false;
@@ -93,7 +108,17 @@ function askForKey(message) {
           route();
         },
       },
-      h("p", h("strong", "This server needs an API key. "), message || ""),
+      provider
+        ? [
+          h("p", h("strong", "Sign in to use this server. "), message || ""),
+          h("div.keyform-row",
+            h("button.btn.btn-primary", {
+              type: "button",
+              onclick: () => beginSignIn().catch((err) => toast(`Sign-in failed: ${err.message}`, "error")),
+            }, `Sign in with ${new URL(provider.issuer).host}`)),
+          h("p.help", "Or use an API key:"),
+        ]
+        : h("p", h("strong", "This server needs an API key. "), message || ""),
       h("div.keyform-row",
         h("label", { for: "api-key" }, "API key"),
         input,
@@ -129,9 +154,26 @@ document.querySelector(".skip-link").addEventListener("click", (e) => {
 });
 
 window.addEventListener("kbmesh:unauthorized", (e) => {
-  // A key that was sent and refused says why; without one the request is enough.
-  askForKey(apiKey.get() && e.detail ? `The key in use was refused: ${e.detail.message}.` : "");
+  // A sign-in that ended, or a key that was refused, says why; without either the request
+  // is enough.
+  if (session.get()) {
+    session.clear();
+    renderKeySlot();
+    askForKey(`Your sign-in has ended (${e.detail ? e.detail.message : "refused"}).`);
+  } else {
+    askForKey(apiKey.get() && e.detail ? `The key in use was refused: ${e.detail.message}.` : "");
+  }
 });
 window.addEventListener("hashchange", route);
-renderKeySlot();
-route();
+
+async function start() {
+  try {
+    const user = await completeSignIn();
+    if (user) toast(`Signed in as ${who(user)}`);
+  } catch (err) {
+    toast(`Sign-in failed: ${err.message}`, "error");
+  }
+  renderKeySlot();
+  route();
+}
+start();
