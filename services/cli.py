@@ -205,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME:ORG",
         help="an upstream publisher bound to ORG (repeat); its password: NATS_PASSWORD_<NAME>",
     )
+    bus_setup = bus_sub.add_parser(
+        "setup",
+        help="create or update kbmesh's streams, buckets, object store and durable consumers, "
+        "as the operator's NATS user (services may not): before `kbmesh serve` starts, and "
+        "after every upgrade or change of KBMESH_BUS__* settings",
+    )
+    bus_setup.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
 
     return parser
 
@@ -212,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command not in ("contracts", "mock", "bus"):
+    if args.command not in ("contracts", "mock") and getattr(args, "bus_command", None) != "config":
         # Everything kbmesh writes in its data directory (NATS store, shards, credentials,
         # model exports) is its owner's only.
         os.umask(0o077)
@@ -222,10 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     for noisy in ("httpx", "LiteLLM", "litellm", "sentence_transformers", "kbmesh.faststream"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if args.command == "up":
-        _run_server(_serve(_settings(args), None, embedded=True))
-    elif args.command == "serve":
-        _run_server(_serve(_settings(args), args.services, embedded=False))
+    if args.command in ("up", "serve"):
+        from services.common.infra.busauth import BusNotSetUp
+
+        try:
+            services = None if args.command == "up" else args.services
+            _run_server(_serve(_settings(args), services, embedded=args.command == "up"))
+        except BusNotSetUp as err:  # the operator's to fix, not a crash
+            sys.exit(f"kbmesh {args.command}: {err}")
     elif args.command == "keys":
         sys.exit(asyncio.run(_keys(args)))
     elif args.command == "mcp":
@@ -256,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_audit(args))
     elif args.command == "publishers":
         sys.exit(_publishers(args))
+    elif args.command == "bus" and args.bus_command == "setup":
+        sys.exit(asyncio.run(_bus_setup(_settings(args))))
     elif args.command == "bus":
         sys.exit(_bus_config(args.publisher))
     elif args.command == "ingest":
@@ -302,6 +315,7 @@ def _run_server(main: Coroutine[Any, Any, None]) -> None:
 async def _serve(settings, services: list[str] | None, *, embedded: bool) -> None:  # type: ignore[no-untyped-def]
     import uvicorn
 
+    from services.common.infra.busauth import BusNotSetUp
     from services.runtime import SERVICES, build_runtime, start_consuming
 
     if not embedded and not settings.nats_url:
@@ -353,6 +367,8 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
     finally:
         await rt.close()
         print("kbmesh stopped", flush=True)
+    if isinstance(failure, BusNotSetUp):
+        raise failure
     if failure is not None:
         sys.exit(f"kbmesh failed to start: {failure!r}")
 
@@ -470,9 +486,12 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
+async def _cli_bus(settings: Settings, *, administer: bool = False) -> AsyncIterator[Bus]:
     """A bus for one-off commands: KBMESH_NATS_URL, else the URL a running `kbmesh up`
-    recorded in its data directory, else the data directory's store opened directly."""
+    recorded in its data directory, else the data directory's store opened directly.
+
+    The topology is set up (as the operator) with `administer`, on a store opened here, and
+    on a NATS without authorization (no KBMESH_NATS__USER); else it is only checked."""
     from services.common.infra.bus import Bus
     from services.common.infra.telemetry import configure_telemetry
     from services.runtime import start_private_nats
@@ -492,6 +511,7 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
             url = nats_server.url
         if not settings.nats.user:
             _use_recorded_user(settings, "operator")
+    administer = administer or nats_server is not None or not settings.nats.user
     bus = Bus(
         url,
         configure_telemetry("kbmesh-cli"),
@@ -500,7 +520,7 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
         audit=settings.audit,
     )
     try:
-        await bus.connect()
+        await bus.connect(administer=administer)
         yield bus
     finally:
         await bus.close()
@@ -542,16 +562,31 @@ def _use_recorded_user(settings: Settings, role: str) -> None:
         settings.nats.user, settings.nats.password = found.user, found.password
 
 
+async def _bus_setup(settings: Settings) -> int:
+    from services.common.infra.busauth import DURABLE_CONSUMERS, BusNotSetUp
+
+    try:
+        async with _cli_bus(settings, administer=True) as bus:
+            print(
+                f"kbmesh bus setup: streams, buckets, object store and "
+                f"{len(DURABLE_CONSUMERS)} durable consumers ready on {bus.url}"
+            )
+    except (BusNotSetUp, PermissionError) as err:
+        print(f"kbmesh bus setup: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _bus_config(publishers: list[str]) -> int:
     from services.common.domain.errors import InvalidInput
     from services.common.domain.ids import check_id
-    from services.common.infra.busauth import Publisher, deploy_conf
+    from services.common.infra.busauth import Publisher, check_publisher_name, deploy_conf
 
     chosen = []
     for spec in publishers:
         name, _, org = spec.partition(":")
         try:
-            chosen.append(Publisher(check_id(name, "--publisher NAME"), check_id(org, "ORG")))
+            chosen.append(Publisher(check_publisher_name(name), check_id(org, "ORG")))
         except InvalidInput as err:
             print(f"kbmesh bus config: {err} (--publisher NAME:ORG)", file=sys.stderr)
             return 2

@@ -1,6 +1,12 @@
 """Bus wiring: the broker, streams, KV buckets, publishing with de-duplication, and the
 consumer wrapper that turns every handler into an at-least-once, dead-lettering one.
 
+Topology (streams, buckets, the object store, the durable consumers of busauth.WORK) is
+set up apart from its use: `declare_topology` creates or updates it, with the operator's
+rights (`Bus.connect(administer=True)`: the CLI, `kbmesh up`'s start, `kbmesh bus setup`);
+services only check that it is there (`check_topology`, and their consumers at `start`),
+since their NATS users may not change it.
+
 Delivery rules (one place, every service):
 - a message that does not parse as its event model, for whatever reason (invalid JSON,
   nesting too deep for any decoder, wrong fields), goes to `dlq.<subject>` at once: the
@@ -30,6 +36,7 @@ from faststream.nats.annotations import NatsMessage
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from opentelemetry.trace import TracerProvider
@@ -37,16 +44,21 @@ from pydantic import BaseModel, ValidationError
 
 from services.common.domain.errors import InvalidInput, KbmeshError, Transient
 from services.common.infra import replies
-from services.common.infra.audit import declare_audit_stream
+from services.common.infra.audit import AUDIT_STREAM, declare_audit_stream
 from services.common.infra.busauth import (
     CURRENT_PUBLISHER,
+    DURABLE_CONSUMERS,
     KEYS_BUCKET,
+    KV_BUCKETS,
+    OBJECT_STORE,
     UPSTREAM_STATUS,
+    BusNotSetUp,
+    Consumer,
     Credentials,
+    consumers,
     inbox_prefix,
     publisher_of,
     status_subject,
-    upstream_filter,
 )
 from services.common.messages.events import (
     DLQ_STREAM,
@@ -87,9 +99,7 @@ def unavailable(err: BaseException) -> Transient:
     )
 
 
-KV_BUCKETS = ("kbs", "documents", "index", KEYS_BUCKET, "prompts")
-OBJECT_STORE = "texts"
-# Declared by `Bus.start()`; subscribers only reference it.
+# Declared by `declare_topology`; subscribers only reference it.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)
 
 
@@ -158,7 +168,8 @@ class Bus:
         )
         self.nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
-        self.consumers: dict[str, ConsumerConfig] = {}  # durable name → settings we own
+        self.consumers: list[Consumer] = []  # the durable consumers this process pulls from
+        self.refused: str | None = None  # the last publish the server refused this user
         self.responders: list[replies.Responder] = []  # request/reply, started with the rest
         self._tracer = tracer_provider.get_tracer("kbmesh.bus")
 
@@ -168,18 +179,30 @@ class Bus:
             raise RuntimeError("bus not connected")
         return self._js
 
-    async def connect(self) -> None:
-        """Connect and declare streams, buckets and the object store (idempotent)."""
+    async def connect(self, *, administer: bool = False) -> None:
+        """Connect, then with `administer` (a user with the operator's rights, or a NATS
+        without authorization) create or update the topology, else check that it is there."""
         self.nc = await nats.connect(
-            self.servers, name="kbmesh", max_reconnect_attempts=-1, **self._options
+            self.servers,
+            name="kbmesh",
+            max_reconnect_attempts=-1,
+            error_cb=self._on_error,
+            **self._options,
         )
         self._js = self.nc.jetstream()
         attempt = 0
         while True:
             try:
-                await declare_topology(self._js, self.rules, self._audit)
+                if administer:
+                    await declare_topology(self._js, self.rules, self._audit)
+                else:
+                    await check_topology(self._js)
                 break
             except BUS_UNAVAILABLE as err:
+                if self.refused is not None:  # no answer because the server refused to ask
+                    raise PermissionError(
+                        f"NATS user {self.user!r} may not set up the bus: {self.refused}"
+                    ) from err
                 # A cluster that is still electing its JetStream leader, or a server that
                 # is restarting: wait for it like for the connection itself.
                 delay = TOPOLOGY_RETRY_SECONDS[min(attempt, len(TOPOLOGY_RETRY_SECONDS) - 1)]
@@ -188,25 +211,35 @@ class Bus:
                 await asyncio.sleep(delay)
         await self.broker.connect()
 
+    async def _on_error(self, err: Exception) -> None:
+        # nats-py reports a publish the server refused here, and the request it was goes
+        # unanswered: remember it, so that the wait for an answer can say why.
+        if "permissions violation" in str(err).lower():
+            self.refused = str(err)
+        log.warning("nats_error error=%r", err)
+
     async def start(self) -> None:
         """Start consuming and answering (after every router and responder was added)."""
-        await self._update_consumers()
+        await self._check_consumers()
         await self.broker.start()
         for responder in self.responders:
             await responder.start(self._connection(), self._tracer)
 
-    async def _update_consumers(self) -> None:
-        """Durable consumers outlive processes and binding to one keeps its old settings:
-        apply today's ack wait and delivery limit to those that exist already."""
-        for durable, wanted in self.consumers.items():
+    async def _check_consumers(self) -> None:
+        """The durable consumers this process pulls from exist with this process's ack wait
+        and delivery limit (its progress reports and dead-lettering count on them): the
+        topology step made them so, and a service may not change them."""
+        for consumer in self.consumers:
+            wanted = consumer_config(consumer, self.rules)
             try:
-                info = await self.js.consumer_info(STREAM, durable)
-            except NotFoundError:
-                continue  # created with these settings when the subscriber starts
-            current = info.config
+                current = (await self.js.consumer_info(STREAM, consumer.durable)).config
+            except NotFoundError as err:
+                raise BusNotSetUp(f"durable consumer {consumer.durable} does not exist") from err
             if (current.ack_wait, current.max_deliver) != (wanted.ack_wait, wanted.max_deliver):
-                await self.js.add_consumer(
-                    STREAM, current.evolve(ack_wait=wanted.ack_wait, max_deliver=wanted.max_deliver)
+                raise BusNotSetUp(
+                    f"durable consumer {consumer.durable} has ack wait {current.ack_wait}s and "
+                    f"delivery limit {current.max_deliver}, this process expects "
+                    f"{wanted.ack_wait}s and {wanted.max_deliver} (KBMESH_BUS__*)"
                 )
 
     async def close(self) -> None:
@@ -276,18 +309,58 @@ async def declare_topology(
         if bucket == KEYS_BUCKET:
             with contextlib.suppress(NotFoundError):
                 _check_key_bucket((await js.stream_info(f"KV_{bucket}")).config)
-        try:
-            await _set_replicas(js, f"KV_{bucket}", bus.replicas)
-        except TimeoutError:
-            if bucket != KEYS_BUCKET:
-                raise
-            # Only the operator's user may change the key bucket (services/common/infra/busauth.py):
-            # a service leaves it as it is, and the next `kbmesh keys` applies the change.
-            log.warning("stream_replicas_unchanged stream=KV_%s reason=operator_only", bucket)
-            continue
+        await _set_replicas(js, f"KV_{bucket}", bus.replicas)
         await js.create_key_value(bucket=bucket, history=1, replicas=bus.replicas)
     await _set_replicas(js, f"OBJ_{OBJECT_STORE}", bus.replicas)
     await js.create_object_store(OBJECT_STORE, replicas=bus.replicas)
+    for consumer in DURABLE_CONSUMERS:
+        await _declare_consumer(js, consumer, bus)
+
+
+def consumer_config(consumer: Consumer, bus: BusSettings) -> ConsumerConfig:
+    return ConsumerConfig(
+        name=consumer.durable,
+        durable_name=consumer.durable,
+        filter_subject=consumer.subject,
+        ack_policy=JsAckPolicy.EXPLICIT,
+        ack_wait=bus.ack_wait_seconds,
+        # JetStream's own limit is a backstop above ours: we dead-letter first.
+        max_deliver=bus.max_deliver + 2,
+    )
+
+
+async def _declare_consumer(js: JetStreamContext, consumer: Consumer, bus: BusSettings) -> None:
+    """Create `consumer`, or give an existing one (it outlives processes and versions)
+    today's ack wait and delivery limit, keeping the rest of its configuration."""
+    wanted = consumer_config(consumer, bus)
+    try:
+        current = (await js.consumer_info(STREAM, consumer.durable)).config
+    except NotFoundError:
+        await js.add_consumer(STREAM, wanted)
+        return
+    if (current.ack_wait, current.max_deliver) != (wanted.ack_wait, wanted.max_deliver):
+        await js.add_consumer(
+            STREAM, current.evolve(ack_wait=wanted.ack_wait, max_deliver=wanted.max_deliver)
+        )
+
+
+async def check_topology(js: JetStreamContext) -> None:
+    """Every stream, bucket and the object store exists (a service may not create them), and
+    the API-key bucket is a plain one."""
+    streams = (
+        STREAM,
+        DLQ_STREAM,
+        AUDIT_STREAM,
+        *(f"KV_{b}" for b in KV_BUCKETS),
+        f"OBJ_{OBJECT_STORE}",
+    )
+    for name in streams:
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError as err:
+            raise BusNotSetUp(f"stream {name} does not exist") from err
+        if name == f"KV_{KEYS_BUCKET}":
+            _check_key_bucket(info.config)
 
 
 def _check_key_bucket(config: StreamConfig) -> None:
@@ -360,6 +433,11 @@ def consume(
     """
     model = EVENT_MODELS[subject]
     settings = bus.rules
+    wanted = consumers(subject, durable, upstream=upstream)
+    missing = [c for c in wanted if c not in DURABLE_CONSUMERS]
+    if missing:
+        # The topology step creates only the consumers of the table, and a service may not.
+        raise RuntimeError(f"durable consumers {missing} are not in busauth.WORK")
 
     async def _on_message(msg: NatsMessage) -> None:
         raw = msg.raw_message
@@ -416,25 +494,16 @@ def consume(
     kwargs: dict[str, Any] = {}
     if max_workers > 1:
         kwargs["max_workers"] = max_workers
-    config = ConsumerConfig(
-        ack_wait=settings.ack_wait_seconds,
-        # JetStream's own limit is a backstop above ours: we dead-letter first.
-        max_deliver=settings.max_deliver + 2,
-    )
-    subscriptions = [(subject, durable)]
-    if upstream:
-        subscriptions.append((upstream_filter(subject), f"{durable}-upstream"))
-    for filter_subject, name in subscriptions:
-        bus.consumers[name] = config
+    for consumer in wanted:
+        bus.consumers.append(consumer)
         router.subscriber(
-            filter_subject,
+            consumer.subject,
             stream=JSTREAM,
-            durable=name,
+            durable=consumer.durable,
             # One message per pull: a fetched message waits for a free worker before its
             # progress reports start, so fetch no more than one ahead.
             pull_sub=PullSub(batch_size=1, timeout=2.0),
             ack_policy=AckPolicy.MANUAL,
-            config=config,
             decoder=_undecoded,
             inbox_prefix=f"{bus.inbox}.".encode(),
             **kwargs,
