@@ -599,8 +599,9 @@ def _publishers(args: argparse.Namespace) -> int:
 
     from services.common.domain.errors import InvalidInput
     from services.common.infra import busauth
-    from services.common.infra.natsproc import reload_running
+    from services.common.infra.natsproc import ReloadRefused, reload_running
 
+    command = f"kbmesh publishers {args.publishers_command}"
     data_dir = _settings(args).data_dir
     if args.publishers_command == "list":
         for record in busauth.load_publishers(data_dir):
@@ -609,20 +610,51 @@ def _publishers(args: argparse.Namespace) -> int:
     from services.runtime import prepare_data_dir
 
     prepare_data_dir(data_dir)
-    if args.publishers_command == "add":
+    adding = args.publishers_command == "add"
+    if adding:
         try:
             record = busauth.add_publisher(data_dir, args.name, args.org)
-        except (ValueError, InvalidInput) as err:
-            print(f"kbmesh publishers add: {err}", file=sys.stderr)
+        except InvalidInput as err:
+            print(f"{command}: {err}", file=sys.stderr)
+            return 2
+        except ValueError as err:
+            print(f"{command}: {err}", file=sys.stderr)
             return 1
-    elif not busauth.revoke_publisher(data_dir, args.name):
-        print(f"kbmesh publishers revoke: no publisher named {args.name!r}", file=sys.stderr)
+    else:
+        found = busauth.revoke_publisher(data_dir, args.name)
+        if found is None:
+            print(f"{command}: no publisher named {args.name!r}", file=sys.stderr)
+            return 1
+        record = found
+    # A running `kbmesh up` takes the change at once, proven by connecting with the
+    # credentials (admitted once added, refused once revoked); a stopped one at its start.
+    recorded = data_dir / "nats.url"
+    url = recorded.read_text().strip() if recorded.exists() else None
+    try:
+        applied = reload_running(data_dir / "nats", busauth.local_accounts(data_dir))
+        if applied and url:
+            admitted = asyncio.run(busauth.admits(url, record.name, record.password))
+            if admitted != adding:
+                raise ReloadRefused(
+                    "its credentials are " + ("refused" if adding else "still admitted")
+                )
+    except ReloadRefused as err:
+        if adding:
+            busauth.revoke_publisher(data_dir, record.name)
+            with contextlib.suppress(ReloadRefused):
+                reload_running(data_dir / "nats", busauth.local_accounts(data_dir))
+            print(
+                f"{command}: the running kbmesh did not take it ({err}); nothing was added",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"{command}: removed from {data_dir}, but the running kbmesh did not take it "
+                f"({err}): {record.name!r} can connect until kbmesh restarts",
+                file=sys.stderr,
+            )
         return 1
-    # A running `kbmesh up` takes the change at once; a stopped one at its next start.
-    applied = reload_running(data_dir / "nats", busauth.local_accounts(data_dir))
-    if args.publishers_command == "add":
-        recorded = data_dir / "nats.url"
-        url = recorded.read_text().strip() if recorded.exists() else None
+    if adding:
         print(
             json.dumps(
                 {
@@ -632,15 +664,14 @@ def _publishers(args: argparse.Namespace) -> int:
                     "url": url,
                     "publish": list(busauth.UPSTREAM_PUBLISH),
                     "subscribe": list(busauth.UPSTREAM_STATUS),
+                    "applied": applied,
                 }
             )
         )
     else:
-        print(json.dumps({"revoked": args.name}))
+        print(json.dumps({"revoked": record.name, "applied": applied}))
     if not applied:
-        print(
-            "no running kbmesh on this data directory: applies at its next start", file=sys.stderr
-        )
+        print(f"no running kbmesh on {data_dir}: applies at its next start", file=sys.stderr)
     return 0
 
 
