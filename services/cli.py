@@ -736,8 +736,14 @@ async def _audit(args: argparse.Namespace) -> None:
         limit=args.limit,
     )
     async with _cli_bus(settings) as bus:
-        for entry in await read_audit(bus.js, org, query):
-            print(entry.model_dump_json())
+        read = await read_audit(bus.js, org, query)
+    for entry in read.entries:
+        print(entry.model_dump_json())
+    if read.skipped:
+        print(
+            f"{read.skipped} entries skipped: not audit entries, or not of org {org!r}",
+            file=sys.stderr,
+        )
 
 
 async def _dlq(args: argparse.Namespace) -> int:
