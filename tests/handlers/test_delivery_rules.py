@@ -27,7 +27,7 @@ from faststream.nats import NatsRouter, TestNatsBroker
 from opentelemetry import trace
 
 from services.common.domain.errors import InvalidInput
-from services.common.infra.bus import CURRENT_PUBLISHER, Bus, consume
+from services.common.infra.bus import CURRENT_PUBLISHER, Bus, consume, declare_consumer
 from services.common.infra.busauth import Publisher, upstream_subject
 from services.common.infra.natsproc import NatsServer
 from services.common.messages.events import DLQ_STREAM, STREAM, DocDeleted, Subject, dlq_subject
@@ -61,7 +61,11 @@ async def subscribed(
     router = NatsRouter()
     consume(router, bus, SUBJECT, durable, handler, on_failure=on_failure, upstream=upstream)
     bus.broker.include_router(router)
-    await bus.connect()
+    await bus.connect(administer=True)
+    # The topology step creates the consumers of services/common/infra/busauth.WORK: this
+    # test's own durables are created here, as the operator would.
+    for consumer in bus.consumers:
+        await declare_consumer(bus.js, consumer, settings.bus)
     # A new durable reads the stream from its start: earlier tests' events are not ours.
     await bus.js.purge_stream(STREAM)
     try:
