@@ -79,6 +79,12 @@ async def subscribed(
     # The topology step creates the consumers of services/common/bus/auth.WORK: this
     # test's own durables are created here, as the operator would.
     for consumer in bus.consumers:
+        if consumer.stream == UPSTREAM_STREAM:
+            # A work-queue stream takes one consumer per filter: the topology's own (no
+            # process of this test pulls from it) makes way for this test's.
+            for info in await bus.js.consumers_info(UPSTREAM_STREAM):
+                if info.config.filter_subject == consumer.subject:
+                    await bus.js.delete_consumer(UPSTREAM_STREAM, info.name)
         await declare_consumer(bus.js, consumer, settings.bus, bus.ack_wait)
     # A new durable reads the stream from its start: earlier tests' events are not ours.
     await bus.js.purge_stream(STREAM)

@@ -211,8 +211,8 @@ def test_each_durable_consumer_is_pulled_and_acknowledged_by_its_role_only():
     assert len(names) == len(set(names))
     for role, work in busauth.WORK.items():
         for consumer in work.consumes:
-            pull = f"$JS.API.CONSUMER.MSG.NEXT.KBMESH.{consumer.durable}"
-            ack = f"$JS.ACK.KBMESH.{consumer.durable}.1.2.3.4.5"
+            pull = f"$JS.API.CONSUMER.MSG.NEXT.{consumer.stream}.{consumer.durable}"
+            ack = f"$JS.ACK.{consumer.stream}.{consumer.durable}.1.2.3.4.5"
             owners = [r for r in SERVICE_ROLES if may_publish(r, pull) or may_publish(r, ack)]
             assert owners == [role], consumer
 
