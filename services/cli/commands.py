@@ -284,12 +284,19 @@ def _add_bus(sub: _Subparsers) -> None:
         metavar="NAME:ORG",
         help="an upstream publisher bound to ORG (repeat); its password: NATS_PASSWORD_<NAME>",
     )
+    bus_setup = bus_sub.add_parser(
+        "setup",
+        help="create or update kbmesh's streams, buckets, object store and durable consumers, "
+        "as the operator's NATS user (services may not): before `kbmesh serve` starts, and "
+        "after every upgrade or change of KBMESH_BUS__* settings",
+    )
+    bus_setup.add_argument("--data-dir", type=Path, help="default ./.kbmesh (KBMESH_DATA_DIR)")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command not in ("contracts", "mock", "bus"):
+    if args.command not in ("contracts", "mock") and getattr(args, "bus_command", None) != "config":
         # Everything kbmesh writes in its data directory (NATS store, shards, credentials,
         # model exports) is its owner's only.
         os.umask(0o077)
@@ -304,10 +311,14 @@ def main(argv: list[str] | None = None) -> None:
         # (retired ones are listed in docs/operations.md, "Upgrades"; unknown ones misspelt).
         reason = "retired" if name in RETIRED else "unknown"
         logging.getLogger("kbmesh").warning("setting_not_read variable=%s reason=%s", name, reason)
-    if args.command == "up":
-        _run_server(_serve(_settings(args), None, embedded=True))
-    elif args.command == "serve":
-        _run_server(_serve(_settings(args), args.services, embedded=False))
+    if args.command in ("up", "serve"):
+        from services.common.bus.auth import BusNotSetUp
+
+        try:
+            services = None if args.command == "up" else args.services
+            _run_server(_serve(_settings(args), services, embedded=args.command == "up"))
+        except BusNotSetUp as err:  # the operator's to fix, not a crash
+            sys.exit(f"kbmesh {args.command}: {err}")
     elif args.command == "keys":
         sys.exit(asyncio.run(_keys(args)))
     elif args.command == "mcp":
@@ -342,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_audit(args))
     elif args.command == "publishers":
         sys.exit(_publishers(args))
+    elif args.command == "bus" and args.bus_command == "setup":
+        sys.exit(asyncio.run(_bus_setup(_settings(args))))
     elif args.command == "bus":
         sys.exit(_bus_config(args.publisher))
     elif args.command == "ingest":
@@ -396,6 +409,7 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
         gateway_app,
         start_consuming,
     )
+    from services.common.bus.auth import BusNotSetUp
 
     if not embedded and not settings.nats_url:
         sys.exit("kbmesh serve needs KBMESH_NATS_URL (or use `kbmesh up`)")
@@ -475,6 +489,8 @@ async def _serve(settings, services: list[str] | None, *, embedded: bool) -> Non
         if rt is not None:
             await rt.close()
         print("kbmesh stopped", flush=True)
+    if isinstance(failure, BusNotSetUp):
+        raise failure
     if failure is not None:
         sys.exit(f"kbmesh failed to start: {failure or repr(failure)}")
 
@@ -590,9 +606,12 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
+async def _cli_bus(settings: Settings, *, administer: bool = False) -> AsyncIterator[Bus]:
     """A bus for one-off commands: KBMESH_NATS_URL, else the URL a running `kbmesh up`
-    recorded in its data directory, else the data directory's store opened directly."""
+    recorded in its data directory, else the data directory's store opened directly.
+
+    The topology is set up (as the operator) with `administer`, on a store opened here, and
+    on a NATS without authorization (no KBMESH_NATS__USER); else it is only checked."""
     from services.cli.runtime import start_private_nats
     from services.common.bus.client import Bus
     from services.common.ops.telemetry import configure_telemetry
@@ -612,6 +631,7 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
             url = nats_server.url
         if not settings.nats.user:
             _use_recorded_user(settings, "operator")
+    administer = administer or nats_server is not None or not settings.nats.user
     bus = Bus(
         url,
         configure_telemetry("kbmesh-cli"),
@@ -620,7 +640,7 @@ async def _cli_bus(settings: Settings) -> AsyncIterator[Bus]:
         audit=settings.audit,
     )
     try:
-        await bus.connect()
+        await bus.connect(administer=administer)
         yield bus
     finally:
         await bus.close()
@@ -694,8 +714,23 @@ def _use_recorded_user(settings: Settings, role: str) -> None:
         settings.nats.user, settings.nats.password = found.user, found.password
 
 
+async def _bus_setup(settings: Settings) -> int:
+    from services.common.bus.auth import DURABLE_CONSUMERS, BusNotSetUp
+
+    try:
+        async with _cli_bus(settings, administer=True) as bus:
+            print(
+                f"kbmesh bus setup: streams, buckets, object store and "
+                f"{len(DURABLE_CONSUMERS)} durable consumers ready on {bus.url}"
+            )
+    except (BusNotSetUp, PermissionError) as err:
+        print(f"kbmesh bus setup: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _bus_config(publishers: list[str]) -> int:
-    from services.common.bus.auth import Publisher, deploy_conf
+    from services.common.bus.auth import Publisher, check_publisher_name, deploy_conf
     from services.common.domain.errors import InvalidInput
     from services.common.domain.ids import check_id
 
@@ -703,7 +738,7 @@ def _bus_config(publishers: list[str]) -> int:
     for spec in publishers:
         name, _, org = spec.partition(":")
         try:
-            chosen.append(Publisher(check_id(name, "--publisher NAME"), check_id(org, "ORG")))
+            chosen.append(Publisher(check_publisher_name(name), check_id(org, "ORG")))
         except InvalidInput as err:
             print(f"kbmesh bus config: {err} (--publisher NAME:ORG)", file=sys.stderr)
             return 2
@@ -715,9 +750,10 @@ def _publishers(args: argparse.Namespace) -> int:
     import json
 
     from services.common.bus import auth as busauth
-    from services.common.bus.nats_server import reload_running
+    from services.common.bus.nats_server import ReloadRefused, reload_running
     from services.common.domain.errors import InvalidInput
 
+    command = f"kbmesh publishers {args.publishers_command}"
     data_dir = _settings(args).data_dir
     if args.publishers_command == "list":
         for record in busauth.load_publishers(data_dir):
@@ -726,20 +762,51 @@ def _publishers(args: argparse.Namespace) -> int:
     from services.cli.runtime import prepare_data_dir
 
     prepare_data_dir(data_dir)
-    if args.publishers_command == "add":
+    adding = args.publishers_command == "add"
+    if adding:
         try:
             record = busauth.add_publisher(data_dir, args.name, args.org)
-        except (ValueError, InvalidInput) as err:
-            print(f"kbmesh publishers add: {err}", file=sys.stderr)
+        except InvalidInput as err:
+            print(f"{command}: {err}", file=sys.stderr)
+            return 2
+        except ValueError as err:
+            print(f"{command}: {err}", file=sys.stderr)
             return 1
-    elif not busauth.revoke_publisher(data_dir, args.name):
-        print(f"kbmesh publishers revoke: no publisher named {args.name!r}", file=sys.stderr)
+    else:
+        found = busauth.revoke_publisher(data_dir, args.name)
+        if found is None:
+            print(f"{command}: no publisher named {args.name!r}", file=sys.stderr)
+            return 1
+        record = found
+    # A running `kbmesh up` takes the change at once, proven by connecting with the
+    # credentials (admitted once added, refused once revoked); a stopped one at its start.
+    recorded = data_dir / "nats.url"
+    url = recorded.read_text().strip() if recorded.exists() else None
+    try:
+        applied = reload_running(data_dir / "nats", busauth.local_accounts(data_dir))
+        if applied and url:
+            admitted = asyncio.run(busauth.admits(url, record.name, record.password))
+            if admitted != adding:
+                raise ReloadRefused(
+                    "its credentials are " + ("refused" if adding else "still admitted")
+                )
+    except ReloadRefused as err:
+        if adding:
+            busauth.revoke_publisher(data_dir, record.name)
+            with contextlib.suppress(ReloadRefused):
+                reload_running(data_dir / "nats", busauth.local_accounts(data_dir))
+            print(
+                f"{command}: the running kbmesh did not take it ({err}); nothing was added",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"{command}: removed from {data_dir}, but the running kbmesh did not take it "
+                f"({err}): {record.name!r} can connect until kbmesh restarts",
+                file=sys.stderr,
+            )
         return 1
-    # A running `kbmesh up` takes the change at once; a stopped one at its next start.
-    applied = reload_running(data_dir / "nats", busauth.local_accounts(data_dir))
-    if args.publishers_command == "add":
-        recorded = data_dir / "nats.url"
-        url = recorded.read_text().strip() if recorded.exists() else None
+    if adding:
         print(
             json.dumps(
                 {
@@ -749,15 +816,14 @@ def _publishers(args: argparse.Namespace) -> int:
                     "url": url,
                     "publish": list(busauth.UPSTREAM_PUBLISH),
                     "subscribe": list(busauth.UPSTREAM_STATUS),
+                    "applied": applied,
                 }
             )
         )
     else:
-        print(json.dumps({"revoked": args.name}))
+        print(json.dumps({"revoked": record.name, "applied": applied}))
     if not applied:
-        print(
-            "no running kbmesh on this data directory: applies at its next start", file=sys.stderr
-        )
+        print(f"no running kbmesh on {data_dir}: applies at its next start", file=sys.stderr)
     return 0
 
 
@@ -822,8 +888,14 @@ async def _audit(args: argparse.Namespace) -> None:
         limit=args.limit,
     )
     async with _cli_bus(settings) as bus:
-        for entry in await read_audit(bus.js, org, query):
-            print(entry.model_dump_json())
+        read = await read_audit(bus.js, org, query)
+    for entry in read.entries:
+        print(entry.model_dump_json())
+    if read.skipped:
+        print(
+            f"{read.skipped} entries skipped: not audit entries, or not of org {org!r}",
+            file=sys.stderr,
+        )
 
 
 async def _dlq(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry.trace import TracerProvider
 
 from services.common.bus import auth as busauth
 from services.common.bus.audit import sink as audit_sink
@@ -141,18 +142,24 @@ async def build_runtime(
     url = settings.nats_url
     if embedded_nats or not url or settings.store_kind == "edge":
         check_data_dir(settings.data_dir)
-    credentials = None
+    credentials = operator = None
     if embedded_nats or not url:
         nats_server = start_private_nats(settings.data_dir)
         nats_server.supervise()
         url = nats_server.url
-        credentials = busauth.local_credentials(settings.data_dir)[busauth.role_for(chosen)]
+        local = busauth.local_credentials(settings.data_dir)
+        credentials, operator = local[busauth.role_for(chosen)], local["operator"]
     bus = Bus(
         url, provider, credentials, rules=settings.bus, auth=settings.nats, audit=settings.audit
     )
     try:
         # Each step waits out a bus that is failing over (Bus.starting).
-        await bus.connect()
+        if operator is not None:
+            # The services' users may not set up the bus: the operator's does, first.
+            await set_up_bus(url, provider, operator, settings)
+        # On a NATS without authorization (no user) there is nothing to protect: the
+        # services set it up themselves, as `kbmesh bus setup` would.
+        await bus.connect(administer=operator is None and not bus.user)
         registries = await bus.starting(
             "registries", lambda: Registries.open(bus.js), waits_for=STARTING_STREAMS
         )
@@ -173,6 +180,18 @@ async def build_runtime(
         if nats_server:
             nats_server.stop()
         raise
+
+
+async def set_up_bus(
+    url: str, provider: TracerProvider, operator: busauth.Credentials, settings: Settings
+) -> None:
+    """The topology step, as the operator: streams, buckets, the object store and the
+    durable consumers created or brought up to date with `settings`."""
+    bus = Bus(url, provider, operator, rules=settings.bus, auth=settings.nats, audit=settings.audit)
+    try:
+        await bus.connect(administer=True)
+    finally:
+        await bus.close()
 
 
 async def _wire(rt: Runtime) -> None:

@@ -366,6 +366,11 @@ class DocumentView(BaseModel):
 class AuditList(BaseModel):
     items: list[AuditEntry] = Field(description="oldest first")
     total: int = Field(description="entries in this answer")
+    skipped: int = Field(
+        0,
+        description="entries left out because they could not be trusted: not an audit entry, "
+        "or naming another org or kind than where they were recorded",
+    )
 
 
 KbDocumentStatus = Literal["complete", "processing", "pending_reindex", "failed", "awaiting_ocr"]

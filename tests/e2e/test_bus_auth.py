@@ -244,6 +244,78 @@ async def _wait_dead_letter(up: dict[str, Any], subject: str) -> dict[str, Any]:
             await asyncio.sleep(0.5)
 
 
+async def test_a_service_user_cannot_cut_the_audit_trail(up):
+    """Connected as search (whose work is answering requests), cutting the audit stream to
+    one entry, deleting it or changing a durable consumer is refused; the org's trail keeps
+    every entry."""
+    before = httpx.get(f"{up['base']}/v1/audit", timeout=30).json()["items"]
+    assert before
+    nc = await connect_as(up, "search")
+    try:
+        js = nc.jetstream(timeout=3)
+        info = await js.stream_info("KBMESH_AUDIT")
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await js.update_stream(info.config.evolve(max_msgs=1))
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await js.delete_stream("KBMESH_AUDIT")
+        consumer = await js.consumer_info("KBMESH", "ingest-doc-uploaded")
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await js.add_consumer("KBMESH", consumer.config.evolve(ack_wait=1))
+    finally:
+        await nc.close()
+    after = httpx.get(f"{up['base']}/v1/audit", timeout=30).json()["items"]
+    assert after[: len(before)] == before
+
+
+@pytest.mark.parametrize("name", ["operator", "gateway", "stack", "embed-search", "Search"])
+def test_a_publisher_cannot_take_a_kbmesh_users_name(up, name):
+    """The NATS user names of kbmesh's own roles (and their spellings in other cases) are
+    reserved: `publishers add` refuses them with exit code 2 and prints no credentials, and
+    the running server keeps taking publishers."""
+    refused = kbmesh(up["data"], "publishers", "add", name, "--org", "acme")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stdout == ""
+    assert "reserved" in refused.stderr, refused.stderr
+    listed = _ok(kbmesh(up["data"], "publishers", "list"))
+    assert name not in {json.loads(line)["name"] for line in listed.splitlines()}
+
+
+async def test_revoking_a_publisher_closes_its_connection_and_refuses_its_credentials(up):
+    """`publishers add` prints credentials only once the running server admits them;
+    `publishers revoke` answers once the server refuses them, and the publisher's open
+    connection is closed by the server at that moment."""
+    added = json.loads(_ok(kbmesh(up["data"], "publishers", "add", "crm", "--org", "local")))
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    async def on_error(err: Exception) -> None:
+        pass  # the server's parting notice
+
+    live = await nats.connect(
+        added["url"],
+        user=added["user"],
+        password=added["password"],
+        allow_reconnect=False,
+        closed_cb=on_closed,
+        error_cb=on_error,
+    )
+    try:
+        assert live.is_connected
+        revoked = json.loads(
+            _ok(await asyncio.to_thread(kbmesh, up["data"], "publishers", "revoke", "crm"))
+        )
+        await asyncio.wait_for(closed.wait(), 10)
+    finally:
+        await live.close()
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await _publisher(added)
+    # The CLI said so: the running server admitted, then refused, the credentials.
+    assert added["applied"] is True, added
+    assert revoked == {"revoked": "crm", "applied": True}, revoked
+
+
 def test_the_data_directory_is_the_owners_only(up):
     """Everything under the data directory — the NATS store and its configuration, the
     recorded URL, the credentials, the Edge shards with chunk text, the model cache — is

@@ -15,7 +15,15 @@ from services.common.store import Match
 from services.common.store.base import Filter
 from services.common.store.edge import EdgeStore
 from tests.support.corpus import DOCS, PARAPHRASES
-from tests.support.procs import Proc, free_port, kbmesh_env, wait_ready, wait_until
+from tests.support.procs import (
+    KBMESH,
+    ROOT,
+    Proc,
+    free_port,
+    kbmesh_env,
+    wait_ready,
+    wait_until,
+)
 
 
 def upload_and_search(base: str) -> dict[str, str]:
@@ -79,13 +87,64 @@ def test_up_indexes_searches_and_survives_a_restart(tmp_path):
 PROCESS_ROLES = {"ingest": "ingest", "embed": "embed+search", "gateway": "gateway"}
 
 
+def process_users() -> dict[str, Credentials]:
+    return {
+        role: Credentials(role.replace("+", "-"), new_password())
+        for role in ("operator", *PROCESS_ROLES.values())
+    }
+
+
+def as_user(env: dict[str, str], creds: Credentials) -> dict[str, str]:
+    return {**env, "KBMESH_NATS__USER": creds.user, "KBMESH_NATS__PASSWORD": creds.password}
+
+
+def bus_setup(env: dict[str, str], creds: Credentials) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*KBMESH, "bus", "setup"],
+        cwd=ROOT,
+        env=as_user(env, creds),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_services_start_only_on_a_bus_the_operator_set_up(tmp_path):
+    """A service's NATS user may not create streams, buckets or consumers: `kbmesh serve`
+    on a bus nobody set up exits at once, naming the step to run; `kbmesh bus setup` as a
+    service's user is refused; as the operator it sets up everything, and then the service
+    starts."""
+    users = process_users()
+    with NatsServer(tmp_path / "nats", accounts=lambda: server_accounts(users)) as nats:
+        env = kbmesh_env(KBMESH_NATS_URL=nats.url, KBMESH_DATA_DIR=str(tmp_path / "data"))
+        early = subprocess.run(
+            [*KBMESH, "serve", "ingest"],
+            cwd=ROOT,
+            env=as_user(env, users["ingest"]),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert early.returncode == 1, early.stdout + early.stderr
+        assert "kbmesh bus setup" in early.stderr, early.stderr
+        refused = bus_setup(env, users["ingest"])
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "may not set up the bus" in refused.stderr, refused.stderr
+        done = bus_setup(env, users["operator"])
+        assert done.returncode == 0, done.stderr
+        ingest = Proc(["serve", "ingest"], tmp_path / "ingest.log", as_user(env, users["ingest"]))
+        try:
+            wait_until(lambda: "kbmesh ingest on" in ingest.output(), 120, "ingest started")
+            assert ingest.proc.poll() is None, ingest.output()[-3000:]
+        finally:
+            assert ingest.stop() == 0, ingest.output()[-3000:]
+
+
 @pytest.fixture
 def split_stack(tmp_path):
-    """nats-server with one user per process + `serve ingest` + `serve embed search` +
-    `serve gateway`."""
-    users = {
-        role: Credentials(role.replace("+", "-"), new_password()) for role in PROCESS_ROLES.values()
-    }
+    """nats-server with one user per process, set up by the operator (`kbmesh bus setup`),
+    + `serve ingest` + `serve embed search` + `serve gateway`."""
+    users = process_users()
     nats = NatsServer(tmp_path / "nats", accounts=lambda: server_accounts(users)).start()
     port = free_port()
     env = kbmesh_env(
@@ -93,6 +152,8 @@ def split_stack(tmp_path):
         KBMESH_DATA_DIR=str(tmp_path / "data"),
         KBMESH_PORT=str(port),
     )
+    setup = bus_setup(env, users["operator"])
+    assert setup.returncode == 0, setup.stderr
     metrics = {"ingest": free_port(), "embed": free_port()}
     envs = {
         name: {

@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import TracerProvider as AnyTracerProvider
 
 from services.common.bus.auth import Publisher, publisher_of, upstream_subject
-from services.common.bus.client import CURRENT_PUBLISHER, Bus, consume
+from services.common.bus.client import CURRENT_PUBLISHER, Bus, consume, declare_consumer
 from services.common.bus.nats_server import NatsServer
 from services.common.domain.errors import InvalidInput
 from services.common.messages.events import DocDeleted
@@ -75,7 +75,17 @@ async def subscribed(
     router = NatsRouter()
     consume(router, bus, SUBJECT, durable, handler, on_failure=on_failure, upstream=upstream)
     bus.broker.include_router(router)
-    await bus.connect()
+    await bus.connect(administer=True)
+    # The topology step creates the consumers of services/common/bus/auth.WORK: this
+    # test's own durables are created here, as the operator would.
+    for consumer in bus.consumers:
+        if consumer.stream == UPSTREAM_STREAM:
+            # A work-queue stream takes one consumer per filter: the topology's own (no
+            # process of this test pulls from it) makes way for this test's.
+            for info in await bus.js.consumers_info(UPSTREAM_STREAM):
+                if info.config.filter_subject == consumer.subject:
+                    await bus.js.delete_consumer(UPSTREAM_STREAM, info.name)
+        await declare_consumer(bus.js, consumer, settings.bus, bus.ack_wait)
     # A new durable reads the stream from its start: earlier tests' events are not ours.
     await bus.js.purge_stream(STREAM)
     try:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
+import nats
 import pytest
 
 from tests.conftest import running_stack
-from tests.support.bus import nats_with_max_payload
+from tests.support.bus import bus_url, nats_with_max_payload
 from tests.support.corpus import DOCS, PARAPHRASES
 
 
@@ -50,14 +51,19 @@ async def test_malformed_event_is_dead_lettered_and_consumer_keeps_going(stack):
     """A malformed doc.uploaded goes to dlq.~.doc.uploaded (no org can be read from it) with
     a reason; the next valid upload still indexes."""
     rt, client = stack
-    js = rt.bus.js
-    sub = await js.subscribe("dlq.~.doc.uploaded", stream="KBMESH_DLQ", durable=None)
-    await js.publish("doc.uploaded", b'{"org_id": "local", "name": 42', stream="KBMESH")
-    msg = await sub.next_msg(timeout=20)
-    assert msg.headers["Kbmesh-Error-Type"] == "ValidationError"
-    assert "malformed event" in msg.headers["Kbmesh-Error"]
-    assert msg.data == b'{"org_id": "local", "name": 42'
-    await sub.unsubscribe()
+    # Watched as the operator (services may not open readers of the dead-letter stream).
+    operator = await nats.connect(bus_url(rt.bus.url, rt.settings.data_dir, "operator"))
+    try:
+        js = operator.jetstream()
+        sub = await js.subscribe("dlq.~.doc.uploaded", stream="KBMESH_DLQ", durable=None)
+        await js.publish("doc.uploaded", b'{"org_id": "local", "name": 42', stream="KBMESH")
+        msg = await sub.next_msg(timeout=20)
+        assert msg.headers["Kbmesh-Error-Type"] == "ValidationError"
+        assert "malformed event" in msg.headers["Kbmesh-Error"]
+        assert msg.data == b'{"org_id": "local", "name": 42'
+        await sub.unsubscribe()
+    finally:
+        await operator.close()
     r = await client.post(
         "/v1/kbs/default/documents?wait=true",
         json={"name": "after-dlq.txt", "content": "still indexing fine"},

@@ -53,7 +53,16 @@ async def bus(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
         recorded_credentials(tmp_path, "stack"),
         rules=BusSettings(stream_max_mb=1),
     )
+    # The operator sets up the bus (streams with these limits); the services' user may not.
+    operator = Bus(
+        server.url,
+        trace.get_tracer_provider(),
+        recorded_credentials(tmp_path, "operator"),
+        rules=BusSettings(stream_max_mb=1),
+    )
     try:
+        await operator.connect(administer=True)
+        await operator.close()
         await service.connect()
         yield {"url": server.url, "data": tmp_path, "service": service, "publishers": publishers}
     finally:

@@ -74,6 +74,7 @@ def _certificates(folder: Path) -> tuple[Path, Path, Path]:
 async def test_a_service_connects_over_tls_with_its_user(tmp_path):
     ca, cert, key = _certificates(tmp_path)
     gateway = Credentials("gateway", new_password())
+    operator = Credentials("operator", new_password())
     port = free_port()
     config = tmp_path / "nats.conf"
     config.write_text(
@@ -82,7 +83,7 @@ async def test_a_service_connects_over_tls_with_its_user(tmp_path):
                 "listen": f"127.0.0.1:{port}",
                 "jetstream": {"store_dir": str(tmp_path / "store")},
                 "tls": {"cert_file": str(cert), "key_file": str(key)},
-                "accounts": server_accounts({"gateway": gateway}),
+                "accounts": server_accounts({"operator": operator, "gateway": gateway}),
             }
         )
     )
@@ -94,6 +95,10 @@ async def test_a_service_connects_over_tls_with_its_user(tmp_path):
             data_dir=tmp_path,
             nats={"user": gateway.user, "password": gateway.password, "tls_ca_file": ca},
         )
+        # The operator sets up the bus (over TLS too), then the gateway connects as itself.
+        setup = Bus(url, trace.get_tracer_provider(), operator, auth=settings.nats)
+        await setup.connect(administer=True)
+        await setup.close()
         bus = Bus(url, trace.get_tracer_provider(), auth=settings.nats)
         await bus.connect()
         try:

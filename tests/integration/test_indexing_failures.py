@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import running_stack
+from tests.support.bus import as_operator
 from tests.support.domain import wait_until
 from tests.support.openai_embeddings import OpenAIEmbeddingsServer
 
@@ -42,17 +43,17 @@ async def test_embed_failure_is_recorded_on_the_document_and_retry_recovers(
             },
         )
         kb_id = r.json()["kb_id"]
-        dlq = await rt.bus.js.subscribe("dlq.local.kb.index", stream="KBMESH_DLQ")
-        provider.fail_next(1000, status=400, message="model does not exist")
-        r = await client.post(
-            f"/v1/kbs/{kb_id}/documents?wait=true",
-            json={"name": "note.txt", "content": "quarterly revenue rose"},
-        )
-        assert r.json()["status"] == "failed", r.text
-        document_id = r.json()["document_id"]
-        dead = await dlq.next_msg(timeout=30)
-        assert dead.headers["Kbmesh-Error-Type"] == "ValidationError"
-        await dlq.unsubscribe()
+        async with as_operator(rt) as operator:
+            dlq = await operator.jetstream().subscribe("dlq.local.kb.index", stream="KBMESH_DLQ")
+            provider.fail_next(1000, status=400, message="model does not exist")
+            r = await client.post(
+                f"/v1/kbs/{kb_id}/documents?wait=true",
+                json={"name": "note.txt", "content": "quarterly revenue rose"},
+            )
+            assert r.json()["status"] == "failed", r.text
+            document_id = r.json()["document_id"]
+            dead = await dlq.next_msg(timeout=30)
+            assert dead.headers["Kbmesh-Error-Type"] == "ValidationError"
 
         async def failed_view():
             view = (await client.get(f"/v1/documents/{document_id}")).json()

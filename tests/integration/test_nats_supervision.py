@@ -3,6 +3,7 @@ the same port and store, and never left behind when kbmesh itself is killed."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -11,8 +12,10 @@ import textwrap
 import time
 
 import nats
+import pytest
 
-from services.common.bus.nats_server import NatsServer
+from services.common.bus import auth as busauth
+from services.common.bus.nats_server import NatsServer, ReloadRefused, reload_running
 from tests.support.domain import wait_until
 from tests.support.procs import ROOT
 
@@ -95,3 +98,51 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child), "nats-server outlived the process that started it"
+
+
+async def test_a_reload_waits_for_the_servers_answer(tmp_path):
+    """A change of accounts is applied by a reload that waits for nats-server's answer: a
+    configuration the server refuses (two users of one name) raises ReloadRefused with the
+    server's reason, and the server keeps admitting its users; a good one returns once
+    applied, and a removed user is refused at once, its open connection closed."""
+    users = {"alice": "a-pass", "bob": "b-pass"}
+
+    def accounts() -> dict[str, object]:
+        listed = [{"user": name, "password": password} for name, password in users.items()]
+        return {"KBMESH": {"jetstream": "enabled", "users": listed}}
+
+    with NatsServer(tmp_path / "nats", accounts=accounts) as server:
+        closed = asyncio.Event()
+
+        async def on_closed() -> None:
+            closed.set()
+
+        async def on_error(err: Exception) -> None:
+            pass  # the server's parting notice
+
+        bob = await nats.connect(
+            server.url,
+            user="bob",
+            password="b-pass",
+            allow_reconnect=False,
+            closed_cb=on_closed,
+            error_cb=on_error,
+        )
+        server.accounts = lambda: {
+            **accounts(),
+            "OTHER": {"users": [{"user": "alice", "password": "x"}]},
+        }
+        with pytest.raises(ReloadRefused, match='Duplicate user "alice"'):
+            server.reload()
+        assert await busauth.admits(server.url, "alice", "a-pass")
+
+        server.accounts = accounts
+        del users["bob"]
+        server.reload()
+        assert not await busauth.admits(server.url, "bob", "b-pass")
+        await asyncio.wait_for(closed.wait(), 10)
+        assert bob.is_closed
+        # The same through the data directory's path: another process's server.
+        users["carol"] = "c-pass"
+        assert reload_running(server.store_dir, accounts())
+        assert await busauth.admits(server.url, "carol", "c-pass")

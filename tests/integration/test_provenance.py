@@ -306,3 +306,44 @@ async def test_kbmesh_audit_prints_the_trail(stack):
     entries = [json.loads(line) for line in listed]
     assert {e["key_id"] for e in entries} >= {id_of(stack, "admin"), id_of(stack, "planter")}
     assert all(e["kind"] == "key" and e["org_id"] == stack.org for e in entries)
+
+
+async def test_a_malformed_or_foreign_audit_entry_is_skipped_and_counted(stack):
+    """Ingest's user may write document entries for any org (it serves them all). An entry
+    that is not JSON, one of the wrong shape, and one naming another org than its subject are
+    left out of the org's trail and counted: GET /v1/audit still answers 200 with the org's
+    own entries, as does `kbmesh audit` (the count on stderr)."""
+    org = f"victim-{uid()}"
+    victim = await OperatorKeys(stack.rt).create(org, "victim-admin")
+    nc = await nats.connect(
+        bus_url(stack.rt.bus.url, stack.rt.settings.data_dir, "stack"),
+        inbox_prefix=inbox_prefix("stack"),
+    )
+    try:
+        js = nc.jetstream()
+        foreign = {
+            "org_id": "elsewhere",
+            "kind": "document",
+            "action": "deleted",
+            "writer": {"kind": "bus", "name": "forger"},
+        }
+        for body in (b"not json", b'{"kind": "document"}', json.dumps(foreign).encode()):
+            await js.publish(f"audit.{org}.document", body, stream=AUDIT_STREAM)
+    finally:
+        await nc.close()
+    r = await stack.client.get("/v1/audit", headers={"Authorization": f"Bearer {victim}"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["skipped"] == 3, body
+    assert [(e["kind"], e["action"]) for e in body["items"]] == [("key", "created")]
+    listed = subprocess.run(
+        [sys.executable, "-m", "services.cli", "audit", "--org", org],
+        cwd=ROOT,
+        env=kbmesh_env(**bus_env(stack.rt, "operator")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert len(listed.stdout.splitlines()) == 1
+    assert "3 entries skipped" in listed.stderr

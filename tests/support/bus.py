@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -61,6 +61,20 @@ def bus_url(url: str, data_dir: Path, role: str = "operator") -> str:
     creds = credentials(data_dir, role)
     parsed = urlparse(url)
     return f"nats://{creds.user}:{creds.password}@{parsed.hostname}:{parsed.port}"
+
+
+@contextlib.asynccontextmanager
+async def as_operator(rt: Any) -> AsyncIterator[nats.NATS]:
+    """A connection to the bus of runtime `rt` as its operator (anonymous on a NATS without
+    users): for what no service may do, such as reading the dead-letter stream with a
+    consumer of its own."""
+    found = recorded_credentials(rt.settings.data_dir, "operator")
+    url = bus_url(rt.bus.url, rt.settings.data_dir) if found else rt.bus.url
+    nc = await nats.connect(url)
+    try:
+        yield nc
+    finally:
+        await nc.close()
 
 
 def matches(pattern: str, subject: str) -> bool:

@@ -17,6 +17,7 @@ from services.common.messages.names import STREAM, Subject
 from services.common.store import Filter, Match
 from services.embed.chunking import chunk_text
 from services.embed.service import TITLE_TOKEN_BUDGET
+from tests.support.bus import as_operator
 
 T = TypeVar("T")
 
@@ -203,10 +204,9 @@ async def dead_letters(rt: Any, subject: str, *, timeout: float = 0.5) -> dict[s
     acks."""
     import json
 
-    # Every org's (`dlq.<org>.<subject>`).
-    sub = await rt.bus.js.subscribe(f"dlq.*.{subject}", stream="KBMESH_DLQ", durable=None)
     out: dict[str, Any] = {}
-    try:
+    async with as_operator(rt) as nc:  # services may not read the dead letters this way
+        sub = await nc.jetstream().subscribe(f"dlq.*.{subject}", stream="KBMESH_DLQ", durable=None)
         while True:
             try:
                 msg = await sub.next_msg(timeout=timeout)
@@ -217,8 +217,6 @@ async def dead_letters(rt: Any, subject: str, *, timeout: float = 0.5) -> dict[s
             except ValueError:
                 continue
             out[event_id] = msg.headers
-    finally:
-        await sub.unsubscribe()
     return out
 
 

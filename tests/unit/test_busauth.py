@@ -168,3 +168,99 @@ def test_publishers_are_added_listed_and_revoked(tmp_path):
     assert busauth.revoke_publisher(tmp_path, "feeder")
     assert not busauth.revoke_publisher(tmp_path, "feeder")
     assert busauth.load_publishers(tmp_path) == []
+
+
+# --- administration is the operator's; each role's work is its own -------------------------
+
+SERVICE_USERS = [r for r in ROLES if r != "operator"] + ["embed+search"]
+ADMINISTRATION = (
+    "$JS.API.STREAM.CREATE.PLANTED",
+    "$JS.API.STREAM.UPDATE.KBMESH_AUDIT",
+    "$JS.API.STREAM.DELETE.KBMESH_AUDIT",
+    "$JS.API.STREAM.PURGE.KBMESH_AUDIT",
+    "$JS.API.STREAM.UPDATE.KBMESH",
+    "$JS.API.STREAM.PURGE.KBMESH",
+    "$JS.API.STREAM.UPDATE.KV_kbs",
+    "$JS.API.STREAM.UPDATE.OBJ_texts",
+    "$JS.API.STREAM.RESTORE.KBMESH",
+    "$JS.API.CONSUMER.CREATE.KBMESH",
+    "$JS.API.CONSUMER.CREATE.KBMESH.ingest-doc-uploaded",
+    "$JS.API.CONSUMER.CREATE.KBMESH.ingest-doc-uploaded.doc.uploaded",
+    "$JS.API.CONSUMER.DURABLE.CREATE.KBMESH.ingest-doc-uploaded",
+    "$JS.API.CONSUMER.DELETE.KBMESH.ingest-doc-uploaded",
+    "$JS.API.CONSUMER.PAUSE.KBMESH.ingest-doc-uploaded",
+    "$JS.API.CONSUMER.CREATE.KBMESH_AUDIT",
+    "$JS.API.CONSUMER.CREATE.KBMESH_DLQ",
+)
+
+
+@pytest.mark.parametrize("role", SERVICE_USERS)
+def test_no_service_administers_streams_or_consumers(role):
+    """Creating, changing, purging or deleting a stream or a durable consumer is the
+    operator's; a service may create only ephemeral readers of the buckets and texts."""
+    assert [s for s in ADMINISTRATION if may_publish(role, s)] == []
+    assert all(may_publish("operator", s) for s in ADMINISTRATION)
+    assert may_publish(role, "$JS.API.CONSUMER.CREATE.KV_kbs")
+    assert may_publish(role, "$JS.API.CONSUMER.CREATE.OBJ_texts")
+
+
+def test_each_durable_consumer_is_pulled_and_acknowledged_by_its_role_only():
+    """Every durable consumer of the table has one owner; no other service may pull from it
+    or acknowledge its messages (taking, or acking away, another's work)."""
+    names = [c.durable for c in busauth.DURABLE_CONSUMERS]
+    assert len(names) == len(set(names))
+    for role, work in busauth.WORK.items():
+        for consumer in work.consumes:
+            pull = f"$JS.API.CONSUMER.MSG.NEXT.{consumer.stream}.{consumer.durable}"
+            ack = f"$JS.ACK.{consumer.stream}.{consumer.durable}.1.2.3.4.5"
+            owners = [r for r in SERVICE_ROLES if may_publish(r, pull) or may_publish(r, ack)]
+            assert owners == [role], consumer
+
+
+@pytest.mark.parametrize(
+    ("role", "kinds"),
+    [("ingest", {"document"}), ("gateway", {"kb"}), ("embed", set()), ("search", set())],
+)
+def test_each_service_records_only_its_kind_of_audit_entry(role, kinds):
+    allowed = {k for k in ("document", "kb", "key") if may_publish(role, f"audit.acme.{k}")}
+    assert allowed == kinds
+    assert may_publish("operator", "audit.acme.key")
+
+
+def test_search_only_answers():
+    """The docs' promise: search writes replies only (and reads)."""
+    writes = [p for p in permissions("search").publish if not p.startswith("$JS.")]
+    assert writes == []
+    assert permissions("search").responses
+
+
+@pytest.mark.parametrize(
+    "name", ["operator", "stack", "gateway", "embed-search", "INGEST", "Search"]
+)
+def test_a_publisher_may_not_take_a_kbmesh_users_name(tmp_path, name):
+    """Every kbmesh user name is reserved, in any case: the server would refuse a second
+    user of one name, and with it every later change."""
+    with pytest.raises(InvalidInput, match="reserved"):
+        busauth.add_publisher(tmp_path, name, "acme")
+    assert busauth.load_publishers(tmp_path) == []
+    users = {role: Credentials(role.replace("+", "-"), "pw") for role in (*ROLES, "embed+search")}
+    clash = PublisherRecord(name=name.lower(), org_id="acme", password="p")
+    with pytest.raises(ValueError, match="kbmesh NATS user"):
+        server_accounts(users, [clash])
+
+
+def test_a_stored_publisher_with_a_reserved_name_is_left_out(tmp_path):
+    """A data directory where an older kbmesh recorded a publisher named `operator` still
+    starts: the record is left out of the server's accounts, and revoke removes it."""
+    busauth.save_publishers(
+        tmp_path,
+        [
+            PublisherRecord(name="operator", org_id="acme", password="p"),
+            PublisherRecord(name="crm", org_id="acme", password="q"),
+        ],
+    )
+    accounts = busauth.local_accounts(tmp_path)
+    assert set(accounts) == {ACCOUNT, "PUB_crm"}
+    users = [u["user"] for u in accounts[ACCOUNT]["users"]]
+    assert users.count("operator") == 1
+    assert busauth.revoke_publisher(tmp_path, "operator") is not None

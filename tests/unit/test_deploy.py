@@ -632,3 +632,35 @@ def test_secret_template_holds_every_users_password() -> None:
     ]
     assert len(secrets) == 1
     assert set(secrets[0]["stringData"]) == set(deploy_users())
+
+
+def test_the_bus_is_set_up_by_the_operator_before_any_service_starts(settings_from) -> None:
+    """Services' NATS users may not create or change streams, buckets or consumers: compose
+    runs `kbmesh bus setup` as the operator first (every kbmesh service waits for it to
+    succeed, the cluster layer gives it the cluster's URLs and replicas), and Kubernetes
+    applies a Job doing the same with the operator's password from the Secret."""
+    services = compose_file()["services"]
+    setup = services["bus-setup"]
+    assert setup["command"] == ["kbmesh", "bus", "setup"]
+    env = as_env(setup["environment"])
+    assert env["KBMESH_NATS__USER"] == "operator"
+    assert INTERPOLATION_REQUIRED.match(str(setup["environment"]["KBMESH_NATS__PASSWORD"]))
+    assert settings_from(env).nats_url
+    assert setup.get("restart") != "unless-stopped"  # it exits when done
+    for name, svc in services.items():
+        if kbmesh_services(svc.get("command") or []):
+            wanted = {"condition": "service_completed_successfully"}
+            assert svc["depends_on"].get("bus-setup") == wanted, name
+    assert "bus-setup" in compose_cluster_file()["services"]
+
+    jobs = [d for d in k8s_documents() if d["kind"] == "Job"]
+    assert [j["metadata"]["name"] for j in jobs] == ["kbmesh-bus-setup"]
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    assert "bus-setup.yaml" in kustomization["resources"]
+    (container,) = jobs[0]["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["kbmesh", "bus", "setup"]
+    env_k8s = {e["name"]: e for e in container["env"]}
+    assert env_k8s["KBMESH_NATS__USER"]["value"] == "operator"
+    ref = env_k8s["KBMESH_NATS__PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "kbmesh-nats", "key": "operator"}
+    assert {"configMapRef": {"name": "kbmesh-config"}} in container["envFrom"]

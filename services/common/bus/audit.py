@@ -11,24 +11,31 @@ gateway writes KB entries, and whoever creates a key its entry. `kbmesh restore`
 trail over from the archive, then records the restore itself (kind `backup`) and every key it
 brings back (action `restored`).
 Org admins read them with `GET /v1/audit` or `kbmesh audit`.
+
+Each service may write only its own kind (services/common/bus/auth.py), but for every
+org, since it serves them all; so a read trusts nothing it finds: an entry that does not
+parse, or names another org or kind than its subject, is left out and counted.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
 from nats.js import JetStreamContext
-from nats.js.api import StorageType, StreamConfig
+from nats.js.api import RawStreamMsg, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from services.common.domain.models import Writer
 from services.common.messages.events import Event
 from services.common.messages.names import AUDIT_PREFIX, AUDIT_STREAM
 from services.common.settings import AuditSettings
+
+log = logging.getLogger("kbmesh.audit")
 
 AuditKind = Literal["document", "kb", "key", "backup"]
 AuditAction = Literal["uploaded", "changed", "deleted", "created", "failed", "restored"]
@@ -123,15 +130,24 @@ class AuditQuery:
         )
 
 
-async def read_audit(js: JetStreamContext, org_id: str, query: AuditQuery) -> list[AuditEntry]:
+@dataclass
+class AuditRead:
+    """What a read found: the entries, and how many it left out because they could not be
+    trusted (not an entry, or not of the org and kind their subject names)."""
+
+    entries: list[AuditEntry] = field(default_factory=list)
+    skipped: int = 0
+
+
+async def read_audit(js: JetStreamContext, org_id: str, query: AuditQuery) -> AuditRead:
     """The org's entries that `query` accepts, oldest first, at most `query.limit`. Only the
     org's own subjects are read (the org id is a plain id, no wildcard)."""
     subject = audit_subject(org_id, query.kind or "*")
-    found: list[AuditEntry] = []
+    read = AuditRead()
     sequence = 1
     if query.since is not None:
         sequence = await _first_at(js, query.since)
-    while len(found) < min(query.limit, MAX_READ):
+    while len(read.entries) < min(query.limit, MAX_READ):
         try:
             raw = await js.get_msg(AUDIT_STREAM, seq=sequence, subject=subject, next=True)
         except NotFoundError:
@@ -139,16 +155,33 @@ async def read_audit(js: JetStreamContext, org_id: str, query: AuditQuery) -> li
         if raw.seq is None:
             break
         sequence = raw.seq + 1
-        entry = AuditEntry.model_validate_json(raw.data or b"{}")
+        entry = _trusted(raw, org_id)
+        if entry is None:
+            read.skipped += 1
+            continue
         if query.until is not None and entry.occurred_at > query.until:
             break
         if query.accepts(entry):
-            found.append(entry)
-    return found
+            read.entries.append(entry)
+    if read.skipped:
+        log.warning("audit_entries_skipped org_id=%s skipped=%d", org_id, read.skipped)
+    return read
+
+
+def _trusted(raw: RawStreamMsg, org_id: str) -> AuditEntry | None:
+    """The entry in `raw` if it is one, of `org_id`, on the subject of its org and kind."""
+    try:
+        entry = AuditEntry.model_validate_json(raw.data or b"")
+    except (ValidationError, ValueError, RecursionError):
+        return None
+    if entry.org_id != org_id or raw.subject != audit_subject(org_id, entry.kind):
+        return None
+    return entry
 
 
 async def _first_at(js: JetStreamContext, since: datetime) -> int:
-    """The first sequence at or after `since` (entries are appended in time order)."""
+    """The first sequence stored at or after `since`. The server's own time of storing is
+    used, not the entry's: it grows with the sequence, and no writer can set it."""
     info = await js.stream_info(AUDIT_STREAM)
     low, high = info.state.first_seq, info.state.last_seq
     while low < high:
@@ -157,8 +190,7 @@ async def _first_at(js: JetStreamContext, since: datetime) -> int:
             raw = await js.get_msg(AUDIT_STREAM, seq=middle, subject=f"{AUDIT_PREFIX}>", next=True)
         except NotFoundError:
             return high
-        entry = AuditEntry.model_validate_json(raw.data or b"{}")
-        if entry.occurred_at < since:
+        if raw.time is not None and raw.time < since:
             low = (raw.seq or middle) + 1
         else:
             high = middle

