@@ -33,7 +33,7 @@ from services.cli.commands import main
 from services.common.bus.registry import ApiKey
 from services.gateway.auth import hash_key, key_id, new_key
 from tests.conftest import running_stack
-from tests.support.bus import OperatorKeys, bus_env
+from tests.support.bus import OperatorKeys, as_operator, bus_env
 from tests.support.domain import create_kb, uid, upload
 from tests.support.procs import KBMESH, ROOT, kbmesh_env
 
@@ -70,7 +70,8 @@ async def source(tmp_path_factory, embedders) -> Source:
             json={"name": f"p-{uid()}", "model": "openai/gpt-4o-mini", "instructions": "Answer."},
         )
         assert prompt.status_code == 201, prompt.text
-        await backup(rt.bus.js, archive)
+        async with as_operator(rt) as operator:  # as `kbmesh backup` connects
+            await backup(operator.jetstream(), archive)
     return Source(
         archive,
         org,

@@ -27,6 +27,11 @@ from tests.support.domain import blank_pdf, create_kb, wait_until
 from tests.support.procs import ROOT, kbmesh_env
 
 
+def writer(kind: str, key_id: str | None = None, name: str | None = None) -> dict[str, Any]:
+    """A writer as the API shows it: a key or the keyless loopback caller, no token user."""
+    return {"kind": kind, "key_id": key_id, "name": name, "subject": None, "email": None}
+
+
 def uid() -> str:
     return uuid.uuid4().hex[:8]
 
@@ -84,11 +89,11 @@ async def test_each_revision_records_its_writer(stack):
     )
     assert r.status_code == 200, r.text
     view = (await stack.client.get(f"/v1/documents/{uploaded.document_id}")).json()
-    planter = {"kind": "key", "key_id": id_of(stack, "planter"), "name": "planter"}
+    planter = writer("key", id_of(stack, "planter"), "planter")
     assert view["revision"] == 2
     assert view["writer"] == planter
     assert [(x["revision"], x["writer"]) for x in view["revisions"]] == [
-        (1, {"kind": "local", "key_id": None, "name": None}),
+        (1, writer("local")),
         (2, planter),
     ]
     assert view["revisions"][0]["at"] <= view["revisions"][1]["at"]
@@ -168,7 +173,7 @@ async def test_a_planted_document_is_found_and_removed_by_its_writer(stack):
         timeout=30,
         what="the deletion on the audit trail",
     )
-    assert deleted[0]["writer"] == {"kind": "key", "key_id": id_of(stack, "admin"), "name": "admin"}
+    assert deleted[0]["writer"] == writer("key", id_of(stack, "admin"), "admin")
 
 
 async def test_kb_and_key_changes_are_audited_and_only_admins_read_the_trail(stack):
@@ -259,9 +264,9 @@ async def test_uploads_that_fail_after_acceptance_are_on_the_audit_trail(stack):
         OcrDone(org_id=stack.org, document_id=scan, ok=False, error="page 1 is unreadable"),
     )
 
-    bus = {"kind": "bus", "key_id": None, "name": None}
-    for document_id, writer, reason in (
-        (rejected, {"kind": "key", "key_id": id_of(stack, "scoped"), "name": "scoped"}, "PDF"),
+    bus = writer("bus")
+    for document_id, expected, reason in (
+        (rejected, writer("key", id_of(stack, "scoped"), "scoped"), "PDF"),
         (unknown_kb, bus, "no-such-kb"),
         (scan, bus, "page 1 is unreadable"),
     ):
@@ -272,7 +277,7 @@ async def test_uploads_that_fail_after_acceptance_are_on_the_audit_trail(stack):
         )
         assert len(entries) == 1, entries
         (entry,) = entries
-        assert entry["kind"] == "document" and entry["writer"] == writer, entry
+        assert entry["kind"] == "document" and entry["writer"] == expected, entry
         assert reason in entry["error"], entry
     for document_id in (rejected, unknown_kb):
         assert not await audit(stack, document_id=document_id, action="uploaded")

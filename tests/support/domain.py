@@ -168,21 +168,24 @@ async def object_count(rt: Any) -> int:
 
 
 async def uploaded_events(rt: Any) -> dict[str, DocUploaded]:
-    """Every doc.uploaded event in the stream so far, by document id (the last one wins)."""
-    sub = await rt.bus.js.subscribe(Subject.DOC_UPLOADED, stream=STREAM, ordered_consumer=True)
-    seen: dict[str, DocUploaded] = {}
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=2)
-            except TimeoutError:
-                return seen  # an empty stream
-            event = DocUploaded.model_validate_json(msg.data)
-            seen[event.document_id or ""] = event
-            if msg.metadata.num_pending == 0:
-                return seen
-    finally:
-        await sub.unsubscribe()
+    """Every doc.uploaded event in the stream so far, by document id (the last one wins);
+    read as the operator, the one user that may open a reader of its own on the stream."""
+    async with as_operator(rt) as nc:
+        js = nc.jetstream()
+        sub = await js.subscribe(Subject.DOC_UPLOADED, stream=STREAM, ordered_consumer=True)
+        seen: dict[str, DocUploaded] = {}
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=2)
+                except TimeoutError:
+                    return seen  # an empty stream
+                event = DocUploaded.model_validate_json(msg.data)
+                seen[event.document_id or ""] = event
+                if msg.metadata.num_pending == 0:
+                    return seen
+        finally:
+            await sub.unsubscribe()
 
 
 async def registry_counts(rt: Any) -> dict[str, int]:
