@@ -723,7 +723,14 @@ async def _bus_setup(settings: Settings) -> int:
                 f"kbmesh bus setup: streams, buckets, object store and "
                 f"{len(DURABLE_CONSUMERS)} durable consumers ready on {bus.url}"
             )
-    except (BusNotSetUp, PermissionError) as err:
+    except PermissionError as err:
+        print(
+            f"kbmesh bus setup: this NATS user may not set up the bus (run it as the "
+            f"operator's user): {err}",
+            file=sys.stderr,
+        )
+        return 1
+    except BusNotSetUp as err:
         print(f"kbmesh bus setup: {err}", file=sys.stderr)
         return 1
     return 0

@@ -398,7 +398,13 @@ async def test_without_with_keys_no_key_or_prompt_comes_back_and_restore_says_so
         assert ("key", "restored", source.key_id) not in done, trail
         (restored,) = [e for e in trail if e["kind"] == "backup"]
         assert restored["action"] == "restored"
-        assert restored["writer"] == {"kind": "operator", "key_id": None, "name": "kbmesh restore"}
+        assert restored["writer"] == {
+            "kind": "operator",
+            "key_id": None,
+            "name": "kbmesh restore",
+            "subject": None,
+            "email": None,
+        }
         assert source.archive.name in restored["name"]
         # The old trail first, then the restore: entries stay in time order.
         uploaded = next(e for e in trail if e["document_id"] == source.document_id)
