@@ -18,17 +18,14 @@ import httpx
 import pytest
 
 from services.gateway.bodylimit import largest_body_bytes
+from services.gateway.server import Deadlines
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys
 from tests.support.mcp_client import serve_http
 
 MAX_BYTES = 1024 * 1024  # the content limit of this stack: its largest body is ~3.6 MB
 RATE = 1_000_000
-LIMITS = {
-    "header_timeout_seconds": 2.0,
-    "body_timeout_seconds": 3.0,
-    "body_min_bytes_per_second": RATE,
-}
+DEADLINES = Deadlines(header_seconds=2.0, body_seconds=3.0, min_bytes_per_second=RATE)
 # Seconds a busy machine may add to a deadline.
 SLACK = 3.0
 HUGE = 300_000_000  # the attack's body
@@ -46,9 +43,8 @@ async def stack(tmp_path_factory, embedders):
             tmp_path_factory.mktemp("bodies"),
             embedders=embedders,
             max_content_bytes=MAX_BYTES,
-            http=LIMITS,
         ) as (rt, _client),
-        serve_http(rt) as (base, _app),
+        serve_http(rt, DEADLINES) as (base, _app),
     ):
         reader = await OperatorKeys(rt).create(rt.settings.default_org, "reader", read_only=True)
         yield SimpleNamespace(
@@ -210,10 +206,10 @@ async def test_huge_declared_length_sent_slowly_is_closed_at_once(stack):
         request(stack, "/v1/search", length=10**12),
         (b"a" for _ in range(1000)),
         pause=0.5,
-        timeout=LIMITS["body_timeout_seconds"] + SLACK,
+        timeout=DEADLINES.body_seconds + SLACK,
     )
     assert got.status == 413, got.answer[:300]
-    assert got.closed and got.seconds < LIMITS["body_timeout_seconds"], got.seconds
+    assert got.closed and got.seconds < DEADLINES.body_seconds, got.seconds
 
 
 async def test_unread_body_of_a_refused_request_has_a_capped_deadline(stack):
@@ -221,7 +217,7 @@ async def test_unread_body_of_a_refused_request_has_a_capped_deadline(stack):
     whose client declares 10^12 bytes and drips them is closed once the body deadline of the
     largest body the gateway takes has passed, not after 10^12 bytes' worth of time (10^6 s
     at this stack's slowest rate)."""
-    capped = LIMITS["body_timeout_seconds"] + largest_body_bytes(stack.rt.settings) / RATE
+    capped = DEADLINES.body_seconds + largest_body_bytes(stack.rt.settings) / RATE
     got = await exchange(
         stack.port,
         request(stack, "/v1/search", length=10**12, media="text/plain"),
