@@ -27,7 +27,7 @@ from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TEMPLATE, O
 from pydantic import BaseModel
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 
-from services.common.domain.errors import Raced, Transient
+from services.common.domain.errors import Conflict, Raced, Transient
 from services.common.domain.ids import is_id, uuid_forms
 from services.common.domain.models import DocumentRecord, IndexEntry, KnowledgeBase
 from services.common.messages.answers import Prompt
@@ -42,22 +42,27 @@ _WATCH_RECHECK_SECONDS = 1.0
 
 
 async def compare_and_set(
-    step: Callable[[], Awaitable[T]], *, what: str, attempts: int = CAS_ATTEMPTS
+    step: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    attempts: int = CAS_ATTEMPTS,
+    exhausted: type[Conflict] | type[Transient] = Transient,
 ) -> T:
     """Optimistic concurrency, the one way kbmesh changes what others change at the same
     time: `step` reads, decides and writes with compare-and-set (`Registry.update`, `create`
     or `delete_unchanged`; or reads and checks what it read), raising `Raced` when another
     writer got in between; it then runs again on what is there now, at once (the winner has
-    already written). `attempts` lost races in a row are `Transient`: a consumer is
-    redelivered later with the bus's backoff, a client gets 503 with Retry-After. Any other
-    error of `step` is raised as it is."""
+    already written). `attempts` lost races in a row are `exhausted`: by default
+    `Transient`, so a consumer is redelivered later with the bus's backoff; a client's own
+    change passes `Conflict` (409: its change met others, it decides again). Any other error
+    of `step` is raised as it is."""
     retrying = AsyncRetrying(
         retry=retry_if_exception_type(Raced), stop=stop_after_attempt(attempts), reraise=True
     )
     try:
         return await retrying(step)
     except Raced as err:
-        raise Transient(f"{what} keeps changing concurrently; try again") from err
+        raise exhausted(f"{what} keeps changing concurrently; try again") from err
 
 
 class Registry(Generic[M]):

@@ -425,7 +425,7 @@ class Documents:
             return await self._patch_once(p, record, patch, wait=wait, deadline=deadline)
 
         return await compare_and_set(
-            attempt, what=f"document {document_id!r}", attempts=PATCH_ATTEMPTS
+            attempt, what=f"document {document_id!r}", attempts=PATCH_ATTEMPTS, exhausted=Conflict
         )
 
     async def _patch_once(
