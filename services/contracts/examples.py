@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from services.common.bus.audit import AuditEntry
 from services.common.domain.ids import point_id
 from services.common.domain.models import DEFAULT_MODEL, Chunker, KBStatus, RevisionWriter, Writer
+from services.common.domain.sources import SourceRun
 from services.common.messages.answers import (
     AskQuery,
     AskResponse,
@@ -36,6 +37,8 @@ from services.common.messages.events import (
     KbIndex,
     KbRemove,
     OcrDone,
+    SourceRunEvent,
+    SourceSync,
     TagsChanged,
 )
 from services.common.messages.names import Subject
@@ -424,6 +427,32 @@ EVENT_EXAMPLES: dict[str, Event] = {
         revision=1,
         stage="ingest",
         error="unsupported mime_type 'application/zip'",
+    ),
+    Subject.SOURCE_SYNC: SourceSync(
+        event_id="9c4b1a3f5e7d4b0c6a2f4e6d1c3b5a7f",
+        org_id=ORG_ID,
+        occurred_at=UPDATED,
+        source_id="handbook-repo",
+        trigger="hook",
+    ),
+    Subject.SOURCE_RUN: SourceRunEvent(
+        event_id="0d5c2b4a6f8e4c1d7b3a5f7e2d4c6b8a",
+        org_id=ORG_ID,
+        occurred_at=UPDATED + timedelta(seconds=4),
+        source_id="handbook-repo",
+        kb_id=KB_ID,
+        run=SourceRun(
+            run_id="1e6d3c5b7a9f4d2e8c4b6a8f3e5d7c9b",
+            trigger="hook",
+            status="succeeded",
+            started_at=UPDATED,
+            finished_at=UPDATED + timedelta(seconds=4),
+            revision="3f786850e387550fdab836ed7e6dc881de23001b",
+            changed=1,
+            unchanged=41,
+            requests=1,
+            bytes_read=2048,
+        ),
     ),
 }
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.common.domain.content import STAGING_PREFIX
 from services.common.domain.ids import new_id
 from services.common.domain.models import DEFAULT_SOURCE, Writer, utcnow
+from services.common.domain.sources import SourceRun
 from services.common.messages.names import (
     Subject,
 )
@@ -171,6 +172,24 @@ class DocFailed(Event):
     cause: str | None = Field(None, description="event_id of the event whose handling failed")
 
 
+class SourceSync(Event):
+    """A run of a source asked for now: by a client ("Sync now", `kbmesh sources sync`) or by
+    a verified webhook call. The sources service runs it unless a run is under way (which
+    then runs once more when it ends)."""
+
+    source_id: str = Field(pattern=_ID)
+    trigger: Literal["manual", "hook"] = "manual"
+    writer: Writer | None = Field(None, description=WRITER_DESCRIPTION)
+
+
+class SourceRunEvent(Event):
+    """A source's run started, made progress or ended (`status`), with its counts so far."""
+
+    source_id: str = Field(pattern=_ID)
+    kb_id: str = Field(pattern=_ID)
+    run: SourceRun
+
+
 EVENT_MODELS: dict[str, type[Event]] = {
     Subject.DOC_UPLOADED: DocUploaded,
     Subject.DOC_DELETED: DocDeleted,
@@ -181,6 +200,8 @@ EVENT_MODELS: dict[str, type[Event]] = {
     Subject.KB_CHANGED: KbChanged,
     Subject.DOC_INDEXED: DocIndexed,
     Subject.DOC_FAILED: DocFailed,
+    Subject.SOURCE_SYNC: SourceSync,
+    Subject.SOURCE_RUN: SourceRunEvent,
 }
 
 

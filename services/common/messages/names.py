@@ -7,7 +7,18 @@ from enum import StrEnum
 
 # The API-key bucket, written by the operator only.
 KEYS_BUCKET = "keys"
-KV_BUCKETS = ("kbs", "documents", "index", KEYS_BUCKET, "prompts")
+# Sources: definitions, sync state and leases; their secrets apart (domain/sources.py).
+SOURCES_BUCKET = "sources"
+SOURCE_SECRETS_BUCKET = "source-secrets"
+KV_BUCKETS = (
+    "kbs",
+    "documents",
+    "index",
+    KEYS_BUCKET,
+    "prompts",
+    SOURCES_BUCKET,
+    SOURCE_SECRETS_BUCKET,
+)
 OBJECT_STORE = "texts"
 AUDIT_STREAM = "KBMESH_AUDIT"
 AUDIT_PREFIX = "audit."
@@ -23,6 +34,9 @@ class Subject(StrEnum):
     KB_CHANGED = "kb.changed"
     DOC_INDEXED = "doc.indexed"
     DOC_FAILED = "doc.failed"
+    # A source's run asked for (manual, webhook) and a run's progress and end.
+    SOURCE_SYNC = "source.sync"
+    SOURCE_RUN = "source.run"
     # request/reply, not in the stream
     SEARCH_QUERY = "search.query"
     SEARCH_CHUNK = "search.chunk"
