@@ -9,7 +9,10 @@ check in benchmarks/ runs on a machine that has only those."""
 from __future__ import annotations
 
 import json
+import statistics
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -21,6 +24,29 @@ from services.common.embedders.cpu import usable_physical_cores
 from services.common.embedders.tokenizing import model_tokenizer
 
 Pooling = Literal["mean", "cls"]
+
+# Rows of a GPU batch of texts at the model's sequence limit: the H200 embedded 1,819
+# chunks/s in fp16 at batches of 256 and 1,147/s at 32 (fp32). Shorter texts fill more rows
+# (`token_batches`): what a batch costs is its padded tokens, not its count of texts.
+CUDA_BATCH_ROWS = 256
+
+
+def token_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Positions of texts of these token lengths, shortest first, cut into batches whose
+    padded size (rows × the batch's longest) stays within `budget` tokens. Sorted, a batch
+    holds texts of about one length, so little of it is padding; a text longer than the
+    budget runs alone."""
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        # Ascending: the text being added is the batch's longest.
+        if batch and (len(batch) + 1) * lengths[i] > budget:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    return batches
 
 
 @dataclass(frozen=True)
@@ -66,9 +92,47 @@ def _json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def faster_for_queries(
+    document_engine_ms: Sequence[float], cpu_engine_ms: Sequence[float]
+) -> Literal["documents", "cpu"]:
+    """The engine that answers one short text faster, by the median of single-query timings
+    (one cold or preempted run does not decide). A tie keeps the document engine: one engine
+    then embeds queries and documents, bit for bit the same model. ValueError without
+    timings."""
+    if not document_engine_ms or not cpu_engine_ms:
+        raise ValueError("faster_for_queries needs timings of both engines")
+    faster = statistics.median(cpu_engine_ms) < statistics.median(document_engine_ms)
+    return "cpu" if faster else "documents"
+
+
 class Encoder(Protocol):
     def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
         """Unit-length float32 rows, one per text, in order."""
+
+
+# Short queries timed at load, one at a time and interleaved, on the GPU and on the CPU's
+# engine, for `faster_for_queries` (about 0.1 s on a GPU).
+QUERY_PROBES = (
+    "how to rotate log files",
+    "list open network ports",
+    "read a csv file in python",
+    "restart a service after an upgrade",
+    "what does permission denied mean",
+)
+QUERY_PROBE_ROUNDS = 3
+
+
+def single_query_ms(encoders: Sequence[Encoder]) -> list[list[float]]:
+    """Milliseconds of each encoder for each of `QUERY_PROBES` alone, `QUERY_PROBE_ROUNDS`
+    times, the encoders taking turns so that the machine's drift falls on each alike."""
+    took: list[list[float]] = [[] for _ in encoders]
+    for _ in range(QUERY_PROBE_ROUNDS):
+        for text in QUERY_PROBES:
+            for timings, encoder in zip(took, encoders, strict=True):
+                started = time.perf_counter()
+                encoder.encode([text], query=True)
+                timings.append(1000 * (time.perf_counter() - started))
+    return took
 
 
 class OnnxEncoder:
@@ -137,8 +201,10 @@ class OnnxEncoder:
 
 
 class TorchEncoder:
-    """sentence-transformers on torch in fp32: on a CUDA device where one serves, and the
-    reference on CPU (`KBMESH_LOCAL_BACKEND=torch`, tests, benchmarks)."""
+    """sentence-transformers on torch: on a CUDA device where one serves (fp16 by default:
+    `selection.BACKENDS`), and in fp32 the reference on CPU (`KBMESH_LOCAL_BACKEND=torch`,
+    tests, benchmarks). With a `token_budget`, texts run in `token_batches` of that many
+    padded tokens; without, in batches of `batch_size` texts."""
 
     def __init__(
         self,
@@ -146,21 +212,37 @@ class TorchEncoder:
         batch_size: int = 32,
         *,
         device: Literal["cpu", "cuda"] = "cpu",
+        precision: Literal["fp32", "fp16"] = "fp32",
+        token_budget: int | None = None,
     ) -> None:
         from sentence_transformers import SentenceTransformer
 
         self.config = ModelConfig.read(model_dir)
         self._st = SentenceTransformer(str(model_dir), device=device, local_files_only=True)
+        if precision == "fp16":
+            self._st.half()
         self._batch_size = batch_size
+        self._budget = token_budget
+        self._tok = model_tokenizer(model_dir, self.config.max_seq_length) if token_budget else None
         # One forward at a time: on CPU it already uses every core, on a GPU one stream.
         self._lock = threading.Lock()
 
     def encode(self, texts: list[str], *, query: bool) -> np.ndarray:
+        if self._tok is None or self._budget is None:
+            return self._encode(texts, self._batch_size)
+        out = np.zeros((len(texts), self.config.dim), dtype=np.float32)
+        lengths = [len(e.ids) for e in self._tok.encode_batch([t.strip() for t in texts])]
+        for batch in token_batches(lengths, self._budget):
+            out[batch] = self._encode([texts[i] for i in batch], len(batch))
+        return out
+
+    def _encode(self, texts: list[str], batch_size: int) -> np.ndarray:
         with self._lock:
             vectors = self._st.encode(
                 texts,
-                batch_size=self._batch_size,
-                normalize_embeddings=True,
+                batch_size=batch_size,
+                # Normalised below in fp32, whatever precision the model ran in.
+                normalize_embeddings=False,
                 convert_to_numpy=True,
                 show_progress_bar=False,
             )

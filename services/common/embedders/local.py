@@ -10,12 +10,13 @@ import asyncio
 import functools
 import logging
 import os
+import statistics
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -28,9 +29,22 @@ from services.common.embedders.base import (
     QUERY_MAX_TEXTS,
 )
 from services.common.embedders.batching import Batcher
-from services.common.embedders.engine import Encoder, ModelConfig, OnnxEncoder, TorchEncoder
+from services.common.embedders.engine import (
+    CUDA_BATCH_ROWS,
+    Encoder,
+    ModelConfig,
+    OnnxEncoder,
+    TorchEncoder,
+    faster_for_queries,
+    single_query_ms,
+)
 from services.common.embedders.processes import ProcessEncoder
-from services.common.embedders.selection import Backend, Device, Precision, select
+from services.common.embedders.selection import (
+    Backend,
+    Device,
+    Precision,
+    select,
+)
 from services.common.embedders.tokenizing import model_tokenizer
 from services.common.ops import metrics
 from services.common.settings import LOCAL_BACKEND, Settings
@@ -39,6 +53,12 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# Texts a document call may carry on a GPU: one token budget of chunks a quarter of the
+# sequence limit long (`token_batches` runs longer ones in several forwards). A GPU's
+# throughput comes from wide batches: fp32 in batches of 32 embedded 0.63x of what an H200
+# gives in fp16 batches of 256.
+CUDA_MAX_TEXTS = 4 * CUDA_BATCH_ROWS
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,9 @@ class LocalEmbedder:
         self._batch_size = batch_size
         # Queries on the first, document batches on the second (the same one in process).
         self._encoders: tuple[Encoder, Encoder] | None = None
+        # Which engine answers queries: the document engine's, or the CPU's where a GPU
+        # serves documents and the CPU answered faster at load (`faster_for_queries`).
+        self.query_engine: str = "documents"
         self._tokenizer: Tokenizer | None = None
         self._load_lock = threading.Lock()
         # One thread per lane: a document batch and a query run at the same time, and
@@ -135,7 +158,7 @@ class LocalEmbedder:
         self._query_thread = ThreadPoolExecutor(1, thread_name_prefix="embed-queries")
         self.documents = Batcher(
             functools.partial(self._run, self._document_thread, query=False),
-            max_texts=max_batch,
+            max_texts=CUDA_MAX_TEXTS if self.selection.device == "cuda" else max_batch,
             linger_seconds=linger_seconds,
             concurrency=workers,
             observe=metrics.EMBED_BATCH_SECONDS.observe,
@@ -154,13 +177,28 @@ class LocalEmbedder:
             sel = self.selection
             encoder: Encoder
             if sel.engine == "torch":
-                encoder = TorchEncoder(self.model_dir, self._batch_size, device=sel.device)
+                encoder = TorchEncoder(
+                    self.model_dir,
+                    self._batch_size,
+                    device=sel.device,
+                    precision="fp16" if sel.precision == "fp16" else "fp32",
+                    # The CPU reference keeps its fixed batches, as measured.
+                    token_budget=(
+                        CUDA_BATCH_ROWS * self._spec.max_seq_length
+                        if sel.device == "cuda"
+                        else None
+                    ),
+                )
                 batches: Encoder = encoder
+                if sel.query_cpu:
+                    encoder = self._faster_query_engine(encoder, sel.query_cpu)
             else:
                 from services.common.embedders.onnx_export import ensure_onnx
 
+                # fp16 is served on torch alone (`select`): onnxruntime runs fp32 or int8.
+                variant: Literal["fp32", "int8"] = "int8" if sel.precision == "int8" else "fp32"
                 graph = ensure_onnx(
-                    self.model_dir, self._cache_dir, name=self.name, variant=sel.precision
+                    self.model_dir, self._cache_dir, name=self.name, variant=variant
                 )
                 # An int8 graph scales its activations per run: one text a run, so a text's
                 # vector never depends on the texts batched with it (nor on their padding).
@@ -178,7 +216,36 @@ class LocalEmbedder:
             if probe.shape != (1, self._spec.dim):
                 raise RuntimeError(f"{self.model} gives {probe.shape[1:]}, not {self._spec.dim}")
             self._encoders = (encoder, batches)
-            log.info("embedder_loaded model=%s %s path=%s", self.model, sel, self.model_dir)
+            log.info(
+                "embedder_loaded model=%s %s queries_on=%s path=%s",
+                self.model,
+                sel,
+                self.query_engine,
+                self.model_dir,
+            )
+
+    def _faster_query_engine(self, gpu: Encoder, precision: Literal["fp32", "int8"]) -> Encoder:
+        """The GPU encoder, or the CPU's onnxruntime engine at `precision` where it answers
+        one short query faster (timed here, `faster_for_queries`). Both embed with the same
+        weights: int8 queries stay within cosine 0.99 of fp32 (the CPU's own default), and
+        mixed with fp32 documents they kept dense MRR@10 within 0.005 (docs/benchmarks.md)."""
+        from services.common.embedders.onnx_export import ensure_onnx
+
+        graph = ensure_onnx(self.model_dir, self._cache_dir, name=self.name, variant=precision)
+        per_run = 1 if precision == "int8" else self._batch_size
+        cpu = OnnxEncoder(graph, self.model_dir, per_run, lanes="queries")
+        for encoder in (gpu, cpu):  # the first run pays for lazy initialisation
+            encoder.encode(["warm up"], query=True)
+        gpu_ms, cpu_ms = single_query_ms([gpu, cpu])
+        self.query_engine = faster_for_queries(gpu_ms, cpu_ms)
+        log.info(
+            "embedder_query_engine gpu_p50_ms=%.2f cpu_p50_ms=%.2f cpu_precision=%s chosen=%s",
+            statistics.median(gpu_ms),
+            statistics.median(cpu_ms),
+            precision,
+            self.query_engine,
+        )
+        return cpu if self.query_engine == "cpu" else gpu
 
     def encode(self, texts: list[str], *, query: bool = False) -> np.ndarray:
         """Blocking encode on the caller's thread (benchmarks, tests)."""
