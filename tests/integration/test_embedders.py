@@ -362,11 +362,11 @@ def test_cpu_kinds_pick_a_row_of_the_backend_table(
 def test_device_setting_picks_cuda_only_where_torch_sees_a_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`auto` takes a CUDA GPU where there is one (torch, fp32, documents in this process);
+    """`auto` takes a CUDA GPU where there is one (torch, fp16, documents in this process);
     `cpu` keeps the CPU; `cuda` without a GPU, or int8 on torch, is refused at start."""
     monkeypatch.setattr(selection, "cuda_available", lambda: True)
     gpu = selection.select("auto", "auto")
-    assert (gpu.engine, gpu.device, gpu.precision, gpu.processes) == ("torch", "cuda", "fp32", 0)
+    assert (gpu.engine, gpu.device, gpu.precision, gpu.processes) == ("torch", "cuda", "fp16", 0)
     assert selection.select("auto", "cpu").device == "cpu"
     assert selection.select("onnx", "auto").engine == "onnxruntime"
     with pytest.raises(ValueError, match="onnxruntime only"):

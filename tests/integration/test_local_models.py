@@ -112,12 +112,18 @@ def test_a_directory_with_a_projection_after_pooling_is_refused(tiny_bert: Path)
     not cuda_available(), reason="no CUDA device that torch can use: the GPU path is not run"
 )
 def test_on_a_gpu_documents_and_queries_embed_on_cuda_close_to_torch_fp32_on_cpu() -> None:
-    """`auto` picks the GPU where torch sees one; vectors within cosine 0.999 of the CPU
-    reference for queries and documents."""
+    """`auto` picks the GPU where torch sees one and runs documents there in fp16, within
+    cosine 0.999 of the CPU reference; queries go to whichever engine answered one faster at
+    load, the GPU (0.999 again) or the CPU's own (int8 there: 0.98, as
+    `test_int8_precision_stays_close_to_torch_fp32` holds it)."""
     auto = LocalEmbedder(backend="auto", cache_dir=MODEL_CACHE_DIR)
     assert (auto.selection.device, auto.selection.engine) == ("cuda", "torch")
+    assert auto.selection.precision == "fp16"
+    auto.load()
     cpu = LocalEmbedder(backend="torch", device="cpu")
     texts = [*QUERIES, *DOCUMENTS, "word " * 400]
-    for query in (True, False):
-        close = cosines(auto.encode(texts, query=query), cpu.encode(texts, query=query))
-        assert float(close.min()) >= 0.999
+    documents = cosines(auto.encode(texts), cpu.encode(texts))
+    assert float(documents.min()) >= 0.999
+    queries = cosines(auto.encode(texts, query=True), cpu.encode(texts, query=True))
+    on_cpu_int8 = auto.query_engine == "cpu" and auto.selection.query_cpu == "int8"
+    assert float(queries.min()) >= (0.98 if on_cpu_int8 else 0.999)
