@@ -20,7 +20,7 @@ from benchmarks.common import kbmesh_ingest, kbmesh_up, stdlib_documents
 from services.common.domain.models import KnowledgeBase
 from services.common.embedders import LocalEmbedder
 from services.common.embedders.cpu import cpu_kind, cpu_model
-from services.common.embedders.selection import select
+from services.common.embedders.selection import cpu_precision
 from services.embed.chunking import chunk_text
 from services.embed.service import TITLE_TOKEN_BUDGET
 
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "int8"), help="default: this CPU's")
     args = parser.parse_args()
     docs = stdlib_documents(args.docs)
-    precision = args.precision or select("auto", "cpu").precision
+    precision = args.precision or cpu_precision()
     torch = LocalEmbedder(MODEL, backend="torch", device="cpu")
     engine = LocalEmbedder(MODEL, backend="onnx", precision=precision)
     torch.load()

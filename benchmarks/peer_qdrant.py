@@ -63,7 +63,7 @@ from mcp.client.streamable_http import streamable_http_client
 from benchmarks.common import kbmesh_cpu, kbmesh_ingest, kbmesh_up_at, pct
 from benchmarks.embedding_throughput import alone, pipeline_chunks
 from services.common.embedders import LocalEmbedder
-from services.common.embedders.selection import select
+from services.common.embedders.selection import cpu_precision
 
 K = 10
 METADATA = re.compile(r"<metadata>(.*?)</metadata>", re.S)
@@ -160,7 +160,7 @@ def chunk_texts(corpus: list[dict]) -> tuple[list[str], int, int]:
 def engine_alone(texts: list[str]) -> float:
     """Seconds the chosen engine at the chosen precision takes alone, in this process, for
     kbmesh's chunk `texts`: what no pipeline around it can beat."""
-    engine = LocalEmbedder(backend="onnx", precision=select("auto", "cpu").precision)
+    engine = LocalEmbedder(backend="onnx", precision=cpu_precision())
     engine.load(documents=False)
     return len(texts) / alone(engine, texts)
 

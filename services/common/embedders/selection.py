@@ -74,6 +74,11 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def cpu_precision() -> Literal["fp32", "int8"]:
+    """The precision `auto` serves with on this machine's CPU (its kind's row of `BACKENDS`)."""
+    return "int8" if BACKENDS[cpu_kind()][1] == "int8" else "fp32"
+
+
 def select(
     backend: Backend = LOCAL_BACKEND,
     device: Device = "auto",
@@ -95,10 +100,7 @@ def select(
     if chosen == "int8" and engine == "torch":
         raise ValueError("precision int8 runs on onnxruntime only (CPU); torch runs fp32/fp16")
     # A second engine for queries only where the operator left both choices to the table.
-    query_cpu: Literal["fp32", "int8"] | None = None
-    if gpu and backend == "auto" and precision == "auto":
-        cpu_precision = BACKENDS[cpu_kind()][1]
-        query_cpu = "int8" if cpu_precision == "int8" else "fp32"
+    query_cpu = cpu_precision() if gpu and backend == "auto" and precision == "auto" else None
     children = backend == "auto" and not gpu
     workers, threads = document_workers(usable_cores(), processes) if children else (0, 0)
     return Selection(
