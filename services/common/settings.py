@@ -210,7 +210,9 @@ class Settings(BaseSettings):
         "auto", description="where local models run: auto (a CUDA GPU if torch sees one), cpu, cuda"
     )
     local_precision: LocalPrecision = Field(
-        "auto", description="local models' precision on CPU: auto (chosen per CPU kind), fp32, int8"
+        "auto",
+        description="local models' precision: auto (per CPU kind; fp16 documents on a CUDA GPU, "
+        "queries on the faster engine), fp32 (everywhere), int8 (CPU only)",
     )
     model_cache_dir: Path | None = Field(
         None, description="ONNX exports of the local models; default <data_dir>/models"
