@@ -4,6 +4,7 @@ path as the bundled MiniLM; and the CUDA device where a GPU is present."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -127,3 +128,20 @@ def test_on_a_gpu_documents_and_queries_embed_on_cuda_close_to_torch_fp32_on_cpu
     queries = cosines(auto.encode(texts, query=True), cpu.encode(texts, query=True))
     on_cpu_int8 = auto.query_engine == "cpu" and auto.selection.query_cpu == "int8"
     assert float(queries.min()) >= (0.98 if on_cpu_int8 else 0.999)
+
+
+def test_queries_go_to_the_cpu_engine_where_it_answers_faster_than_the_torch_one() -> None:
+    """The load path a GPU takes, run with torch on the CPU in the GPU's place: the CPU's
+    int8 engine is timed against it, answers one query faster (as on the H200), and from
+    then on embeds the queries while documents stay on torch; the two agree (cosine ≥ 0.98,
+    int8's bound), so queries and documents of one KB still meet."""
+    embedder = LocalEmbedder(backend="torch", device="cpu", cache_dir=MODEL_CACHE_DIR)
+    embedder.selection = dataclasses.replace(embedder.selection, query_cpu="int8")
+    embedder.load()
+    assert embedder.query_engine == "cpu"
+    texts = [*QUERIES, *DOCUMENTS]
+    reference = TorchEncoder(embedder.model_dir)
+    queries, documents = embedder.encode(texts, query=True), embedder.encode(texts)
+    assert np.allclose(documents, reference.encode(texts, query=False), atol=1e-5)
+    assert not np.allclose(queries, documents, atol=1e-4)  # another engine answered
+    assert float(cosines(queries, documents).min()) >= 0.98
