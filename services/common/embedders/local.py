@@ -39,12 +39,7 @@ from services.common.embedders.engine import (
     single_query_ms,
 )
 from services.common.embedders.processes import ProcessEncoder
-from services.common.embedders.selection import (
-    Backend,
-    Device,
-    Precision,
-    select,
-)
+from services.common.embedders.selection import Backend, Device, Precision, select
 from services.common.embedders.tokenizing import model_tokenizer
 from services.common.ops import metrics
 from services.common.settings import LOCAL_BACKEND, Settings
@@ -148,7 +143,7 @@ class LocalEmbedder:
         self._encoders: tuple[Encoder, Encoder] | None = None
         # Which engine answers queries: the document engine's, or the CPU's where a GPU
         # serves documents and the CPU answered faster at load (`faster_for_queries`).
-        self.query_engine: str = "documents"
+        self.query_engine: Literal["documents", "cpu"] = "documents"
         self._tokenizer: Tokenizer | None = None
         self._load_lock = threading.Lock()
         # One thread per lane: a document batch and a query run at the same time, and
