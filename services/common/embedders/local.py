@@ -223,7 +223,8 @@ class LocalEmbedder:
         """The GPU encoder, or the CPU's onnxruntime engine at `precision` where it answers
         one short query faster (timed here, `faster_for_queries`). Both embed with the same
         weights: int8 queries stay within cosine 0.99 of fp32 (the CPU's own default), and
-        mixed with fp32 documents they kept dense MRR@10 within 0.005 (docs/benchmarks.md)."""
+        against fp32 or fp16 documents they lost no dense MRR@10 on the stdlib set
+        (docs/benchmarks.md, "Engines")."""
         from services.common.embedders.onnx_export import ensure_onnx
 
         graph = ensure_onnx(self.model_dir, self._cache_dir, name=self.name, variant=precision)
