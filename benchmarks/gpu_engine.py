@@ -1,14 +1,16 @@
 """The GPU check: what the local embedder serves on a CUDA GPU, at engine level, in one run.
 
-    .venv/bin/python -m benchmarks.gpu_engine --prepare gpu-check [--mrr benchmarks/data/stdlib]
-    python3 -m benchmarks.gpu_engine --from gpu-check [--json $OUT/gpu.json]     (on the GPU)
+    .venv/bin/python -m benchmarks.gpu_engine --prepare benchmarks/data/gpu \
+        [--mrr benchmarks/data/stdlib]
+    python3 -m benchmarks.gpu_engine --from benchmarks/data/gpu [--json $OUT/gpu.json]
     .venv/bin/python -m benchmarks.gpu_engine --device cpu [--chunks 16 --queries 10]
 
-`--prepare` writes, on a machine with kbmesh's environment, what the GPU machine lacks: the
-pipeline's chunks and query lines (`benchmarks.engines.real_texts`), each `--mrr` set chunked
-as a default KB chunks it, and the bundled model with its weights in fp16 (small enough to
-carry; widened to fp32 there, every row then using those same weights). `--from` runs on
-them with only torch, sentence-transformers, onnxruntime and tokenizers installed.
+The second line runs on the GPU machine (the device tool: `carry` names benchmarks/data/gpu,
+which git ignores). `--prepare` writes, where kbmesh's environment is, what that machine
+lacks: the pipeline's chunks and query lines (`benchmarks.engines.real_texts`), each `--mrr`
+set chunked as a default KB chunks it, and the bundled model with its weights in fp16 (45
+MB; widened to fp32 there, every row then using those same weights). `--from` runs on them
+with only torch, sentence-transformers, onnxruntime and tokenizers installed.
 
 Documents: chunks/s per round of torch fp32 in batches of 32 texts (what a GPU served
 before), fp32 and fp16 in `token_batches` of `CUDA_BATCH_ROWS` x the sequence limit (fp16:
