@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from services.search.service import SearchService
 
 log = logging.getLogger("kbmesh")
-SERVICES = ("ingest", "embed", "search", "gateway")
+SERVICES = ("ingest", "embed", "search", "gateway", "sources")
 
 
 @dataclass
