@@ -440,8 +440,8 @@ class GitFetcher:
                     uri=entry.path,
                     name=PurePosixPath(entry.path).name,
                     content=data,
-                    revision=entry.blob,
-                    metadata={"commit": commit, "path": entry.path},
+                    # The document's source revision: the commit it was read at.
+                    revision=commit,
                 )
         yield Done(
             state=GitState(commit, globs.digest).encode(),
