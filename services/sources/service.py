@@ -100,12 +100,20 @@ def decode_cursor(cursor: str | None) -> bytes | None:
     return cursor.encode("utf-8")
 
 
-def due(source: Source, state: SourceState | None, now: datetime) -> RunTrigger | None:
+def due(
+    source: Source,
+    state: SourceState | None,
+    now: datetime,
+    lease: SourceLease | None = None,
+) -> RunTrigger | None:
     """Whether `source` should run now, and as what: a sync asked for runs even when the
-    source is disabled (a person asked); otherwise an enabled source runs when it never
-    ran, or when its next run's time has come."""
+    source is disabled (a person asked), and so does a run that never ended (its lease is
+    still there: its replica died, or still works and keeps it); otherwise an enabled
+    source runs when it never ran, or when its next run's time has come."""
     if state is not None and state.requested is not None:
         return state.requested
+    if lease is not None:
+        return "schedule"
     if not source.enabled:
         return None
     if state is None or state.next_run_at is None or state.next_run_at <= now:
@@ -175,7 +183,10 @@ class SourcesService:
             if source.key in self.running:
                 continue
             state = await self.sources.state(source.org_id, source.source_id)
-            trigger = due(source, state, now)
+            lease = await self.sources.leases.get(
+                SourceRegistry.lease_key(source.org_id, source.source_id)
+            )
+            trigger = due(source, state, now, lease)
             if trigger is None:
                 continue
             task = asyncio.create_task(self._slot(source.org_id, source.source_id, trigger))

@@ -61,6 +61,16 @@ def test_a_disabled_source_does_not_run_on_its_schedule():
     assert due(source(enabled=False), None, utcnow()) is None
 
 
+def test_a_run_that_never_ended_is_due_again_even_on_a_disabled_source():
+    """Its replica died holding the lease: the next run (once the lease expires) finishes
+    the work, whatever the schedule says."""
+    now = utcnow()
+    left = SourceLease(holder="dead", run_id="r", expires_at=now + timedelta(seconds=5))
+    later = state(next_run_at=now + timedelta(hours=1))
+    assert due(source(enabled=False), later, now, left) == "schedule"
+    assert due(source(), later, now, left) == "schedule"
+
+
 def test_a_lease_is_free_when_absent_or_expired_only():
     now = utcnow()
     held = SourceLease(holder="a", run_id="r", expires_at=now + timedelta(seconds=5))
