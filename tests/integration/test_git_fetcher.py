@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from services.common.domain.sources import Source
+from services.common.domain.sources import Source, SourceSecrets
 from services.common.outbound.egress import EgressPolicy
 from services.sources.fetch import Done, Failed, Gone, Put, SourceError
 from services.sources.git import LFS_POINTER, GitFetcher
-from tests.support.gitserver import git, git_daemon
+from tests.support.gitserver import git, git_daemon, git_http
 
 LFS = LFS_POINTER + b"\noid sha256:" + b"4d7a2146" * 8 + b"\nsize 12345\n"
 
@@ -130,3 +130,35 @@ async def test_deletions_and_renames_since_the_cursor(repo: Path, tmp_path: Path
         ("Put", "kept.md"),
     ]
     assert all(isinstance(c, Gone | Put) for c in found)
+
+
+async def test_an_https_token_is_sent_by_askpass_and_never_shows(tmp_path: Path):
+    """Smart HTTP behind a token: without the token the run fails (git's refusal, which
+    names no secret); with it, git answers the server's challenge through the askpass
+    helper, and the fetch succeeds. The token is in no error and in no URL."""
+    root = tmp_path / "root"
+    root.mkdir()
+    served = root / "r.git"
+    work = tmp_path / "work"
+    work.mkdir()
+    git(work, "init", "-q", "-b", "main")
+    git(work, "config", "user.email", "t@example.com")
+    git(work, "config", "user.name", "t")
+    (work / "secret-doc.md").write_text("# behind a token\n")
+    commit(work)
+    git(tmp_path, "clone", "-q", "--bare", str(work), str(served))
+    token = "ghp_" + "s3cr3t" * 6
+    fetcher = GitFetcher(EgressPolicy(allow_private=True), tmp_path / "cache", max_file_bytes=1000)
+    with git_http(root, token) as server:
+        src = source(f"{server.url}/r.git")
+        with pytest.raises(SourceError) as refused:
+            await changes(fetcher, src, None)
+        assert token not in str(refused.value)
+        wrong = SourceSecrets(token="ghp_wrong", webhook_secret="w")
+        with pytest.raises(SourceError) as refused_wrong:
+            [c async for c in fetcher.fetch(src, wrong, None)]
+        assert "ghp_wrong" not in str(refused_wrong.value)
+        right = SourceSecrets(token=token, webhook_secret="w")
+        found = [c async for c in fetcher.fetch(src, right, None)]
+        assert [c.uri for c in found if isinstance(c, Put)] == ["secret-doc.md"]
+        assert any(a.startswith("Basic ") for a in server.seen_authorization)
