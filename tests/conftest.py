@@ -68,7 +68,7 @@ async def running_stack(
     span_processors=None,
     **overrides,
 ) -> AsyncIterator[tuple]:
-    """All four services in this process plus an HTTP client on the gateway app.
+    """All five services in this process plus an HTTP client on the gateway app.
     Without `nats_url`, the stack runs its own private nats-server under `data_dir`."""
     import httpx
 

@@ -1,6 +1,6 @@
 """Composition root: builds the services a process runs, on one bus connection.
 
-`kbmesh up` runs all four on a private nats-server and the embedded store; `kbmesh serve`
+`kbmesh up` runs all five on a private nats-server and the embedded store; `kbmesh serve`
 runs the named ones against `KBMESH_NATS_URL`. Nothing here holds logic: each service is
 built from its parts, and the gateway's app and MCP server from the gateway's.
 """
@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +45,11 @@ if TYPE_CHECKING:
     from services.ingest.service import IngestService
     from services.search.ask import AskService
     from services.search.service import SearchService
+    from services.sources.fetch import Fetcher
+    from services.sources.service import SourcesService
 
 log = logging.getLogger("kbmesh")
-SERVICES = ("ingest", "embed", "search", "gateway")
+SERVICES = ("ingest", "embed", "search", "gateway", "sources")
 
 
 @dataclass
@@ -64,11 +67,15 @@ class Runtime:
     search: SearchService | None = None
     ask: AskService | None = None
     gateway: GatewayService | None = None
+    sources: SourcesService | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
+        if self.sources is not None:  # runs under way stop; their leases expire
+            with contextlib.suppress(Exception):
+                await self.sources.close()
         if self.ingest is not None:  # its extraction children
             with contextlib.suppress(Exception):
                 self.ingest.close()
@@ -247,6 +254,39 @@ async def _wire(rt: Runtime) -> None:
 
         rt.gateway = GatewayService(rt.bus, rt.registries, rt.settings)
         rt.bus.broker.include_router(gateway_router(rt.gateway))
+    if "sources" in rt.services:
+        from services.sources.handlers import create_router as sources_router
+        from services.sources.service import SourcesService
+
+        rt.sources = SourcesService(rt.registries, publish, source_fetchers(rt.settings))
+        rt.bus.broker.include_router(sources_router(rt.bus, rt.sources))
+
+
+def source_fetchers(settings: Settings) -> dict[str, Fetcher]:
+    """The fetcher of each kind of source, held to the egress rule and the upload limit."""
+    from services.sources.git import GitFetcher
+
+    fetchers: dict[str, Fetcher] = {
+        "git": GitFetcher(
+            egress_policy(settings),
+            git_cache_dir(settings.data_dir),
+            max_file_bytes=settings.max_content_bytes,
+        )
+    }
+    return fetchers
+
+
+def git_cache_dir(data_dir: Path) -> Path:
+    """Where git sources keep their repositories between runs: the data directory, else
+    (a read-only one, as in a container) the temporary directory. Only a cache: a lost one
+    is fetched again."""
+    wanted = data_dir / "sources" / "git"
+    try:
+        wanted.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        wanted = Path(tempfile.gettempdir()) / f"kbmesh-sources-git-{os.getuid()}"
+        wanted.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return wanted
 
 
 def require_store(rt: Runtime) -> VectorStore:
@@ -266,6 +306,8 @@ async def start_consuming(rt: Runtime) -> None:
             # A search-only process never embeds document batches: no encoder for them.
             await asyncio.to_thread(embedder.load, documents="embed" in rt.services)
     await rt.bus.start()
+    if rt.sources is not None:
+        rt.tasks.append(asyncio.create_task(rt.sources.schedule()))
     if rt.settings.metrics_port:
         metrics.serve(rt.settings.metrics_port)
         rt.tasks.append(asyncio.create_task(metrics.follow_bus(rt.bus.js)))

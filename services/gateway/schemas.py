@@ -338,6 +338,11 @@ class DocumentView(BaseModel):
     mime_type: str
     source_id: str
     uri: str | None
+    source_revision: str | None = Field(
+        None,
+        description="for a document a source keeps in sync: the source's version of it (the "
+        "commit it was read at, the page's ETag)",
+    )
     tags: list[str]
     collection: str | None
     metadata: dict[str, Any]
@@ -354,7 +359,8 @@ class DocumentView(BaseModel):
     writer: Writer | None = Field(
         None,
         description="who wrote the current revision: an API key (id and name), `local` "
-        "(keyless loopback), `bus` (an upstream publisher) or `operator`",
+        "(keyless loopback), `bus` (an upstream publisher), `operator`, or `source` (a "
+        "source kbmesh keeps in sync, by its id)",
     )
     revisions: list[RevisionWriter] = Field(
         default_factory=list, description="who wrote each kept revision, and when, oldest first"

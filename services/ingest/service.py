@@ -174,6 +174,7 @@ class IngestService:
                 mime_type=mime,
                 source_id=ev.source_id,
                 uri=ev.uri,
+                source_revision=ev.source_revision,
                 tags=join_tags(visible, ev.collection or collection),
                 metadata=ev.metadata,
                 size_bytes=len(data),

@@ -60,6 +60,9 @@ class Done:
     revision: str | None = None  # git: the commit now synced
     requests: int = 0
     bytes_read: int = 0
+    # The changes named every document the source holds now (a first run, a full listing):
+    # any other document of the source is gone, and the run deletes it.
+    complete: bool = False
 
 
 Change = Put | Unchanged | Gone | Failed

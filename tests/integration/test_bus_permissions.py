@@ -27,7 +27,12 @@ from services.common.bus.auth import (
 )
 from services.common.bus.client import KV_BUCKETS, OBJECT_STORE, declare_topology
 from services.common.bus.nats_server import NatsServer
-from services.common.messages.names import DLQ_STREAM, STREAM, Subject
+from services.common.messages.names import (
+    DLQ_STREAM,
+    SOURCE_SECRETS_BUCKET,
+    STREAM,
+    Subject,
+)
 from services.common.settings import BusSettings
 
 # Every user a deployment or `kbmesh up` runs a service as.
@@ -273,7 +278,13 @@ async def test_ingest_pulls_from_its_own_durable_consumer(bus):
 
 
 # The kind of audit entry each service records, and which it may not.
-AUDIT_KINDS = {"ingest": "document", "gateway": "kb", "embed": None, "search": None}
+AUDIT_KINDS = {
+    "ingest": "document",
+    "gateway": "kb",
+    "embed": None,
+    "search": None,
+    "sources": None,
+}
 
 
 @pytest.mark.parametrize("role", SERVICE_ROLES)
@@ -298,3 +309,50 @@ async def test_each_service_records_only_its_own_kind_of_audit_entry(bus, operat
         await client.close()
     with pytest.raises(nats.js.errors.NotFoundError):
         await operator.get_last_msg(AUDIT_STREAM, audit_subject("beta", "key"))
+
+
+SECRET_KEY = "acme.src1"
+# The users that may read sources' secrets: the gateway manages them, the sources service
+# uses them; `kbmesh up`'s single user runs both.
+SECRET_READERS = ("gateway", "sources", "stack")
+
+
+async def _plant_secret(operator: Any) -> None:
+    kv = await operator.key_value(SOURCE_SECRETS_BUCKET)
+    await kv.put(SECRET_KEY, b'{"token": "ghp_planted", "webhook_secret": "w"}')
+
+
+@pytest.mark.parametrize("role", SERVICE_USERS)
+async def test_only_gateway_and_sources_read_a_sources_secrets(bus, operator, role):
+    """A source's git token is read by the gateway and the sources service only: for every
+    other service's user each way to the value — a direct get by key, a direct get by
+    sequence, the stream's message get, a watch (an ephemeral consumer) — is refused, while
+    the other buckets stay readable to all."""
+    await _plant_secret(operator)
+    stream = f"KV_{SOURCE_SECRETS_BUCKET}"
+    key_subject = f"$KV.{SOURCE_SECRETS_BUCKET}.{SECRET_KEY}"
+    client = await probe(bus, role)
+    try:
+        reads = {
+            "direct by key": await client.attempt(f"$JS.API.DIRECT.GET.{stream}.{key_subject}"),
+            "direct by sequence": await client.attempt(f"$JS.API.DIRECT.GET.{stream}", {"seq": 1}),
+            "message get": await client.attempt(
+                f"$JS.API.STREAM.MSG.GET.{stream}", {"last_by_subj": key_subject}
+            ),
+            "watch": await client.attempt(
+                f"$JS.API.CONSUMER.CREATE.{stream}",
+                {
+                    "stream_name": stream,
+                    "config": {"deliver_policy": "last_per_subject", "ack_policy": "none"},
+                },
+            ),
+        }
+        others = await client.attempt("$JS.API.DIRECT.GET.KV_kbs", {"seq": 1})
+    finally:
+        await client.close()
+    refused = {what for what, answer in reads.items() if answer.get("refused")}
+    if role in SECRET_READERS:
+        assert refused == set(), reads
+    else:
+        assert refused == set(reads), reads
+    assert not others.get("refused")

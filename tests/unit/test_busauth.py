@@ -75,6 +75,28 @@ def test_only_the_operator_writes_the_key_store(role):
             ["doc.uploaded", "kb.changed", "search.query", "$KV.kbs.o.k", "$KV.prompts.o.p"],
             ["$KV.index.k.d", "$JS.API.STREAM.DELETE.KBMESH", "$JS.API.STREAM.PURGE.KBMESH"],
         ),
+        (
+            "sources",
+            [
+                "doc.uploaded",
+                "doc.deleted",
+                "source.run",
+                "$KV.sources.o.s.state",
+                "$O.texts.C.x",
+                "$JS.API.CONSUMER.MSG.NEXT.KBMESH.sources-source-sync",
+            ],
+            [
+                "kb.index",
+                "kb.changed",
+                "tags.changed",
+                "source.sync",
+                "$KV.documents.o.d",
+                "$KV.source-secrets.o.s",
+                "$KV.kbs.o.k",
+                "search.query",
+                "doc.uploaded.upstream.o.p",
+            ],
+        ),
     ],
 )
 def test_each_service_publishes_what_its_work_needs_only(role, allowed, refused):
@@ -264,3 +286,20 @@ def test_a_stored_publisher_with_a_reserved_name_is_left_out(tmp_path):
     users = [u["user"] for u in accounts[ACCOUNT]["users"]]
     assert users.count("operator") == 1
     assert busauth.revoke_publisher(tmp_path, "operator") is not None
+
+
+def may_read_secrets(role: str) -> bool:
+    """Whether `role` may read a value of the sources' secrets bucket: allowed and not
+    denied (nats-server: deny wins)."""
+    subject = "$JS.API.DIRECT.GET.KV_source-secrets.$KV.source-secrets.o.s"
+    perms = permissions(role)
+    allowed = any(matches(p, subject) for p in perms.publish)
+    return allowed and not any(matches(d, subject) for d in perms.deny)
+
+
+def test_only_the_gateway_and_sources_read_sources_secrets():
+    """The sources' tokens, keys and webhook secrets: the gateway (which manages them),
+    the sources service (which uses them), the processes running either, and the operator;
+    no other service, alone or combined."""
+    readers = [r for r in (*ROLES, "embed+search", "ingest+gateway") if may_read_secrets(r)]
+    assert readers == ["operator", "stack", "gateway", "sources", "ingest+gateway"]

@@ -73,7 +73,7 @@ def as_env(environment: dict[str, Any] | list[str] | None) -> dict[str, str]:
 
 
 def kbmesh_services(command: list[str]) -> list[str] | None:
-    """The services a `kbmesh serve A B ...` command line runs (all four for `kbmesh up`),
+    """The services a `kbmesh serve A B ...` command line runs (all of them for `kbmesh up`),
     or None when it is no kbmesh server command."""
     names = [Path(part).name for part in command]
     if "kbmesh" not in names:
@@ -254,7 +254,7 @@ def test_every_yaml_and_json_file_under_deploy_parses() -> None:
 
 def test_kbmesh_commands_name_real_services_and_cover_all_four() -> None:
     """Every `kbmesh serve ...` in compose, Kubernetes and the Dockerfile's CMD names
-    services of services.cli.runtime.SERVICES, and compose and Kubernetes each run all four."""
+    services of services.cli.runtime.SERVICES, and compose and Kubernetes each run all of them."""
     cmd = next(args for keyword, args in dockerfile_instructions() if keyword == "CMD")
     dockerfile = Process("Dockerfile:CMD", json.loads(cmd), {})
     assert dockerfile.command == ["kbmesh", "serve", "gateway"]

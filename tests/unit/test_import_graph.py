@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "services"
-SERVICES = ("ingest", "embed", "search", "gateway")
+SERVICES = ("ingest", "embed", "search", "gateway", "sources")
 # What each part of services/ may import, besides itself.
 ALLOWED: dict[str, set[str]] = {
     "common": set(),

@@ -11,10 +11,14 @@ config`).
 
 - All of kbmesh lives in one NATS account, `KBMESH`, with JetStream. Roles: `operator` (the
   CLI and the topology step: API keys, dead letters, streams, buckets, durable consumers;
-  everything in the account), `ingest`, `embed`, `search`, `gateway`, and `stack`, the four
-  services together as `kbmesh up` runs them in one process. No service may create, change,
-  purge or delete a stream, bucket, object store or durable consumer; only `operator` may
-  write the API-key bucket (`keys`); the others read it.
+  everything in the account), `ingest`, `embed`, `search`, `gateway`, `sources`, and
+  `stack`, the five services together as `kbmesh up` runs them in one process. No service
+  may create, change, purge or delete a stream, bucket, object store or durable consumer;
+  only `operator` may write the API-key bucket (`keys`); the others read it.
+- Buckets are readable by every service, except the private ones (`PRIVATE_BUCKETS`: the
+  sources' git tokens, keys and webhook secrets), which only the roles that name them in
+  `Work.reads` or `Work.writes` (and the operator) may read: for the others every way to a
+  value — a direct get, a stream message get, a watch — is denied by name.
 - Each upstream publisher has an account of its own holding one user. It sees four
   subjects, `doc.uploaded`, `ocr.done`, `tags.changed`, `doc.deleted`, imported from
   `KBMESH` where they arrive as `<subject>.upstream.<org>.<publisher>`: the server writes
@@ -29,8 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import logging
+import operator
 import os
 import secrets
 from collections.abc import Iterable, Iterator
@@ -49,6 +55,8 @@ from services.common.messages.names import (
     DLQ_STREAM,
     KV_BUCKETS,
     OBJECT_STORE,
+    SOURCE_SECRETS_BUCKET,
+    SOURCES_BUCKET,
     STREAM,
     UPSTREAM_STREAM,
     Subject,
@@ -59,7 +67,7 @@ log = logging.getLogger("kbmesh.busauth")
 
 ACCOUNT = "KBMESH"
 PUBLISHER_ACCOUNT_PREFIX = "PUB_"
-SERVICE_ROLES = ("ingest", "embed", "search", "gateway")
+SERVICE_ROLES = ("ingest", "embed", "search", "gateway", "sources")
 ROLES = ("operator", "stack", *SERVICE_ROLES)
 CREDENTIALS_FILE = "nats-credentials.json"
 PUBLISHERS_FILE = "nats-publishers.json"
@@ -71,6 +79,7 @@ DEPLOY_USERS = {
     "embed": "embed",
     "search": "search",
     "gateway": "gateway",
+    "sources": "sources",
     "embed+search": "embed-search",
 }
 
@@ -130,17 +139,25 @@ class Permissions:
     subscribe: tuple[str, ...]
     # May answer requests it received (the search service's replies).
     responses: bool = False
+    # Publishes refused although `publish` matches them (nats-server: deny wins): the reads
+    # of the private buckets this role may not read.
+    deny: tuple[str, ...] = ()
 
     def __or__(self, other: Permissions) -> Permissions:
         return Permissions(
             tuple(dict.fromkeys(self.publish + other.publish)),
             tuple(dict.fromkeys(self.subscribe + other.subscribe)),
             self.responses or other.responses,
+            # Services in one process: what any of them may do, the process may.
+            tuple(s for s in self.deny if s in other.deny),
         )
 
     def config(self) -> dict[str, Any]:
+        publish: dict[str, Any] = {"allow": [str(s) for s in self.publish]}
+        if self.deny:
+            publish["deny"] = list(self.deny)
         block: dict[str, Any] = {
-            "publish": {"allow": [str(s) for s in self.publish]},
+            "publish": publish,
             "subscribe": {"allow": [str(s) for s in self.subscribe]},
         }
         if self.responses:
@@ -220,8 +237,11 @@ class Work:
     # Requests it answers (in a queue group), and core subjects it follows.
     answers: tuple[str, ...] = ()
     listens: tuple[str, ...] = ()
-    # KV buckets it writes (every service reads them all), and whether it writes the texts.
+    # KV buckets it writes (every service reads all but the private ones), and whether it
+    # writes the texts.
     writes: tuple[str, ...] = ()
+    # Private buckets (`PRIVATE_BUCKETS`) it reads without writing them.
+    reads: tuple[str, ...] = ()
     writes_texts: bool = False
     # The kind of audit entry it records (for every org: it serves them all).
     audits: AuditKind | None = None
@@ -270,14 +290,34 @@ WORK: dict[str, Work] = {
             *(upstream_filter(s) for s in UPSTREAM_PUBLISH),
             *_REQUESTS,
         ),
-        listens=(Subject.DOC_INDEXED, Subject.DOC_FAILED, Subject.KB_CHANGED, "$KV.kbs.>"),
-        writes=("kbs", "documents", "prompts"),
+        listens=(
+            Subject.DOC_INDEXED,
+            Subject.DOC_FAILED,
+            Subject.KB_CHANGED,
+            Subject.SOURCE_RUN,
+            "$KV.kbs.>",
+        ),
+        # Sources' definitions and their secrets are managed through the API; a sync asked
+        # for is `state.requested`, set by compare-and-set.
+        writes=("kbs", "documents", "prompts", SOURCES_BUCKET, SOURCE_SECRETS_BUCKET),
         writes_texts=True,
         # KB entries (document entries are ingest's, key entries the operator's).
         audits="kb",
         manages_dead_letters=True,
     ),
+    # An upstream publisher inside kbmesh: it reads git repositories and web sites and sends
+    # their documents as any upstream system would, staging bytes in the object store.
+    "sources": Work(
+        consumes=consumers(Subject.SOURCE_SYNC, "sources-source-sync"),
+        publishes=(Subject.DOC_UPLOADED, Subject.DOC_DELETED, Subject.SOURCE_RUN),
+        writes=(SOURCES_BUCKET,),
+        reads=(SOURCE_SECRETS_BUCKET,),
+        writes_texts=True,
+    ),
 }
+
+# Buckets only the roles that name them in `Work.reads` / `Work.writes` may read.
+PRIVATE_BUCKETS = (SOURCE_SECRETS_BUCKET,)
 
 # Every durable consumer of the work stream, created by the topology step.
 DURABLE_CONSUMERS: tuple[Consumer, ...] = tuple(c for w in WORK.values() for c in w.consumes)
@@ -299,17 +339,32 @@ _JS_READ = (
 )
 
 
-def _ephemeral_reads() -> tuple[str, ...]:
+def _ephemeral_reads(hidden: tuple[str, ...]) -> tuple[str, ...]:
     """KV watches and object reads are ephemeral consumers, created on the legacy subject
     that names the stream only: the server refuses a durable name there. Only the buckets
     and the object store, which hold no durable consumer (a name given on that subject
-    would otherwise change one)."""
-    streams = (*(f"KV_{b}" for b in KV_BUCKETS), f"OBJ_{OBJECT_STORE}")
+    would otherwise change one), less the `hidden` buckets."""
+    streams = (*(f"KV_{b}" for b in KV_BUCKETS if b not in hidden), f"OBJ_{OBJECT_STORE}")
     return tuple(f"$JS.API.CONSUMER.CREATE.{s}" for s in streams)
 
 
+def private_reads(bucket: str) -> tuple[str, ...]:
+    """Every request that reads a value of `bucket`: direct gets (by key or by sequence),
+    the stream's message get, and consumers of any form on its stream (watches)."""
+    stream = f"KV_{bucket}"
+    return (
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
+    )
+
+
 def _derive(work: Work, inbox: str) -> Permissions:
-    publish: list[str] = [*_JS_READ, *_ephemeral_reads()]
+    hidden = tuple(b for b in PRIVATE_BUCKETS if b not in work.reads + work.writes)
+    publish: list[str] = [*_JS_READ, *_ephemeral_reads(hidden)]
     for consumer in work.consumes:
         publish += (
             f"$JS.API.CONSUMER.MSG.NEXT.{consumer.stream}.{consumer.durable}",
@@ -340,6 +395,7 @@ def _derive(work: Work, inbox: str) -> Permissions:
         tuple(dict.fromkeys(str(p) for p in publish)),
         (inbox, *work.answers, *work.listens),
         responses=bool(work.answers),
+        deny=tuple(s for b in hidden for s in private_reads(b)),
     )
 
 
@@ -348,10 +404,8 @@ def permissions(role: str, user: str | None = None) -> Permissions:
     role's name; it names the user's reply inbox)."""
     inbox = f"{inbox_prefix(user or role)}.>"
     if "+" in role:  # services sharing one process
-        combined = Permissions((), (inbox,))
-        for part in role.split("+"):
-            combined = combined | permissions(part, user or role)
-        return combined
+        parts = [permissions(part, user or role) for part in role.split("+")]
+        return functools.reduce(operator.or_, parts)
     if role == "operator":
         return Permissions((">",), (">",), responses=True)
     if role == "stack":
@@ -362,7 +416,7 @@ def permissions(role: str, user: str | None = None) -> Permissions:
 
 
 def role_for(services: Iterable[str]) -> str:
-    """The role a process running `services` needs: one service's, `stack` for all four,
+    """The role a process running `services` needs: one service's, `stack` for all five,
     else the services joined by `+` (the union of their permissions)."""
     chosen = sorted(set(services), key=SERVICE_ROLES.index)
     if len(chosen) == len(SERVICE_ROLES):

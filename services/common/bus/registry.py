@@ -1,7 +1,8 @@
-"""Registries on JetStream KV (`kbs`, `documents`, `index`, `keys`, `prompts`) and the
-`texts` object store. Values are pydantic records stored as JSON; writes that race use
-compare-and-set (`compare_and_set`, `Registry.change`), and a caller that needs a value to
-reach a state waits on a watch of its key (`Registry.wait_for`), never by polling.
+"""Registries on JetStream KV (`kbs`, `documents`, `index`, `keys`, `prompts`, `sources`,
+`source-secrets`) and the `texts` object store. Values are pydantic records stored as JSON;
+writes that race use compare-and-set (`compare_and_set`, `Registry.change`), and a caller
+that needs a value to reach a state waits on a watch of its key (`Registry.wait_for`), never
+by polling.
 
 Keys are built in one place per registry (`kbs.key(org, kb)`, `documents.key(org, doc)`,
 `index.key(kb, doc)`), next to the lookups the domain needs (`kbs.resolve(org, ref)`).
@@ -30,7 +31,9 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 from services.common.domain.errors import Conflict, Raced, Transient
 from services.common.domain.ids import is_id, uuid_forms
 from services.common.domain.models import DocumentRecord, IndexEntry, KnowledgeBase
+from services.common.domain.sources import Source, SourceLease, SourceSecrets, SourceState
 from services.common.messages.answers import Prompt
+from services.common.messages.names import SOURCE_SECRETS_BUCKET, SOURCES_BUCKET
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -219,20 +222,28 @@ class Registry(Generic[M]):
         finally:
             self._remember(key, None)
 
-    async def list(self, prefix: str = "", *, fresh: bool = False) -> list[M]:
-        """Every value under `prefix` (a key prefix ending in '.'); from the live mirror when
-        there is one, unless `fresh`."""
+    async def list(
+        self, prefix: str = "", *, fresh: bool = False, keep: Callable[[str], bool] | None = None
+    ) -> list[M]:
+        """Every value under `prefix` (a key prefix ending in '.') whose key `keep` accepts
+        (default: all); from the live mirror when there is one, unless `fresh`."""
         if self._mirror is not None and not fresh:
-            return [v for k, v in list(self._mirror.items()) if k.startswith(prefix)]
+            return [
+                v
+                for k, v in list(self._mirror.items())
+                if k.startswith(prefix) and (keep is None or keep(k))
+            ]
         pattern = f"{prefix}>" if prefix else ">"
         # Each watch is an ephemeral consumer on the server: let it expire quickly.
         watcher = await self.kv.watch(pattern, inactive_threshold=5.0)
         try:
-            return list((await self._read_initial(watcher, pattern)).values())
+            return list((await self._read_initial(watcher, pattern, keep)).values())
         finally:
             await watcher.stop()
 
-    async def _read_initial(self, watcher: Any, pattern: str) -> dict[str, M]:
+    async def _read_initial(
+        self, watcher: Any, pattern: str, keep: Callable[[str], bool] | None = None
+    ) -> dict[str, M]:
         """Read the current values from a fresh watch.
 
         nats-py's "no more values" marker can fire before values already on the wire are
@@ -246,7 +257,8 @@ class Registry(Generic[M]):
                 if await self._empty(pattern):
                     return found
                 continue
-            self._apply(found, entry)
+            if keep is None or keep(entry.key):
+                self._apply(found, entry)
             if entry.delta == 0:
                 return found
 
@@ -421,6 +433,70 @@ class IndexRegistry(Registry[IndexEntry]):
         return await self.get(self.key(kb_id, document_id))
 
 
+class SourceRegistry:
+    """Sources, per org, in the `sources` bucket: the definition (`<org>.<source>`), its
+    sync state (`<org>.<source>.state`, the sources service's) and the lease of the replica
+    running it (`<org>.<source>.lease`). Three records of three models under one bucket, so
+    three typed views of it; their keys are built here only."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.definitions: Registry[Source] = Registry(kv, Source)
+        self.states: Registry[SourceState] = Registry(kv, SourceState)
+        self.leases: Registry[SourceLease] = Registry(kv, SourceLease)
+
+    @staticmethod
+    def key(org_id: str, source_id: str) -> str:
+        return f"{org_id}.{source_id}"
+
+    @classmethod
+    def state_key(cls, org_id: str, source_id: str) -> str:
+        return f"{cls.key(org_id, source_id)}.state"
+
+    @classmethod
+    def lease_key(cls, org_id: str, source_id: str) -> str:
+        return f"{cls.key(org_id, source_id)}.lease"
+
+    async def get(self, org_id: str, source_id: str) -> Source | None:
+        return await self.definitions.get(self.key(org_id, source_id))
+
+    async def state(self, org_id: str, source_id: str) -> SourceState | None:
+        return await self.states.get(self.state_key(org_id, source_id))
+
+    async def put(self, source: Source) -> int:
+        return await self.definitions.put(self.key(source.org_id, source.source_id), source)
+
+    async def all(self) -> list[Source]:
+        """Every definition of every org (what the scheduler walks)."""
+        return await self._definitions("")
+
+    async def of_org(self, org_id: str) -> list[Source]:
+        return await self._definitions(f"{org_id}.")
+
+    async def _definitions(self, prefix: str) -> list[Source]:
+        # The state and lease records under a source's key are left out by their key's
+        # length (`<org>.<source>` has two tokens).
+        return await self.definitions.list(prefix, keep=lambda key: key.count(".") == 1)
+
+    async def remove(self, org_id: str, source_id: str) -> None:
+        """Forget a source: its definition, state and lease (its documents are the caller's
+        to delete: `doc.deleted` with its source_id)."""
+        await self.definitions.delete(self.key(org_id, source_id))
+        await self.states.delete(self.state_key(org_id, source_id))
+        await self.leases.delete(self.lease_key(org_id, source_id))
+
+
+class SourceSecretsRegistry(Registry[SourceSecrets]):
+    """Sources' secrets (`<org>.<source>`), in a bucket only the gateway, the sources
+    service and the operator may read (services/common/bus/auth.py)."""
+
+    @staticmethod
+    def key(org_id: str, source_id: str) -> str:
+        return f"{org_id}.{source_id}"
+
+    async def find(self, org_id: str, source_id: str) -> SourceSecrets | None:
+        return await self.get(self.key(org_id, source_id))
+
+
 class Registries:
     def __init__(
         self,
@@ -430,6 +506,8 @@ class Registries:
         keys: Registry[ApiKey],
         texts: TextStore,
         prompts: Registry[Prompt],
+        sources: SourceRegistry,
+        source_secrets: SourceSecretsRegistry,
     ) -> None:
         self.kbs = kbs
         self.documents = documents
@@ -437,15 +515,21 @@ class Registries:
         self.keys = keys
         self.texts = texts
         self.prompts = prompts
+        self.sources = sources
+        # Opened by every service (a bucket's handle reads nothing); read only by those
+        # allowed to.
+        self.source_secrets = source_secrets
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> Registries:
-        kbs, documents, index, keys, prompts = await asyncio.gather(
+        kbs, documents, index, keys, prompts, sources, secrets = await asyncio.gather(
             js.key_value("kbs"),
             js.key_value("documents"),
             js.key_value("index"),
             js.key_value("keys"),
             js.key_value("prompts"),
+            js.key_value(SOURCES_BUCKET),
+            js.key_value(SOURCE_SECRETS_BUCKET),
         )
         texts = await js.object_store("texts")
         registries = cls(
@@ -455,6 +539,8 @@ class Registries:
             Registry(keys, ApiKey),
             TextStore(texts),
             Registry(prompts, Prompt),
+            SourceRegistry(sources),
+            SourceSecretsRegistry(secrets, SourceSecrets),
         )
         # Both read on every request: KBs to resolve names, keys to know whether any exist.
         try:

@@ -245,18 +245,20 @@ class Writer(BaseModel):
     """Who made a change: an API key (its id and name), a user signed in with the identity
     provider (`user`: the token's subject, with name and e-mail when the token has them), a
     keyless loopback client (`local`), an upstream publisher on the bus (`bus`, with its user
-    when known), or an operator's command (`operator`)."""
+    when known), an operator's command (`operator`), or a source kbmesh keeps in sync
+    (`source`, named by its source id)."""
 
     model_config = ConfigDict(frozen=True)
 
-    kind: Literal["key", "user", "local", "bus", "operator"]
+    kind: Literal["key", "user", "local", "bus", "operator", "source"]
     key_id: str | None = Field(
         None, max_length=64, description="the API key's id (the start of its hash)"
     )
     name: str | None = Field(
         None,
         max_length=200,
-        description="the key's name; a user's name; for `bus`, the publisher's user",
+        description="the key's name; a user's name; for `bus`, the publisher's user; for "
+        "`source`, the source's id",
     )
     subject: str | None = Field(
         None, max_length=255, description="a user's `sub` at the identity provider"
@@ -296,6 +298,9 @@ class DocumentRecord(BaseModel):
     mime_type: str = "text/plain"
     source_id: str = DEFAULT_SOURCE
     uri: str | None = None
+    source_revision: str | None = Field(
+        None, description="the source's version of this content: a commit id, an ETag"
+    )
     tags: list[str] = Field(default_factory=list, description="stored form, collection included")
     metadata: dict[str, Any] = Field(default_factory=dict)
     revision: int = 1

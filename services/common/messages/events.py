@@ -68,6 +68,12 @@ class DocUploaded(Event):
     mime_type: str = "text/plain"
     source_id: str = DEFAULT_SOURCE
     uri: str | None = None
+    source_revision: str | None = Field(
+        None,
+        max_length=200,
+        description="the source's version of this content (a commit id, an ETag), kept on "
+        "the document",
+    )
     tags: list[str] = Field(default_factory=list)
     collection: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)

@@ -581,6 +581,7 @@ class Documents:
             mime_type=record.mime_type,
             source_id=record.source_id,
             uri=record.uri,
+            source_revision=record.source_revision,
             tags=visible_tags(p, tags),
             collection=collection,
             metadata=record.metadata,
