@@ -284,6 +284,12 @@ def _add_bus(sub: _Subparsers) -> None:
         metavar="NAME:ORG",
         help="an upstream publisher bound to ORG (repeat); its password: NATS_PASSWORD_<NAME>",
     )
+    bus_config.add_argument(
+        "--helm",
+        action="store_true",
+        help="print the accounts as YAML for the NATS Helm chart's config.merge.accounts "
+        "(deploy/kubernetes/helm/nats-values.yaml)",
+    )
     bus_setup = bus_sub.add_parser(
         "setup",
         help="create or update kbmesh's streams, buckets, object store and durable consumers, "
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "bus" and args.bus_command == "setup":
         sys.exit(asyncio.run(_bus_setup(_settings(args))))
     elif args.command == "bus":
-        sys.exit(_bus_config(args.publisher))
+        sys.exit(_bus_config(args.publisher, helm=args.helm))
     elif args.command == "ingest":
         from services.cli.ingest import run as run_ingest
 
@@ -736,8 +742,13 @@ async def _bus_setup(settings: Settings) -> int:
     return 0
 
 
-def _bus_config(publishers: list[str]) -> int:
-    from services.common.bus.auth import Publisher, check_publisher_name, deploy_conf
+def _bus_config(publishers: list[str], *, helm: bool = False) -> int:
+    from services.common.bus.auth import (
+        Publisher,
+        check_publisher_name,
+        deploy_conf,
+        deploy_helm_accounts,
+    )
     from services.common.domain.errors import InvalidInput
     from services.common.domain.ids import check_id
 
@@ -749,7 +760,7 @@ def _bus_config(publishers: list[str]) -> int:
         except InvalidInput as err:
             print(f"kbmesh bus config: {err} (--publisher NAME:ORG)", file=sys.stderr)
             return 2
-    print(deploy_conf(chosen), end="")
+    print((deploy_helm_accounts if helm else deploy_conf)(chosen), end="")
     return 0
 
 

@@ -38,6 +38,7 @@ import json
 import logging
 import operator
 import os
+import re
 import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -654,6 +655,26 @@ def render_conf(value: Any, indent: int = 0) -> str:
         body = "".join(f"{pad}{render_conf(v, indent + 1)}\n" for v in value)
         return "[\n" + body + "  " * indent + "]"
     return str(value)
+
+
+def deploy_helm_accounts(publishers: Iterable[Publisher] = ()) -> str:
+    """The same accounts as YAML for the NATS Helm chart's `config.merge.accounts`
+    (deploy/kubernetes/helm/nats-values.yaml), each password `<< $VAR >>`: the chart's
+    spelling of an environment reference."""
+    import yaml  # only this command needs it
+
+    def helm(value: Any) -> Any:
+        if isinstance(value, EnvRef):
+            return f"<< ${value} >>"
+        if isinstance(value, dict):
+            return {k: helm(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [helm(v) for v in value]
+        return value
+
+    text = yaml.safe_dump(helm(deploy_accounts(publishers)), sort_keys=False, width=200)
+    # The chart reads `<< $VAR >>` unquoted only.
+    return re.sub(r"'(<< \$\w+ >>)'", r"\1", text)
 
 
 def deploy_conf(publishers: Iterable[Publisher] = ()) -> str:
