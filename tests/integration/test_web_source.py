@@ -229,6 +229,7 @@ async def test_robots_txt_may_forbid_the_whole_site(site: str, site_root: Path) 
         await run(WebFetcher(LOOPBACK), web_source(f"{site}/docs/index.html"), None)
 
 
+@pytest.mark.slow  # ~500 pages twice: a minute or two on a loaded 2-core machine
 @pytest.mark.skipif(not PYTHON_DOCS.is_dir(), reason=PYTHON_DOCS_MISSING)
 async def test_the_python_documentation_is_crawled_whole_and_rechecked_for_nothing(
     tmp_path: Path,
