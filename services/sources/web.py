@@ -489,7 +489,10 @@ class WebFetcher:
         if answer.body is None:
             return  # a type not kept (an image, a zip behind a link)
         mime = clean_mime(answer.headers.get("content-type"))
-        page = parse_page(answer.body, answer.url) if mime in HTML_TYPES else None
+        page = None
+        if mime in HTML_TYPES:
+            # Parsing a large page takes milliseconds of CPU: off the event loop.
+            page = await asyncio.to_thread(parse_page, answer.body, answer.url)
         canonical = answer.url
         if (
             page is not None
@@ -651,7 +654,7 @@ class WebFetcher:
             except (KbmeshError, TimeoutError) as err:
                 message = err.message if isinstance(err, KbmeshError) else "timed out"
                 raise SourceError(f"cannot read the sitemap {current}: {message}") from err
-            found = parse_sitemap(body)
+            found = await asyncio.to_thread(parse_sitemap, body)
             todo.extend(found.sitemaps)
             source = run.source
             for page in found.pages:
