@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: up test test-slow lint bench contracts clean browser
+.PHONY: up test test-slow lint bench contracts clean browser pydoc
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -26,7 +26,7 @@ up: $(STAMP)
 	$(BIN)/kbmesh up
 
 # Line coverage of services/ is printed, and the run fails under the floor.
-test: $(STAMP) browser $(TS_CLIENT)/node_modules/.installed $(OIDC)/node_modules/.installed
+test: $(STAMP) browser pydoc $(TS_CLIENT)/node_modules/.installed $(OIDC)/node_modules/.installed
 	$(BIN)/python -m pytest --cov=services --cov-report=term:skip-covered --cov-fail-under=85
 
 # The official TypeScript MCP SDK, for the strict-client tests; without node and npm (or the
@@ -62,6 +62,20 @@ browser:
 	  else \
 	    echo "chromium is missing (not root: run 'apt-get install -y chromium'); browser tests skip"; \
 	  fi; \
+	fi
+
+# Debian's HTML Python documentation, a real docs site for the web source tests and benchmarks:
+# downloaded as a package and unpacked into .cache/ without installing it (no root needed).
+# Without apt-get or the archive, those tests skip and say why.
+PYDOC := .cache/python-doc
+pydoc:
+	@if [ ! -d $(PYDOC)/usr/share/doc/python3.11/html ]; then \
+	  if command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1; then \
+	    mkdir -p $(PYDOC)/deb && cd $(PYDOC)/deb && \
+	    { apt-get download -q python3.11-doc >/dev/null 2>&1 && \
+	      dpkg -x python3.11-doc_*.deb .. && echo "python3.11-doc unpacked into $(PYDOC)"; } || \
+	    echo "python3.11-doc could not be downloaded: the docs-site tests will skip"; \
+	  else echo "apt-get/dpkg not found: the docs-site tests will skip"; fi; \
 	fi
 
 lint: $(STAMP)

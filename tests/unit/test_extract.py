@@ -167,3 +167,36 @@ def test_an_outlook_message_is_known_by_its_bytes() -> None:
     other = data.replace("__substg1.0_".encode("utf-16-le"), "__payload1.0".encode("utf-16-le"))
     with pytest.raises(InvalidInput, match="Outlook message"):
         extract(other, None, "mail.msg", BOUNDS)
+
+
+DOCS_PAGE = b"""<!DOCTYPE html><html><head><title>Tide pools - Earth Handbook</title></head>
+<body><header><a href="/">Earth Handbook</a> | Search | Version 2.4</header>
+<nav><h3>Table of contents</h3><ul><li><a href="a.html">Glaciers guide</a></li>
+<li><a href="b.html">Volcanoes guide</a></li></ul></nav>
+<div class="related" role="navigation"><a href="prev.html">Previous topic</a></div>
+<div role="main"><h2>Where they form</h2><p>Tide pools hold anemones and crabs.</p>
+<pre><code>tide --height 2.1</code></pre></div>
+<footer>Copyright 2001-2024 the authors. Created using a static site generator.</footer>
+</body></html>"""
+
+
+def test_a_web_page_is_read_as_its_main_content_under_its_title() -> None:
+    """A page that marks its main content (<main>, role="main", one <article>) is read as that
+    content: the header, sidebar and footer every page repeats are left out, the code kept,
+    and the page title opens the text as its top heading (the heading path of every chunk)."""
+    text = extract(DOCS_PAGE, "text/html", "tides.html", BOUNDS).text
+    assert text.startswith("# Tide pools - Earth Handbook\n"), text
+    assert "## Where they form" in text and "anemones and crabs" in text
+    assert "tide --height 2.1" in text
+    for chrome in ("Table of contents", "Previous topic", "Copyright", "Version 2.4"):
+        assert chrome not in text, text
+
+
+def test_a_page_without_a_main_landmark_keeps_its_text_but_not_its_navigation() -> None:
+    """Without a main landmark the whole body is read, less what it marks as navigation
+    (<nav>, role="navigation") and its footer."""
+    page = DOCS_PAGE.replace(b'<div role="main">', b"<div>")
+    text = extract(page, "text/html", "tides.html", BOUNDS).text
+    assert "anemones and crabs" in text and "tide --height 2.1" in text
+    assert "Copyright" not in text, text
+    assert "Glaciers guide" not in text and "Previous topic" not in text, text

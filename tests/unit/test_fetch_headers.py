@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.gateway.fetch import _name_from, _to_utf8
+from services.common.outbound.fetch import name_from, to_utf8
 
 PAGE = httpx.URL("https://docs.example/guides/setup.md")
 
@@ -29,12 +29,12 @@ PAGE = httpx.URL("https://docs.example/guides/setup.md")
 def test_the_file_name_is_the_dispositions_else_the_urls(disposition, name):
     """Quoted names keep their semicolons, encoded names their charset, continued names
     are joined, a path is cut to its last part; without a name the URL's last segment."""
-    assert _name_from(disposition, PAGE) == name
+    assert name_from(disposition, PAGE) == name
 
 
 def test_a_url_without_a_file_name_is_named_after_its_host():
     # A site's root keeps the slash: "docs.example" alone would read as an .example file.
-    assert _name_from(None, httpx.URL("https://docs.example/")) == "docs.example/"
+    assert name_from(None, httpx.URL("https://docs.example/")) == "docs.example/"
 
 
 @pytest.mark.parametrize(
@@ -53,9 +53,9 @@ def test_a_url_without_a_file_name_is_named_after_its_host():
 def test_text_in_another_charset_is_re_encoded_as_utf8(content_type, data, expected):
     """The charset parameter (quoted or not, any alias) decides; a parameter that merely
     ends in `charset` or a charset nobody knows leaves the bytes as they are."""
-    assert _to_utf8(data, content_type) == expected
+    assert to_utf8(data, content_type) == expected
 
 
 def test_binary_types_are_never_re_encoded():
     data = "café".encode("latin-1")
-    assert _to_utf8(data, "application/pdf; charset=latin-1") == data
+    assert to_utf8(data, "application/pdf; charset=latin-1") == data

@@ -36,9 +36,10 @@ from services.common.domain.models import (
 )
 from services.common.messages.events import DocDeleted, DocFailed, DocUploaded, TagsChanged
 from services.common.messages.names import Subject
+from services.common.outbound.fetch import fetch_url
 from services.common.settings import Settings
 from services.gateway.auth import Principal
-from services.gateway.fetch import fetch_url, read_path
+from services.gateway.fetch import read_path
 from services.gateway.schemas import (
     MIME_TYPES,
     DeleteResult,
