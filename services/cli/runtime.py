@@ -265,13 +265,15 @@ async def _wire(rt: Runtime) -> None:
 def source_fetchers(settings: Settings) -> dict[str, Fetcher]:
     """The fetcher of each kind of source, held to the egress rule and the upload limit."""
     from services.sources.git import GitFetcher
+    from services.sources.web import WebFetcher
 
     fetchers: dict[str, Fetcher] = {
         "git": GitFetcher(
             egress_policy(settings),
             git_cache_dir(settings.data_dir),
             max_file_bytes=settings.max_content_bytes,
-        )
+        ),
+        "web": WebFetcher(settings),
     }
     return fetchers
 
