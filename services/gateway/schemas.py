@@ -22,6 +22,7 @@ from services.common.domain.models import (
     RevisionWriter,
     Writer,
 )
+from services.common.domain.sources import RunTrigger, SourceRun, SourceSpec
 from services.common.messages.answers import AskOptions
 
 T = TypeVar("T")
@@ -525,4 +526,119 @@ def types_view() -> TypesView:
             for f in FORMATS
         ],
         **readable_types(),
+    )
+
+
+# ---- sources --------------------------------------------------------------------------------
+
+_TOKEN = Field(
+    None,
+    min_length=1,
+    max_length=4096,
+    description="git over https: an access token (write-only: stored apart, never shown again)",
+)
+_SSH_KEY = Field(
+    None,
+    min_length=1,
+    max_length=16384,
+    description="git over ssh: a private key in OpenSSH format (write-only, never shown again)",
+)
+
+
+class SourceCreate(SourceSpec):
+    """A new source: its definition, an optional stable id, and its git credentials."""
+
+    source_id: str | None = Field(
+        None,
+        pattern=ID_PATTERN,
+        description="a stable id of your choosing (`kbmesh sources apply` sets one per "
+        "declared source); default: a generated one",
+    )
+    token: str | None = _TOKEN
+    ssh_key: str | None = _SSH_KEY
+
+
+class SourceUpdate(BaseModel):
+    """What changes in a source: only the fields given (null puts an optional one back to
+    its default). A source's kind is fixed: to change it, remove the source and add another."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kb: str | None = Field(None, min_length=1, max_length=200)
+    url: str | None = Field(None, min_length=1, max_length=2000)
+    name: str | None = Field(None, max_length=200)
+    tags: list[str] | None = None
+    collection: str | None = None
+    schedule: str | None = None
+    enabled: bool | None = None
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+    branch: str | None = Field(None, max_length=255)
+    sitemap: str | None = Field(None, max_length=2000)
+    start_urls: list[str] | None = None
+    scope: str | None = Field(None, max_length=2000)
+    max_depth: int | None = Field(None, ge=0, le=50)
+    max_pages: int | None = Field(None, ge=1, le=100_000)
+    rate: float | None = Field(None, gt=0, le=100)
+    removal_grace: str | None = None
+    token: str | None = _TOKEN
+    ssh_key: str | None = _SSH_KEY
+    clear_credentials: bool = Field(False, description="forget the stored token and key")
+    rotate_webhook_secret: bool = Field(
+        False,
+        description="replace the webhook secret: the answer shows the new one, once; calls "
+        "signed with the old one are refused from then on",
+    )
+
+
+class SourceStatus(BaseModel):
+    """Where a source's sync stands, as the sources service last recorded it."""
+
+    last_run: SourceRun | None = None
+    next_run_at: datetime | None = Field(None, description="when the schedule runs it next")
+    requested: RunTrigger | None = Field(
+        None, description="a sync asked for (manual or webhook) that no run has taken yet"
+    )
+    runs: list[SourceRun] = Field(default_factory=list, description="recent runs, newest last")
+
+
+class SourceView(SourceSpec):
+    """A source as clients see it: its definition, ids, whether credentials are stored (never
+    the credentials), its webhook's path, and its sync status."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source_id: str
+    kb_id: str
+    has_credentials: bool = Field(description="a git token or key is stored (never shown)")
+    hook_path: str = Field(
+        description="where the git host posts push events (POST, signed with the webhook "
+        "secret): append it to the gateway's public address"
+    )
+    webhook_secret: str | None = Field(
+        None,
+        description="the webhook's secret (HMAC-SHA256 key, or token for a token header): "
+        "shown only in the answer that creates it (create, rotate_webhook_secret)",
+    )
+    created_at: datetime
+    updated_at: datetime
+    status: SourceStatus
+
+
+class SourceList(BaseModel):
+    items: list[SourceView]
+    total: int
+
+
+class SourceAck(BaseModel):
+    """What a request about a source's runs or removal did."""
+
+    status: Literal["requested", "deleted", "ignored", "pong"] = Field(
+        description="requested: a sync was asked of the sources service; deleted: the source "
+        "is gone; ignored: a webhook call about another branch; pong: a webhook's ping"
+    )
+    source_id: str
+    trigger: RunTrigger | None = None
+    documents_deleted: bool | None = Field(
+        None, description="on removal: whether its documents are being deleted too"
     )

@@ -49,6 +49,8 @@ from services.common.messages.names import (
     DLQ_STREAM,
     KV_BUCKETS,
     OBJECT_STORE,
+    SOURCE_SECRETS_BUCKET,
+    SOURCES_BUCKET,
     STREAM,
     UPSTREAM_STREAM,
     Subject,
@@ -223,8 +225,8 @@ class Work:
     # KV buckets it writes (every service reads them all), and whether it writes the texts.
     writes: tuple[str, ...] = ()
     writes_texts: bool = False
-    # The kind of audit entry it records (for every org: it serves them all).
-    audits: AuditKind | None = None
+    # The kinds of audit entry it records (for every org: it serves them all).
+    audits: tuple[AuditKind, ...] = ()
     # Listing dead letters (a short-lived reader consumer on the dead-letter stream, picking
     # one org's by subject), and replaying or discarding one, which removes it (the gateway's
     # dead-letter API).
@@ -249,7 +251,7 @@ WORK: dict[str, Work] = {
         writes=("documents",),
         writes_texts=True,
         # Ingest applies every document change, whoever sent it.
-        audits="document",
+        audits=("document",),
     ),
     "embed": Work(
         consumes=(
@@ -271,10 +273,13 @@ WORK: dict[str, Work] = {
             *_REQUESTS,
         ),
         listens=(Subject.DOC_INDEXED, Subject.DOC_FAILED, Subject.KB_CHANGED, "$KV.kbs.>"),
-        writes=("kbs", "documents", "prompts"),
+        # Sources: their definitions, and the secrets a client sets (a git token, the
+        # webhook's); their sync state is the sources service's.
+        writes=("kbs", "documents", "prompts", SOURCES_BUCKET, SOURCE_SECRETS_BUCKET),
         writes_texts=True,
-        # KB entries (document entries are ingest's, key entries the operator's).
-        audits="kb",
+        # KB and source entries (document entries are ingest's, key entries the operator's),
+        # refused webhook calls among them.
+        audits=("kb", "source"),
         manages_dead_letters=True,
     ),
 }
@@ -323,8 +328,7 @@ def _derive(work: Work, inbox: str) -> Permissions:
     if work.writes_texts:
         # A replaced or deleted object's chunks are purged from its stream.
         publish += (f"$O.{OBJECT_STORE}.>", f"$JS.API.STREAM.PURGE.OBJ_{OBJECT_STORE}")
-    if work.audits is not None:
-        publish.append(audit_subject("*", work.audits))
+    publish += (audit_subject("*", kind) for kind in work.audits)
     if work.manages_dead_letters:
         # The readers of deadletters.list_dead_letters: created (with one filter subject or
         # several), pulled from and deleted. The dead-letter stream holds no durable consumer

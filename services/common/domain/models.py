@@ -245,11 +245,12 @@ class Writer(BaseModel):
     """Who made a change: an API key (its id and name), a user signed in with the identity
     provider (`user`: the token's subject, with name and e-mail when the token has them), a
     keyless loopback client (`local`), an upstream publisher on the bus (`bus`, with its user
-    when known), or an operator's command (`operator`)."""
+    when known), an operator's command (`operator`), or a caller of a source's webhook
+    (`hook`, named by its address: it holds no key, only the source's secret)."""
 
     model_config = ConfigDict(frozen=True)
 
-    kind: Literal["key", "user", "local", "bus", "operator"]
+    kind: Literal["key", "user", "local", "bus", "operator", "hook"]
     key_id: str | None = Field(
         None, max_length=64, description="the API key's id (the start of its hash)"
     )
