@@ -22,6 +22,7 @@ from services.common.settings import EgressSettings
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys, as_operator
 from tests.support.domain import create_kb, uid, wait_until
+from tests.support.mcp_client import failed, http_session, ok, serve_http
 
 REMOTE = "https://127.0.0.1:1/team/handbook.git"
 TOKEN = "ghp_" + "s3cr3t" * 6
@@ -50,6 +51,8 @@ async def stack(tmp_path_factory, embedders):
             client=client,
             mine=mine,
             theirs=theirs,
+            admin_key=admin,
+            writer_key=writer,
             writer={"Authorization": f"Bearer {writer}"},
             reader={"Authorization": f"Bearer {reader}"},
         )
@@ -427,3 +430,55 @@ async def test_concurrent_removals_of_one_source_answer_once_deleted(stack):
     answers = await asyncio.gather(stack.client.delete(ref), stack.client.delete(ref))
     assert sorted(r.status_code for r in answers)[0] == 200
     assert all(r.status_code in (200, 404) for r in answers), [r.text for r in answers]
+
+
+async def test_the_source_tools_manage_sources_over_mcp_with_structured_errors(stack):
+    """Over MCP (streamable HTTP): kb_source_add answers the source and its webhook secret,
+    kb_source_list and kb_source_get show it without secrets, kb_source_sync publishes a
+    manual `source.sync`, kb_source_remove removes it; a bad schedule, a KB outside a scoped
+    key's scope and a removed source are structured tool errors naming what is wrong."""
+    async with serve_http(stack.rt) as (base, _app), http_session(base, stack.admin_key) as s:
+        added = ok(
+            await s.call_tool(
+                "kb_source_add",
+                {
+                    "kind": "web",
+                    "kb": stack.mine["kb_id"],
+                    "url": "http://127.0.0.1:1/docs/",
+                    "name": f"docs-{uid()}",
+                    "max_pages": 20,
+                },
+            )
+        )
+        assert added["webhook_secret"] and added["kind"] == "web"
+        listed = ok(await s.call_tool("kb_source_list", {"kb": stack.mine["name"]}))
+        assert added["source_id"] in [i["source_id"] for i in listed["items"]]
+        assert added["webhook_secret"] not in json.dumps(listed)
+        shown = ok(await s.call_tool("kb_source_get", {"source": added["name"]}))
+        assert shown["source_id"] == added["source_id"] and shown["webhook_secret"] is None
+        async with bus_events(stack.rt, Subject.SOURCE_SYNC) as sub:
+            ack = ok(await s.call_tool("kb_source_sync", {"source": added["source_id"]}))
+            assert ack["status"] == "requested"
+            assert (await next_event(sub))["source_id"] == added["source_id"]
+        bad = failed(
+            await s.call_tool(
+                "kb_source_update", {"source": added["source_id"], "schedule": "often"}
+            ),
+            "ValidationError",
+        )
+        assert bad["field"] == "schedule"
+        gone = ok(await s.call_tool("kb_source_remove", {"source": added["source_id"]}))
+        assert gone["status"] == "deleted"
+        missing = failed(
+            await s.call_tool("kb_source_get", {"source": added["source_id"]}), "NotFound"
+        )
+        assert missing["field"] == "source"
+    async with serve_http(stack.rt) as (base, _app), http_session(base, stack.writer_key) as s:
+        outside = failed(
+            await s.call_tool(
+                "kb_source_add",
+                {"kind": "git", "kb": stack.theirs["kb_id"], "url": REMOTE},
+            ),
+            "NotFound",
+        )
+        assert outside["field"] == "kb"
