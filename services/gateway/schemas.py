@@ -564,23 +564,33 @@ class SourceUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kb: str | None = Field(None, min_length=1, max_length=200)
-    url: str | None = Field(None, min_length=1, max_length=2000)
-    name: str | None = Field(None, max_length=200)
-    tags: list[str] | None = None
-    collection: str | None = None
-    schedule: str | None = None
-    enabled: bool | None = None
-    include: list[str] | None = None
-    exclude: list[str] | None = None
-    branch: str | None = Field(None, max_length=255)
-    sitemap: str | None = Field(None, max_length=2000)
-    start_urls: list[str] | None = None
-    scope: str | None = Field(None, max_length=2000)
-    max_depth: int | None = Field(None, ge=0, le=50)
-    max_pages: int | None = Field(None, ge=1, le=100_000)
-    rate: float | None = Field(None, gt=0, le=100)
-    removal_grace: str | None = None
+    kb: str | None = Field(
+        None, min_length=1, max_length=200, description="move it to feed this KB (id or name)"
+    )
+    url: str | None = Field(
+        None, min_length=1, max_length=2000, description="the git remote or the start URL"
+    )
+    name: str | None = Field(None, max_length=200, description="a label")
+    tags: list[str] | None = Field(None, description="tags its documents get")
+    collection: str | None = Field(None, description="the collection its documents are in")
+    schedule: str | None = Field(
+        None, description="an interval (30m, 1h, 1d) or a five-field cron expression"
+    )
+    enabled: bool | None = Field(None, description="false: pause its schedule")
+    include: list[str] | None = Field(None, description="globs of what to read; []: all")
+    exclude: list[str] | None = Field(None, description="globs left out")
+    branch: str | None = Field(None, max_length=255, description="git: branch or tag")
+    sitemap: str | None = Field(None, max_length=2000, description="web: a sitemap.xml URL")
+    start_urls: list[str] | None = Field(None, description="web: more start URLs")
+    scope: str | None = Field(
+        None, max_length=2000, description="web: the URL prefix pages must start with"
+    )
+    max_depth: int | None = Field(None, ge=0, le=50, description="web: link depth")
+    max_pages: int | None = Field(None, ge=1, le=100_000, description="web: pages per run")
+    rate: float | None = Field(None, gt=0, le=100, description="web: requests per second per host")
+    removal_grace: str | None = Field(
+        None, description="web: how long a page must be gone before its document is deleted"
+    )
     token: str | None = _TOKEN
     ssh_key: str | None = _SSH_KEY
     clear_credentials: bool = Field(False, description="forget the stored token and key")
