@@ -77,7 +77,7 @@ def add_parsers(sub: Any) -> None:
     sources_sub = sources.add_subparsers(dest="sources_command", required=True)
 
     add = sources_sub.add_parser("add", help="add a source; prints its webhook secret once")
-    add.add_argument("kind", choices=("git", "web"))
+    add.add_argument("kind", choices=("git", "web"), help="git: a repository; web: a site")
     add.add_argument("url", help="git: the remote (https, ssh, git://); web: the start URL")
     add.add_argument("--kb", required=True, help="the knowledge base it feeds (name or id)")
     add.add_argument("--id", dest="source_id", help="a stable id (default: generated)")
