@@ -229,7 +229,8 @@ class Sources:
             await self._check_location(p, spec)
         stores = await self.stores()
         hook_secret = new_hook_secret() if body.rotate_webhook_secret else None
-        credentials = await self._change_secrets(source, body, spec, hook_secret)
+        kept, secrets_after = await self._secrets_after(source, body, spec, hook_secret)
+        credentials = bool(secrets_after.token or secrets_after.ssh_key)
 
         def apply(stored: Source) -> Source:
             return Source(
@@ -244,18 +245,20 @@ class Sources:
         changed = await stores.definitions.change(source.key, apply)
         if changed is None:
             raise NotFound(f"source {ref!r} not found", field="source_id")
+        # After the definition: a source removed meanwhile leaves no secrets behind.
+        if secrets_after != kept:
+            await stores.secrets.put(source.key, secrets_after)
         await self._audit(p.org_id, p.writer, changed[1], "changed")
         return await self._view(changed[1], webhook_secret=hook_secret)
 
-    async def _change_secrets(
+    async def _secrets_after(
         self, source: Source, body: SourceUpdate, spec: SourceSpec, hook_secret: str | None
-    ) -> bool:
-        """Write what the update changes of the secrets; whether credentials remain."""
+    ) -> tuple[SourceSecrets | None, SourceSecrets]:
+        """The secrets stored now (None: none) and as the update leaves them, checked
+        against the updated definition (a token for https, a key for ssh)."""
         stores = await self.stores()
-        current = await stores.secrets.get(source.key) or SourceSecrets(
-            webhook_secret=new_hook_secret()
-        )
-        updated = current.model_copy()
+        kept = await stores.secrets.get(source.key)
+        updated = (kept or SourceSecrets(webhook_secret=new_hook_secret())).model_copy()
         if body.clear_credentials:
             updated.token = updated.ssh_key = None
         if body.token is not None:
@@ -265,9 +268,7 @@ class Sources:
         if hook_secret is not None:
             updated.webhook_secret = hook_secret
         check_credentials(spec, updated.token, updated.ssh_key)
-        if updated != current or not await stores.secrets.get(source.key):
-            await stores.secrets.put(source.key, updated)
-        return bool(updated.token or updated.ssh_key)
+        return kept, updated
 
     async def delete(self, p: Principal, ref: str, *, keep_documents: bool = False) -> SourceAck:
         """Remove the source: its definition, state, lease and secrets, and (unless
