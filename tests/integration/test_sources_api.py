@@ -173,6 +173,7 @@ async def test_a_source_is_created_listed_shown_and_changed_without_echoing_secr
         ({"url": "/srv/repos/handbook"}, 422, "url"),  # a local path, by an API caller
         ({"url": "ftp://127.0.0.1/handbook.git"}, 422, "url"),
         ({"url": "https://10.20.30.40/handbook.git"}, 403, "url"),  # a private address
+        ({"url": "https://" + "a" * 70 + ".example/h.git"}, 422, "url"),  # no DNS name
         ({"ssh_key": "-----BEGIN OPENSSH PRIVATE KEY-----"}, 422, "ssh_key"),  # on https
         ({"colour": "blue"}, 422, "colour"),
         ({"source_id": "has a space"}, 422, "source_id"),
