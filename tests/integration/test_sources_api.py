@@ -247,6 +247,13 @@ async def test_scoped_keys_manage_only_their_kbs_sources_and_read_only_keys_only
     problem(await client.patch(ref, headers=stack.writer, json={"enabled": False}), 404)
     problem(await client.post(f"{ref}/sync", headers=stack.writer), 404)
     problem(await client.delete(ref, headers=stack.writer), 404)
+    # Tags that would put the source's documents into a KB outside its scope are refused.
+    r = await client.patch(
+        f"/v1/sources/{own['source_id']}",
+        headers=stack.writer,
+        json={"tags": [f"kb:{stack.theirs['kb_id']}"]},
+    )
+    problem(r, 403, "tags")
     # Moving its own source into a KB outside its scope is refused too.
     r = await client.patch(
         f"/v1/sources/{own['source_id']}", headers=stack.writer, json={"kb": stack.theirs["kb_id"]}

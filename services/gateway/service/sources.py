@@ -54,6 +54,7 @@ from services.gateway.schemas import (
     SourceUpdate,
     SourceView,
 )
+from services.gateway.service.access import check_tag_scope
 from services.gateway.service.kbs import KnowledgeBases
 
 log = logging.getLogger("kbmesh.gateway.sources")
@@ -153,6 +154,7 @@ class Sources:
     async def create(self, p: Principal, body: SourceCreate) -> SourceView:
         spec = checked_spec(body.model_dump(exclude={"source_id", "token", "ssh_key"}))
         kb = await self.kbs.resolve(p, spec.kb, write=True)
+        await self._check_tags(p, spec)
         await self._check_location(p, spec)
         check_credentials(spec, body.token, body.ssh_key)
         stores = await self.stores()
@@ -225,6 +227,7 @@ class Sources:
             kb_id = (await self.kbs.resolve(p, spec.kb, write=True)).kb_id
         else:
             p.check_kb(kb_id, write=True)
+        await self._check_tags(p, spec)
         if any(getattr(spec, f) != getattr(current, f) for f in _LOCATION_FIELDS):
             await self._check_location(p, spec)
         stores = await self.stores()
@@ -384,6 +387,12 @@ class Sources:
             webhook_secret=webhook_secret,
             status=status,
         )
+
+    async def _check_tags(self, p: Principal, spec: SourceSpec) -> None:
+        """A source's tags go on its documents, and tags are membership: a key limited to
+        some KBs cannot make a source whose documents join a KB outside its scope."""
+        if p.kb_ids is not None and spec.tags:
+            check_tag_scope(p, await self.kbs.reg.kbs.of_org(p.org_id), spec.tags)
 
     async def _check_location(self, p: Principal, spec: SourceSpec) -> None:
         """The source's URLs are ones this server may read: remote git URLs of the known
