@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.cli.api import Api, _common, _table
+from services.cli.api import Api, api_command, print_table
 from services.common.domain.ids import ID_PATTERN
 from services.common.domain.sources import SourceSpec
 
@@ -97,26 +97,26 @@ def add_parsers(sub: Any) -> None:
     add.add_argument(
         "--ssh-key-file", type=Path, help="git over ssh: read the private key from this file"
     )
-    _common(add, _add)
+    api_command(add, _add)
 
     listing = sources_sub.add_parser("list", help="every source with its last and next run")
     listing.add_argument("--kb", help="only the sources feeding this knowledge base")
-    _common(listing, _list)
+    api_command(listing, _list)
 
     show = sources_sub.add_parser("show", help="one source with its run history")
     show.add_argument("source", help="id or name")
-    _common(show, _show)
+    api_command(show, _show)
 
     sync = sources_sub.add_parser("sync", help="run a source now")
     sync.add_argument("source", help="id or name")
-    _common(sync, _sync)
+    api_command(sync, _sync)
 
     remove = sources_sub.add_parser("remove", help="remove a source and its documents")
     remove.add_argument("source", help="id or name")
     remove.add_argument(
         "--keep-documents", action="store_true", help="keep the documents it brought in"
     )
-    _common(remove, _remove)
+    api_command(remove, _remove)
 
     apply = sources_sub.add_parser(
         "apply",
@@ -130,7 +130,7 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="keep sources of the managed KBs that the file does not declare",
     )
-    _common(apply, _apply)
+    api_command(apply, _apply)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,7 +179,7 @@ def _list(api: Api, args: argparse.Namespace) -> list[dict[str, Any]]:
     found = _sources(api, args.kb)
     if not args.json:
         rows = [_row(s) for s in found]
-        _table(rows, ["ID", "KIND", "NAME", "LAST RUN", "COUNTS", "NEXT RUN", "ERROR"])
+        print_table(rows, ["ID", "KIND", "NAME", "LAST RUN", "COUNTS", "NEXT RUN", "ERROR"])
     return found
 
 
@@ -225,7 +225,7 @@ def _show(api: Api, args: argparse.Namespace) -> dict[str, Any]:
             ]
             for r in reversed(status["runs"])
         ]
-        _table(rows, ["RUN", "TRIGGER", "STATUS", "STARTED", "COUNTS", "REVISION", "ERROR"])
+        print_table(rows, ["RUN", "TRIGGER", "STATUS", "STARTED", "COUNTS", "REVISION", "ERROR"])
     return source
 
 

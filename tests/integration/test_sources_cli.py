@@ -15,7 +15,7 @@ import pytest
 
 from services.common.settings import EgressSettings
 from tests.conftest import running_stack
-from tests.integration.test_cli_api import kbmesh
+from tests.support.cli import kbmesh
 from tests.support.domain import create_kb, uid
 from tests.support.mcp_client import serve_http
 
