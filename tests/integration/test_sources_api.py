@@ -490,3 +490,32 @@ async def test_the_source_tools_manage_sources_over_mcp_with_structured_errors(s
             "NotFound",
         )
         assert outside["field"] == "kb"
+
+
+async def test_two_orgs_may_use_one_source_id_and_each_hook_syncs_its_own(stack):
+    """Source ids are chosen per org: two orgs with a source `handbook` each; a hook call
+    signed with one org's secret syncs that org's source, the other's secret the other's."""
+    client = stack.client
+    other_org = f"beta-{uid()}"
+    key = await OperatorKeys(stack.rt).create(other_org, "beta-admin")
+    beta = {"Authorization": f"Bearer {key}"}
+    theirs_kb = await client.post("/v1/kbs", headers=beta, json={"name": "handbook"})
+    assert theirs_kb.status_code == 201, theirs_kb.text
+    shared = f"handbook-{uid()}"
+    ours = await add_git(client, stack.mine["kb_id"], source_id=shared)
+    r = await client.post(
+        "/v1/sources",
+        headers=beta,
+        json={"kind": "git", "kb": "handbook", "url": REMOTE, "source_id": shared},
+    )
+    assert r.status_code == 201, r.text
+    theirs = r.json()
+    body = b'{"ref": "refs/heads/main"}'
+    async with bus_events(stack.rt, Subject.SOURCE_SYNC) as sub:
+        for made, org in ((theirs, other_org), (ours, stack.rt.settings.default_org)):
+            r = await client.post(
+                made["hook_path"], content=body, headers=signed(made["webhook_secret"], body)
+            )
+            assert r.status_code == 202, r.text
+            event = await next_event(sub)
+            assert (event["org_id"], event["source_id"]) == (org, shared)

@@ -23,7 +23,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -127,11 +127,15 @@ class SourceStores:
     async def of_org(self, org_id: str) -> list[Source]:
         return await self.definitions.matching(f"{org_id}.*")
 
-    async def with_id(self, source_id: str) -> list[Source]:
-        """Every org's source with this id (ids are chosen per org, so there may be several)."""
+    async def with_id(self, source_id: str, orgs: Iterable[str]) -> list[Source]:
+        """The source with this id in each of `orgs` (ids are chosen per org, so there may
+        be several): one direct read per org, no consumer on the server, since anyone may
+        call a webhook."""
         if not is_id(source_id):
             return []
-        return await self.definitions.matching(f"*.{source_id}")
+        keys = [self.key(org, source_id) for org in sorted(set(orgs))]
+        found = await asyncio.gather(*(self.definitions.get(k) for k in keys))
+        return [s for s in found if s is not None]
 
 
 class Sources:
@@ -316,7 +320,10 @@ class Sources:
         """A git host's push event: verified with the source's webhook secret, then a sync
         (`trigger="hook"`). HookRefused, the same for every failure, when it does not verify."""
         stores = await self.stores()
-        candidates = await stores.with_id(source_id)
+        # A source feeds a KB of its org: the orgs with KBs (a live mirror) are the places
+        # to look.
+        orgs = {kb.org_id for kb in await self.kbs.reg.kbs.list()}
+        candidates = await stores.with_id(source_id, orgs)
         found = await asyncio.gather(*(stores.secrets.get(s.key) for s in candidates))
         signed = _Signed(body, headers)
         match = None
