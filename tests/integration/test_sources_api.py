@@ -21,7 +21,7 @@ from services.common.messages.names import SOURCE_SECRETS_BUCKET, SOURCES_BUCKET
 from services.common.settings import EgressSettings
 from tests.conftest import running_stack
 from tests.support.bus import OperatorKeys, as_operator
-from tests.support.domain import create_kb, uid, wait_until
+from tests.support.domain import create_kb, settled, uid, wait_until
 from tests.support.mcp_client import failed, http_session, ok, serve_http
 
 REMOTE = "https://127.0.0.1:1/team/handbook.git"
@@ -95,11 +95,13 @@ def gitlab_token(secret: str) -> dict[str, str]:
     return {"X-Gitlab-Token": secret, "Content-Type": "application/json"}
 
 
-async def add_git(client: Any, kb: str, **body: Any) -> dict[str, Any]:
+async def add_git(
+    client: Any, kb: str, headers: dict[str, str] | None = None, **body: Any
+) -> dict[str, Any]:
     r = await client.post(
         "/v1/sources",
         json={"kind": "git", "kb": kb, "url": REMOTE, "name": f"src-{uid()}", **body},
-        headers=body.pop("headers", None),
+        headers=headers,
     )
     assert r.status_code == 201, r.text
     found: dict[str, Any] = r.json()
@@ -519,3 +521,30 @@ async def test_two_orgs_may_use_one_source_id_and_each_hook_syncs_its_own(stack)
             assert r.status_code == 202, r.text
             event = await next_event(sub)
             assert (event["org_id"], event["source_id"]) == (org, shared)
+
+
+async def test_a_scoped_key_removing_a_source_deletes_only_documents_in_its_scope(stack):
+    """A key limited to `mine` removes its source: the source's document in `mine` goes, a
+    document of the same source id in `theirs` (outside the key's scope) stays."""
+    client = stack.client
+    made = await add_git(client, stack.mine["kb_id"], headers=stack.writer)
+    ids = {}
+    for label, kb in (("mine", stack.mine), ("theirs", stack.theirs)):
+        r = await client.post(
+            f"/v1/kbs/{kb['kb_id']}/documents?wait=true",
+            json={
+                "name": f"{label}.md",
+                "content": f"notes of {label} from {made['source_id']}",
+                "source_id": made["source_id"],
+                "uri": f"{label}.md",
+            },
+        )
+        assert r.status_code in (200, 202), r.text
+        ids[label] = r.json()["document_id"]
+    r = await client.delete(f"/v1/sources/{made['source_id']}", headers=stack.writer)
+    assert r.status_code == 200, r.text
+
+    # Every event of the removal applied (ingest, then embed), then both looked at.
+    await settled(stack.rt)
+    assert (await client.get(f"/v1/documents/{ids['mine']}")).status_code == 404
+    assert (await client.get(f"/v1/documents/{ids['theirs']}")).status_code == 200

@@ -291,14 +291,30 @@ class Sources:
             stores.secrets.delete(source.key),
         )
         if not keep_documents:
-            await self.bus.publish(
-                Subject.DOC_DELETED,
-                DocDeleted(org_id=p.org_id, source_id=source.source_id, writer=p.writer),
-            )
+            event = await self._documents_deleted(p, source)
+            if event is not None:
+                await self.bus.publish(Subject.DOC_DELETED, event)
         await self._audit(p.org_id, p.writer, source, "deleted")
         return SourceAck(
             status="deleted", source_id=source.source_id, documents_deleted=not keep_documents
         )
+
+    async def _documents_deleted(self, p: Principal, source: Source) -> DocDeleted | None:
+        """The deletion of the source's documents the caller may make: every one of the
+        source (those still on their way too) for an org-wide key; for a key limited to
+        some KBs, only those wholly inside its scope (a document of the same source id in
+        another KB is not its to delete)."""
+        if p.kb_ids is None:
+            return DocDeleted(org_id=p.org_id, source_id=source.source_id, writer=p.writer)
+        records = [
+            r
+            for r in await self.kbs.reg.documents.of_org(p.org_id)
+            if r.source_id == source.source_id and r.writable_in(p.kb_ids)
+        ]
+        if not records:
+            return None
+        ids = [r.document_id for r in records]
+        return DocDeleted(org_id=p.org_id, document_ids=ids, writer=p.writer)
 
     # ---- runs -----------------------------------------------------------------------------
 
