@@ -58,7 +58,7 @@ def add_parsers(sub: Any) -> None:
         help="a running stack's health, its knowledge bases with document and chunk counts, "
         "and its dead letters",
     )
-    _common(status, _status)
+    api_command(status, _status)
 
     search = sub.add_parser("search", help="search knowledge bases of a running stack")
     search.add_argument("query", help="what to look for, in plain words")
@@ -71,11 +71,11 @@ def add_parsers(sub: Any) -> None:
     )
     search.add_argument("--mode", choices=MODES, default="hybrid", help="default hybrid")
     search.add_argument("--top-k", type=int, default=5, help="how many hits (default 5)")
-    _common(search, _search)
+    api_command(search, _search)
 
     kb = sub.add_parser("kb", help="knowledge bases of a running stack: list, create, delete")
     kb_sub = kb.add_subparsers(dest="kb_command", required=True)
-    _common(kb_sub.add_parser("list", help="every knowledge base with its counts"), _kb_list)
+    api_command(kb_sub.add_parser("list", help="every knowledge base with its counts"), _kb_list)
     create = kb_sub.add_parser(
         "create", help="a new knowledge base; unnamed settings take the server's defaults"
     )
@@ -86,13 +86,14 @@ def add_parsers(sub: Any) -> None:
     )
     create.add_argument("--chunk-size", type=int, help="tokens per chunk (server default)")
     create.add_argument("--embedding-model", help="a LiteLLM model id (server default: local)")
-    _common(create, _kb_create)
+    api_command(create, _kb_create)
     delete = kb_sub.add_parser("delete", help="delete a knowledge base and its index")
     delete.add_argument("kb", help="name or id")
-    _common(delete, _kb_delete)
+    api_command(delete, _kb_delete)
 
 
-def _common(p: argparse.ArgumentParser, run: Callable[[Api, argparse.Namespace], Any]) -> None:
+def api_command(p: argparse.ArgumentParser, run: Callable[[Api, argparse.Namespace], Any]) -> None:
+    """Make `p` a command over the REST API: `--api`, `--json`, and `run` as what it does."""
     p.add_argument(
         "--api",
         default=default_api(),
@@ -125,7 +126,8 @@ def _kbs(api: Api) -> list[dict[str, Any]]:
             return items
 
 
-def _table(rows: list[list[str]], header: list[str]) -> None:
+def print_table(rows: list[list[str]], header: list[str]) -> None:
+    """`rows` under `header`, in columns as wide as their widest cell."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
@@ -147,7 +149,7 @@ def _status(api: Api, args: argparse.Namespace) -> dict[str, Any]:
             [k["name"], k["status"], str(k["document_count"]), str(k["chunk_count"]), k["kb_id"]]
             for k in kbs
         ]
-        _table(rows, ["KNOWLEDGE BASE", "STATUS", "DOCUMENTS", "CHUNKS", "ID"])
+        print_table(rows, ["KNOWLEDGE BASE", "STATUS", "DOCUMENTS", "CHUNKS", "ID"])
         print(f"dead letters: {dead}" + (" (`kbmesh dlq list` shows them)" if dead else ""))
     return result
 
@@ -174,7 +176,7 @@ def _kb_list(api: Api, args: argparse.Namespace) -> list[dict[str, Any]]:
             [k["name"], str(k["document_count"]), str(k["chunk_count"]), k["embedding_model"]]
             for k in kbs
         ]
-        _table(rows, ["NAME", "DOCUMENTS", "CHUNKS", "EMBEDDING MODEL"])
+        print_table(rows, ["NAME", "DOCUMENTS", "CHUNKS", "EMBEDDING MODEL"])
     return kbs
 
 

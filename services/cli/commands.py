@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     against it), in the order `kbmesh --help` lists them."""
     from services.cli.api import add_parsers as add_api_parsers
     from services.cli.ingest import add_parser as add_ingest_parser
+    from services.cli.sources import add_parsers as add_sources_parsers
 
     parser = _Parser(prog="kbmesh", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_mcp,
         add_ingest_parser,
         add_api_parsers,
+        add_sources_parsers,
         _add_login,
         _add_mock,
         _add_contracts,
@@ -347,6 +349,10 @@ def main(argv: list[str] | None = None) -> None:
         from services.cli.api import run as run_api
 
         sys.exit(run_api(args))
+    elif args.command == "sources":
+        from services.cli.sources import run as run_sources
+
+        sys.exit(run_sources(args))
     elif args.command in ("login", "logout"):
         from services.cli.login import run as run_login
 

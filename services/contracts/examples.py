@@ -77,6 +77,12 @@ from services.gateway.schemas import (
     PromptList,
     PromptUpdate,
     PromptView,
+    SourceAck,
+    SourceCreate,
+    SourceList,
+    SourceStatus,
+    SourceUpdate,
+    SourceView,
     UploadBody,
     UploadResult,
     types_view,
@@ -114,6 +120,12 @@ from services.gateway.tools.core import (
     SetCollectionOutput,
     SourceRef,
     UpdateDocumentInput,
+)
+from services.gateway.tools.sources import (
+    KbSourceRef,
+    SourceListInput,
+    SourceRemoveInput,
+    SourceUpdateInput,
 )
 
 
@@ -487,6 +499,64 @@ def knowledge_chunk(
     )
 
 
+# The handbook's git repository, kept in sync with the KB (the source of the events above).
+SOURCE_KEY = "handbook-repo"
+SOURCE_SPEC = SourceCreate(
+    source_id=SOURCE_KEY,
+    kind="git",
+    kb=KB_NAME,
+    url="https://github.com/acme/handbook.git",
+    name="handbook repository",
+    branch="main",
+    include=["hr/**/*.md", "policies/**"],
+    exclude=["**/drafts/**"],
+    tags=["hr"],
+    schedule="30m",
+)
+
+
+def _last_run() -> SourceRun:
+    event = EVENT_EXAMPLES[Subject.SOURCE_RUN]
+    if not isinstance(event, SourceRunEvent):
+        raise TypeError("the source.run example is no SourceRunEvent")
+    return event.run
+
+
+_LAST_RUN = _last_run()
+SOURCE_VIEW = SourceView(
+    **SOURCE_SPEC.model_dump(exclude={"source_id", "token", "ssh_key"}),
+    source_id=SOURCE_KEY,
+    kb_id=KB_ID,
+    has_credentials=True,
+    hook_path=f"/v1/sources/{SOURCE_KEY}/hook",
+    created_at=CREATED,
+    updated_at=UPDATED,
+    status=SourceStatus(
+        last_run=_LAST_RUN,
+        next_run_at=UPDATED + timedelta(minutes=30),
+        runs=[_LAST_RUN],
+    ),
+)
+NEW_SOURCE_VIEW = SOURCE_VIEW.model_copy(
+    update={
+        "webhook_secret": "Qm9vdHN0cmFwLXNlY3JldC1zaG93bi1vbmNl",
+        "updated_at": CREATED,
+        "status": SourceStatus(),
+    }
+)
+
+
+class PushEvent(BaseModel):
+    """The part of a git host's push event the hook looks at (it verifies the whole body)."""
+
+    ref: str
+    before: str
+    after: str
+
+
+SYNC_REQUESTED = SourceAck(status="requested", source_id=SOURCE_KEY, trigger="manual")
+SOURCE_REMOVED = SourceAck(status="deleted", source_id=SOURCE_KEY, documents_deleted=True)
+
 TOOL_EXAMPLES: dict[str, list[ToolExample]] = {
     "kb_ask": [
         ToolExample(
@@ -758,6 +828,21 @@ TOOL_EXAMPLES: dict[str, list[ToolExample]] = {
             ),
         )
     ],
+    "kb_source_list": [
+        ToolExample(SourceListInput(kb=KB_NAME), SourceList(items=[SOURCE_VIEW], total=1))
+    ],
+    "kb_source_get": [ToolExample(KbSourceRef(source=SOURCE_KEY), SOURCE_VIEW)],
+    "kb_source_add": [
+        ToolExample(SOURCE_SPEC.model_copy(update={"token": "github_pat_11AC0"}), NEW_SOURCE_VIEW)
+    ],
+    "kb_source_update": [
+        ToolExample(
+            SourceUpdateInput(source=SOURCE_KEY, schedule="0 */2 * * *"),
+            SOURCE_VIEW.model_copy(update={"schedule": "0 */2 * * *"}),
+        )
+    ],
+    "kb_source_sync": [ToolExample(KbSourceRef(source=SOURCE_KEY), SYNC_REQUESTED)],
+    "kb_source_remove": [ToolExample(SourceRemoveInput(source=SOURCE_KEY), SOURCE_REMOVED)],
 }
 
 
@@ -1054,4 +1139,45 @@ REST_EXAMPLES: list[RestExample] = [
         path_params={"sequence": DEAD_LETTER.sequence},
     ),
     RestExample("GET", "/v1/types", 200, types_view()),
+    RestExample("POST", "/v1/sources", 201, NEW_SOURCE_VIEW, body=SOURCE_SPEC),
+    RestExample(
+        "GET",
+        "/v1/sources",
+        200,
+        SourceList(items=[SOURCE_VIEW], total=1),
+        query={"kb": KB_NAME},
+    ),
+    RestExample(
+        "GET", "/v1/sources/{source}", 200, SOURCE_VIEW, path_params={"source": SOURCE_KEY}
+    ),
+    RestExample(
+        "PATCH",
+        "/v1/sources/{source}",
+        200,
+        SOURCE_VIEW.model_copy(update={"enabled": False}),
+        path_params={"source": SOURCE_KEY},
+        body=SourceUpdate(enabled=False),
+    ),
+    RestExample(
+        "DELETE", "/v1/sources/{source}", 200, SOURCE_REMOVED, path_params={"source": SOURCE_KEY}
+    ),
+    RestExample(
+        "POST",
+        "/v1/sources/{source}/sync",
+        202,
+        SYNC_REQUESTED,
+        path_params={"source": SOURCE_KEY},
+    ),
+    RestExample(
+        "POST",
+        "/v1/sources/{source}/hook",
+        202,
+        SYNC_REQUESTED.model_copy(update={"trigger": "hook"}),
+        path_params={"source": SOURCE_KEY},
+        body=PushEvent(
+            ref="refs/heads/main",
+            before="9a1c3e5f7b9d1f3a5c7e9b1d3f5a7c9e1b3d5f7a",
+            after="3f786850e387550fdab836ed7e6dc881de23001b",
+        ),
+    ),
 ]

@@ -29,6 +29,7 @@ from services.gateway.api import (
     kbs,
     progress,
     search,
+    sources,
     tools,
 )
 from services.gateway.api import types as formats
@@ -38,7 +39,7 @@ from services.gateway.auth import KeyResolver
 from services.gateway.bodyguard import JsonBodyGuard
 from services.gateway.bodylimit import BodyLimit
 from services.gateway.console import mount_console
-from services.gateway.guard import BrowserGuard, HostGuard, HostRule, KeyGate
+from services.gateway.guard import BrowserGuard, HostGuard, HostRule, KeyGate, is_hook
 from services.gateway.mcp import KbmeshMCP, MountRoot
 from services.gateway.oauth import SignIn, protected_resource_routes, sign_in, sign_in_origins
 from services.gateway.problems import (
@@ -62,6 +63,8 @@ ROUTERS = (
     deadletters.router,
     audit.router,
     formats.router,
+    sources.router,
+    sources.hook_router,
 )
 
 
@@ -186,7 +189,7 @@ def _middleware(settings: Settings, keys: KeyResolver) -> list[Middleware]:
         Middleware(
             BrowserGuard,
             cors_origins=settings.cors_origins,
-            takes_files=lambda scope: takes_file_bodies(file_routes, scope),
+            takes_files=lambda scope: takes_file_bodies(file_routes, scope) or is_hook(scope),
         ),
         Middleware(KeyGate, keys=keys),
         Middleware(BodyLimit, settings=settings),

@@ -17,11 +17,15 @@ of its body is read.
   refused) are the whole protection.
 - `KeyGate`: the API key or access token of a state-changing request is resolved from its
   headers first; an unauthenticated request is answered 401 with its body unread. The
-  principal rides on in the request's state, so routes do not resolve it again.
+  principal rides on in the request's state, so routes do not resolve it again. A source's
+  webhook (`POST /v1/sources/<id>/hook`) is the one write without a key: git hosts prove it
+  with the source's secret over the body (services/gateway/service/sources.py), and send it
+  as JSON or as a form, so BrowserGuard holds it to the Origin checks of file bodies.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
@@ -43,6 +47,12 @@ PROBE_PATHS = ("/healthz", "/readyz")
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 PRINCIPAL = "principal"
 MCP_PATH = "/mcp"
+HOOK_PATH = re.compile(r"/v1/sources/[^/]+/hook/?")
+
+
+def is_hook(scope: Scope) -> bool:
+    """A call of a source's webhook: no API key; the source's secret signs its body."""
+    return scope.get("method") == "POST" and HOOK_PATH.fullmatch(scope.get("path", "")) is not None
 
 
 class HostRule:
@@ -199,7 +209,7 @@ class KeyGate:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in WRITE_METHODS:
+        if scope["type"] != "http" or scope["method"] not in WRITE_METHODS or is_hook(scope):
             await self.app(scope, receive, send)
             return
         client = scope.get("client")

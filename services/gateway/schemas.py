@@ -22,6 +22,7 @@ from services.common.domain.models import (
     RevisionWriter,
     Writer,
 )
+from services.common.domain.sources import RunTrigger, SourceRun, SourceSpec
 from services.common.messages.answers import AskOptions
 
 T = TypeVar("T")
@@ -531,4 +532,129 @@ def types_view() -> TypesView:
             for f in FORMATS
         ],
         **readable_types(),
+    )
+
+
+# ---- sources --------------------------------------------------------------------------------
+
+_TOKEN = Field(
+    None,
+    min_length=1,
+    max_length=4096,
+    description="git over https: an access token (write-only: stored apart, never shown again)",
+)
+_SSH_KEY = Field(
+    None,
+    min_length=1,
+    max_length=16384,
+    description="git over ssh: a private key in OpenSSH format (write-only, never shown again)",
+)
+
+
+class SourceCreate(SourceSpec):
+    """A new source: its definition, an optional stable id, and its git credentials."""
+
+    source_id: str | None = Field(
+        None,
+        pattern=ID_PATTERN,
+        description="a stable id of your choosing (`kbmesh sources apply` sets one per "
+        "declared source); default: a generated one",
+    )
+    token: str | None = _TOKEN
+    ssh_key: str | None = _SSH_KEY
+
+
+class SourceUpdate(BaseModel):
+    """What changes in a source: only the fields given (null puts an optional one back to
+    its default). A source's kind is fixed: to change it, remove the source and add another."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kb: str | None = Field(
+        None, min_length=1, max_length=200, description="move it to feed this KB (id or name)"
+    )
+    url: str | None = Field(
+        None, min_length=1, max_length=2000, description="the git remote or the start URL"
+    )
+    name: str | None = Field(None, max_length=200, description="a label")
+    tags: list[str] | None = Field(None, description="tags its documents get")
+    collection: str | None = Field(None, description="the collection its documents are in")
+    schedule: str | None = Field(
+        None, description="an interval (30m, 1h, 1d) or a five-field cron expression"
+    )
+    enabled: bool | None = Field(None, description="false: pause its schedule")
+    include: list[str] | None = Field(None, description="globs of what to read; []: all")
+    exclude: list[str] | None = Field(None, description="globs left out")
+    branch: str | None = Field(None, max_length=255, description="git: branch or tag")
+    sitemap: str | None = Field(None, max_length=2000, description="web: a sitemap.xml URL")
+    start_urls: list[str] | None = Field(None, description="web: more start URLs")
+    scope: str | None = Field(
+        None, max_length=2000, description="web: the URL prefix pages must start with"
+    )
+    max_depth: int | None = Field(None, ge=0, le=50, description="web: link depth")
+    max_pages: int | None = Field(None, ge=1, le=100_000, description="web: pages per run")
+    rate: float | None = Field(None, gt=0, le=100, description="web: requests per second per host")
+    removal_grace: str | None = Field(
+        None, description="web: how long a page must be gone before its document is deleted"
+    )
+    token: str | None = _TOKEN
+    ssh_key: str | None = _SSH_KEY
+    clear_credentials: bool = Field(False, description="forget the stored token and key")
+    rotate_webhook_secret: bool = Field(
+        False,
+        description="replace the webhook secret: the answer shows the new one, once; calls "
+        "signed with the old one are refused from then on",
+    )
+
+
+class SourceStatus(BaseModel):
+    """Where a source's sync stands, as the sources service last recorded it."""
+
+    last_run: SourceRun | None = None
+    next_run_at: datetime | None = Field(None, description="when the schedule runs it next")
+    requested: RunTrigger | None = Field(
+        None, description="a sync asked for (manual or webhook) that no run has taken yet"
+    )
+    runs: list[SourceRun] = Field(default_factory=list, description="recent runs, newest last")
+
+
+class SourceView(SourceSpec):
+    """A source as clients see it: its definition, ids, whether credentials are stored (never
+    the credentials), its webhook's path, and its sync status."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source_id: str
+    kb_id: str
+    has_credentials: bool = Field(description="a git token or key is stored (never shown)")
+    hook_path: str = Field(
+        description="where the git host posts push events (POST, signed with the webhook "
+        "secret): append it to the gateway's public address"
+    )
+    webhook_secret: str | None = Field(
+        None,
+        description="the webhook's secret (HMAC-SHA256 key, or token for a token header): "
+        "shown only in the answer that creates it (create, rotate_webhook_secret)",
+    )
+    created_at: datetime
+    updated_at: datetime
+    status: SourceStatus
+
+
+class SourceList(BaseModel):
+    items: list[SourceView]
+    total: int
+
+
+class SourceAck(BaseModel):
+    """What a request about a source's runs or removal did."""
+
+    status: Literal["requested", "deleted", "ignored", "pong"] = Field(
+        description="requested: a sync was asked of the sources service; deleted: the source "
+        "is gone; ignored: a webhook call about another branch; pong: a webhook's ping"
+    )
+    source_id: str
+    trigger: RunTrigger | None = None
+    documents_deleted: bool | None = Field(
+        None, description="on removal: whether its documents are being deleted too"
     )

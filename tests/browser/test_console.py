@@ -294,7 +294,7 @@ async def test_search_tester_errors_at_the_field_filters_by_collection_and_sourc
     await page.get_by_role("button", name="Search", exact=True).click()
     await expect(page.locator(".hit-doc")).to_have_text(["fuji.md"])
     await page.get_by_label("Collection").fill("")
-    await page.get_by_label("Sources").fill("volcano-wiki")
+    await page.get_by_role("textbox", name="Sources").fill("volcano-wiki")
     await page.get_by_role("button", name="Search", exact=True).click()
     await expect(page.locator(".hit-doc")).to_have_text(["etna.md"])
 

@@ -5,6 +5,8 @@ works against kbmesh. One real in-process stack (nats-server, engine, model) for
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import uuid
 from collections.abc import Awaitable, Callable
@@ -194,7 +196,41 @@ async def _discard_dead_letter(w: World) -> httpx.Response:
     return await w.http.delete(f"/v1/dead-letters/{await _dead_letter(w)}")
 
 
+REMOTE = "https://127.0.0.1:1/acme/handbook.git"
+
+
+async def _new_source(w: World) -> dict[str, Any]:
+    body = {"kind": "git", "kb": w.kb, "url": REMOTE, "name": uid("repo"), "branch": "main"}
+    found: dict[str, Any] = await w.ok(w.http.post("/v1/sources", json=body))
+    return found
+
+
+def _on_source(method: str, tail: str = "", **kwargs: Any):
+    async def call(w: World) -> httpx.Response:
+        source = (await _new_source(w))["source_id"]
+        return await w.http.request(method, f"/v1/sources/{source}{tail}", **kwargs)
+
+    return call
+
+
+async def _source_hook(w: World) -> httpx.Response:
+    source = await _new_source(w)
+    body = json.dumps({"ref": "refs/heads/main"}).encode()
+    digest = hmac.new(source["webhook_secret"].encode(), body, hashlib.sha256).hexdigest()
+    headers = {"X-Hub-Signature-256": f"sha256={digest}", "Content-Type": "application/json"}
+    return await w.http.post(source["hook_path"], content=body, headers=headers)
+
+
 REST_CALLS: dict[OpKey, Callable[[World], Awaitable[httpx.Response]]] = {
+    ("POST", "/v1/sources"): lambda w: w.http.post(
+        "/v1/sources", json={"kind": "git", "kb": w.kb, "url": REMOTE, "token": "t0ken"}
+    ),
+    ("GET", "/v1/sources"): lambda w: w.http.get("/v1/sources", params={"kb": w.kb}),
+    ("GET", "/v1/sources/{source}"): _on_source("GET"),
+    ("PATCH", "/v1/sources/{source}"): _on_source("PATCH", json={"enabled": False}),
+    ("DELETE", "/v1/sources/{source}"): _on_source("DELETE"),
+    ("POST", "/v1/sources/{source}/sync"): _on_source("POST", "/sync"),
+    ("POST", "/v1/sources/{source}/hook"): _source_hook,
     ("GET", "/healthz"): lambda w: w.http.get("/healthz"),
     ("GET", "/readyz"): lambda w: w.http.get("/readyz"),
     ("POST", "/v1/kbs"): lambda w: w.http.post("/v1/kbs", json={"name": uid("kb")}),
@@ -392,7 +428,24 @@ async def _kb_ask(w: World) -> list[httpx.Response]:
     ]
 
 
+def _source_tool(name: str, **arguments: Any):
+    async def call(w: World) -> list[httpx.Response]:
+        source = (await _new_source(w))["source_id"]
+        return [await w.tool(name, {"source": source, **arguments})]
+
+    return call
+
+
 TOOL_CALLS: dict[str, Callable[[World], Awaitable[list[httpx.Response]]]] = {
+    "kb_source_list": one("kb_source_list", lambda w: {"kb": w.kb}),
+    "kb_source_get": _source_tool("kb_source_get"),
+    "kb_source_add": one(
+        "kb_source_add",
+        lambda w: {"kind": "web", "kb": w.kb, "url": "http://127.0.0.1:1/docs/", "max_pages": 50},
+    ),
+    "kb_source_update": _source_tool("kb_source_update", schedule="0 */2 * * *"),
+    "kb_source_sync": _source_tool("kb_source_sync"),
+    "kb_source_remove": _source_tool("kb_source_remove", keep_documents=True),
     "kb_ask": _kb_ask,
     "kb_search": one("kb_search", lambda w: {"query": QUERY, "kb": w.kb, "coalesce_neighbors": 1}),
     "kb_get_chunk": one("kb_get_chunk", lambda w: {"chunk_id": w.chunk_id, "neighbors": 1}),

@@ -321,6 +321,8 @@ async def test_tool_schemas_are_tight_and_described(mcp):
         "kb_set_collection",
         "kb_update_document",
         "kb_update",
+        "kb_source_update",
+        "kb_source_remove",
     }
     assert not any(listed[n].annotations.read_only_hint for n in destructive)
 

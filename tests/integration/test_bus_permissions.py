@@ -277,29 +277,30 @@ async def test_ingest_pulls_from_its_own_durable_consumer(bus):
         await client.close()
 
 
-# The kind of audit entry each service records, and which it may not.
-AUDIT_KINDS = {
-    "ingest": "document",
-    "gateway": "kb",
-    "embed": None,
-    "search": None,
-    "sources": None,
+# The kinds of audit entry each service records; it may record no other.
+AUDIT_KINDS: dict[str, set[str]] = {
+    "ingest": {"document"},
+    "gateway": {"kb", "source"},
+    "embed": set(),
+    "search": set(),
+    "sources": set(),
 }
 
 
 @pytest.mark.parametrize("role", SERVICE_ROLES)
 async def test_each_service_records_only_its_own_kind_of_audit_entry(bus, operator, role):
-    """Ingest records document entries, the gateway KB entries, the operator key entries;
-    embed and search none. No service can store another's kind, directly or by changing the
-    audit stream (a subject transform that renames its own entries)."""
-    own = AUDIT_KINDS[role]
+    """Ingest records document entries, the gateway KB and source entries, the operator key
+    entries; embed and search none. No service can store another's kind, directly or by
+    changing the audit stream (a subject transform that renames its own entries)."""
+    kinds = AUDIT_KINDS[role]
+    own = min(kinds) if kinds else None
     client = await probe(bus, role)
     try:
         stored: dict[str, bool] = {}
-        for kind in ("document", "kb", "key"):
+        for kind in ("document", "kb", "key", "source"):
             answer = await client.attempt(audit_subject("beta", kind), b'{"forged": true}')
             stored[kind] = answer.get("stream") == AUDIT_STREAM
-        assert {k for k, ok in stored.items() if ok} == ({own} if own else set()), stored
+        assert {k for k, ok in stored.items() if ok} == kinds, stored
         config = (await operator.stream_info(AUDIT_STREAM)).config
         rename = {"src": f"audit.*.{own or 'document'}", "dest": "audit.{{wildcard(1)}}.key"}
         renamed = stream_update(config, subject_transform=rename)

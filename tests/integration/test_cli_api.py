@@ -3,9 +3,7 @@ process against a real stack over HTTP, as a person at a terminal runs them."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,8 +12,9 @@ import httpx
 import pytest
 
 from tests.conftest import running_stack
+from tests.support.cli import kbmesh
 from tests.support.domain import uid
-from tests.support.mcp_client import OFFLINE_ENV, REPO, kbmesh_command, serve_http
+from tests.support.mcp_client import serve_http
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +24,6 @@ async def stack(tmp_path_factory, embedders) -> AsyncIterator[tuple[httpx.AsyncC
         serve_http(rt) as (base, _app),
     ):
         yield client, base
-
-
-async def kbmesh(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *kbmesh_command(),
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=REPO,
-        env={**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), **(env or {})},
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def test_kb_create_list_search_status_and_delete(stack: tuple[Any, str]) -> None:

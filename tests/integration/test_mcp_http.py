@@ -598,6 +598,21 @@ async def test_rest_tools_answer_like_mcp_for_every_tool(stack):
             {"source_id": source_b},
             volatile=("source_id", "document_ids", "message"),
         )
+        # A source each way (a public address, written as one: nothing is resolved), then
+        # the same calls on one of them.
+        site = {"kind": "web", "kb": kb, "url": "https://93.184.215.14/docs/"}
+        mine, twin = uid("site"), uid("site")
+        await both(
+            "kb_source_add",
+            {**site, "source_id": mine},
+            {**site, "source_id": twin},
+            volatile=("source_id", "hook_path", "webhook_secret", "created_at", "updated_at"),
+        )
+        await both("kb_source_list", {"kb": kb})
+        await both("kb_source_get", {"source": mine})
+        await both("kb_source_update", {"source": mine, "schedule": "2h"}, volatile=("updated_at",))
+        await both("kb_source_sync", {"source": mine})
+        await both("kb_source_remove", {"source": mine}, {"source": twin}, volatile=("source_id",))
         # The same file name again replaced the document: the REST twin deletes another.
         ok(await session.call_tool("upload_document", {**volcano, "fileName": "volcanoes-2.md"}))
         await both(

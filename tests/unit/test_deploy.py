@@ -270,9 +270,10 @@ def test_kbmesh_commands_name_real_services_and_cover_all_four() -> None:
 def test_kbmesh_variables_in_deploy_are_real_settings() -> None:
     """Every KBMESH_* name anywhere in deploy/ or the Dockerfile (values, keys and commented
     examples alike) is a field of services.common.settings.Settings, nested ones with `__`,
-    so no deployment sets a variable that kbmesh silently ignores. (The stream name
-    KBMESH_DLQ is no variable and is told apart by services.common.messages.events.)"""
-    known = setting_env_names()
+    or of the CLI's ClientSettings (the `kbmesh sources apply` Job's API and key), so no
+    deployment sets a variable that kbmesh silently ignores. (The stream name KBMESH_DLQ is
+    no variable and is told apart by services.common.messages.events.)"""
+    known = setting_env_names() | setting_env_names(ClientSettings)
     assert {"KBMESH_NATS_URL", "KBMESH_BUS__MAX_DELIVER", "KBMESH_SEARCH__CONCURRENCY"} <= known
     files = [DOCKERFILE, *(p for p in DEPLOY.rglob("*") if p.is_file())]
     used: dict[str, set[str]] = {}
@@ -653,8 +654,12 @@ def test_the_bus_is_set_up_by_the_operator_before_any_service_starts(settings_fr
             assert svc["depends_on"].get("bus-setup") == wanted, name
     assert "bus-setup" in compose_cluster_file()["services"]
 
-    jobs = [d for d in k8s_documents() if d["kind"] == "Job"]
-    assert [j["metadata"]["name"] for j in jobs] == ["kbmesh-bus-setup"]
+    jobs = [
+        d
+        for d in k8s_documents()
+        if d["kind"] == "Job" and d["metadata"]["name"] == "kbmesh-bus-setup"
+    ]
+    assert len(jobs) == 1
     kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
     assert "bus-setup.yaml" in kustomization["resources"]
     (container,) = jobs[0]["spec"]["template"]["spec"]["containers"]
@@ -664,3 +669,39 @@ def test_the_bus_is_set_up_by_the_operator_before_any_service_starts(settings_fr
     ref = env_k8s["KBMESH_NATS__PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "kbmesh-nats", "key": "operator"}
     assert {"configMapRef": {"name": "kbmesh-config"}} in container["envFrom"]
+
+
+def test_sources_are_declared_in_a_configmap_that_a_job_applies() -> None:
+    """deploy/kubernetes declares sources in the ConfigMap kbmesh-sources, a valid `kbmesh
+    sources apply` file; the Job mounts it where its command reads it, runs a command the
+    CLI accepts, and reaches the gateway's Service by a host the gateway answers, with an API
+    key from a Secret (never a NATS password: it goes through the REST API)."""
+    from services.cli.commands import build_parser
+    from services.cli.sources import SourcesFile
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_documents() if "metadata" in d}
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    assert {"sources.yaml", "sources-apply.yaml"} <= set(kustomization["resources"])
+    declared = docs[("ConfigMap", "kbmesh-sources")]["data"]["sources.yaml"]
+    parsed = SourcesFile.model_validate(yaml.safe_load(declared))
+    assert parsed.sources and parsed.kbs
+
+    pod = docs[("Job", "kbmesh-sources-apply")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    command = container["command"]
+    args = build_parser().parse_args(command[1:])
+    assert (args.command, args.sources_command) == ("sources", "apply")
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (name,) = [
+        n for n, v in volumes.items() if v.get("configMap", {}).get("name") == "kbmesh-sources"
+    ]
+    assert str(args.file) == f"{mounts[name]}/sources.yaml"
+
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    host = urlparse(env["KBMESH_API_URL"]).hostname
+    assert ("Service", host) in docs
+    allowed = json.loads(docs[("ConfigMap", "kbmesh-config")]["data"]["KBMESH_ALLOWED_HOSTS"])
+    assert host in allowed
+    assert {"secretRef": {"name": "kbmesh-sources-apply"}} in container["envFrom"]
+    assert "KBMESH_NATS__PASSWORD" not in env

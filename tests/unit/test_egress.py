@@ -48,3 +48,14 @@ async def test_non_http_urls_are_invalid(url: str) -> None:
         await EgressPolicy(allow_private=True).check_url(url, field="api_base", what="call")
     assert not isinstance(err.value, Forbidden)
     assert err.value.field == "api_base"
+
+
+@pytest.mark.parametrize(
+    "url", ["https://" + "a" * 70 + ".example.com/v1", "https://a..example.com/", "https://.x/"]
+)
+async def test_a_host_that_is_no_dns_name_is_invalid_input(url: str) -> None:
+    """A label over 63 characters or an empty one cannot be looked up (the IDNA codec
+    refuses it before DNS is asked): invalid input naming the field, never a server error."""
+    with pytest.raises(InvalidInput) as found:
+        await EgressPolicy().check_url(url, field="api_base", what="call the model at")
+    assert found.value.field == "api_base"

@@ -31,12 +31,14 @@ CLI_ALLOWED: dict[str, set[str]] = {
     "login": set(),
     "ingest": {"login"},
     "api": {"ingest", "login"},
+    # `kbmesh sources`: more commands over the same REST client.
+    "sources": {"api"},
     "mcp": set(),
     # The launcher: the services wired into one process.
     "runtime": set(),
     # Backup reads the bus; restore runs ingest and embed over a new data dir.
     "backup": {"runtime"},
-    "commands": {"api", "ingest", "login", "mcp", "backup", "runtime"},
+    "commands": {"api", "ingest", "login", "mcp", "backup", "runtime", "sources"},
     "__main__": {"commands"},
 }
 # What a CLI module may import of services/ outside the CLI.
@@ -44,6 +46,7 @@ CLI_SERVICES: dict[str, set[str]] = {
     "login": {"common"},
     "ingest": {"common"},
     "api": {"common"},
+    "sources": {"common"},
     "mcp": set(),
     "runtime": {"common", *SERVICES},
     "backup": {"common"},

@@ -1,6 +1,6 @@
 """The audit trail: every write, delete, KB change and key change, with who made it, every
 upload that failed after it was accepted, and every restore, on the subject
-`audit.<org_id>.<kind>` (kind: document, kb, key, backup).
+`audit.<org_id>.<kind>` (kind: document, kb, key, backup, source).
 
 Entries are kept in the JetStream stream `KBMESH_AUDIT` (file storage, its own limits:
 `KBMESH_AUDIT__MAX_AGE_DAYS`, `KBMESH_AUDIT__MAX_BYTES`; the oldest entries go first), apart
@@ -37,8 +37,8 @@ from services.common.settings import AuditSettings
 
 log = logging.getLogger("kbmesh.audit")
 
-AuditKind = Literal["document", "kb", "key", "backup"]
-AuditAction = Literal["uploaded", "changed", "deleted", "created", "failed", "restored"]
+AuditKind = Literal["document", "kb", "key", "backup", "source"]
+AuditAction = Literal["uploaded", "changed", "deleted", "created", "failed", "restored", "refused"]
 MAX_READ = 1000
 
 
@@ -59,7 +59,12 @@ class AuditEntry(Event):
     name: str | None = Field(
         None, description="the document's, KB's or key's name; for a backup, the archive's"
     )
-    error: str | None = Field(None, description="for `failed`: why the upload was not applied")
+    error: str | None = Field(
+        None,
+        description="for `failed`: why the upload was not applied; for `refused`: why a "
+        "webhook call was refused",
+    )
+    source_id: str | None = Field(None, description="for a source: its id")
 
 
 AuditSink = Callable[[AuditEntry], Awaitable[None]]

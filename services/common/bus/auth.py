@@ -244,8 +244,8 @@ class Work:
     # Private buckets (`PRIVATE_BUCKETS`) it reads without writing them.
     reads: tuple[str, ...] = ()
     writes_texts: bool = False
-    # The kind of audit entry it records (for every org: it serves them all).
-    audits: AuditKind | None = None
+    # The kinds of audit entry it records (for every org: it serves them all).
+    audits: tuple[AuditKind, ...] = ()
     # Listing dead letters (a short-lived reader consumer on the dead-letter stream, picking
     # one org's by subject), and replaying or discarding one, which removes it (the gateway's
     # dead-letter API).
@@ -270,7 +270,7 @@ WORK: dict[str, Work] = {
         writes=("documents",),
         writes_texts=True,
         # Ingest applies every document change, whoever sent it.
-        audits="document",
+        audits=("document",),
     ),
     "embed": Work(
         consumes=(
@@ -302,8 +302,9 @@ WORK: dict[str, Work] = {
         # for is `state.requested`, set by compare-and-set.
         writes=("kbs", "documents", "prompts", SOURCES_BUCKET, SOURCE_SECRETS_BUCKET),
         writes_texts=True,
-        # KB entries (document entries are ingest's, key entries the operator's).
-        audits="kb",
+        # KB and source entries (document entries are ingest's, key entries the operator's),
+        # refused webhook calls among them.
+        audits=("kb", "source"),
         manages_dead_letters=True,
     ),
     # An upstream publisher inside kbmesh: it reads git repositories and web sites and sends
@@ -379,8 +380,7 @@ def _derive(work: Work, inbox: str) -> Permissions:
     if work.writes_texts:
         # A replaced or deleted object's chunks are purged from its stream.
         publish += (f"$O.{OBJECT_STORE}.>", f"$JS.API.STREAM.PURGE.OBJ_{OBJECT_STORE}")
-    if work.audits is not None:
-        publish.append(audit_subject("*", work.audits))
+    publish += (audit_subject("*", kind) for kind in work.audits)
     if work.manages_dead_letters:
         # The readers of deadletters.list_dead_letters: created (with one filter subject or
         # several), pulled from and deleted. The dead-letter stream holds no durable consumer

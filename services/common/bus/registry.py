@@ -17,7 +17,7 @@ import base64
 import contextlib
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, BinaryIO, Generic, TypeVar
 
 import nats.errors
@@ -467,15 +467,29 @@ class SourceRegistry:
 
     async def all(self) -> list[Source]:
         """Every definition of every org (what the scheduler walks)."""
-        return await self._definitions("")
+        return await self._definitions("*.*")
 
     async def of_org(self, org_id: str) -> list[Source]:
-        return await self._definitions(f"{org_id}.")
+        return await self._definitions(f"{org_id}.*")
 
-    async def _definitions(self, prefix: str) -> list[Source]:
-        # The state and lease records under a source's key are left out by their key's
-        # length (`<org>.<source>` has two tokens).
-        return await self.definitions.list(prefix, keep=lambda key: key.count(".") == 1)
+    async def with_id(self, source_id: str, orgs: Iterable[str]) -> list[Source]:
+        """The source with this id in each of `orgs` (ids are chosen per org, so there may
+        be several): one direct read per org, no consumer on the server, since anyone may
+        call a webhook."""
+        if not is_id(source_id):
+            return []
+        keys = [self.key(org, source_id) for org in sorted(set(orgs))]
+        found = await asyncio.gather(*(self.definitions.get(k) for k in keys))
+        return [s for s in found if s is not None]
+
+    async def _definitions(self, pattern: str) -> list[Source]:
+        # `<org>.<source>` is two tokens: the state and lease records under a source's key
+        # (three) are not read at all.
+        watcher = await self.definitions.kv.watch(pattern, inactive_threshold=5.0)
+        try:
+            return list((await self.definitions._read_initial(watcher, pattern)).values())
+        finally:
+            await watcher.stop()
 
     async def remove(self, org_id: str, source_id: str) -> None:
         """Forget a source: its definition, state and lease (its documents are the caller's

@@ -245,12 +245,13 @@ class Writer(BaseModel):
     """Who made a change: an API key (its id and name), a user signed in with the identity
     provider (`user`: the token's subject, with name and e-mail when the token has them), a
     keyless loopback client (`local`), an upstream publisher on the bus (`bus`, with its user
-    when known), an operator's command (`operator`), or a source kbmesh keeps in sync
-    (`source`, named by its source id)."""
+    when known), an operator's command (`operator`), a source kbmesh keeps in sync (`source`,
+    named by its source id), or a caller of a source's webhook (`hook`, named by its
+    address: it holds no key, only the source's secret)."""
 
     model_config = ConfigDict(frozen=True)
 
-    kind: Literal["key", "user", "local", "bus", "operator", "source"]
+    kind: Literal["key", "user", "local", "bus", "operator", "source", "hook"]
     key_id: str | None = Field(
         None, max_length=64, description="the API key's id (the start of its hash)"
     )

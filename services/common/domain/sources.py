@@ -78,7 +78,9 @@ class SourceSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: SourceKind
+    kind: SourceKind = Field(
+        description="git: a repository, synced commit by commit; web: a site, crawled"
+    )
     kb: str = Field(min_length=1, max_length=200, description="the KB it feeds: id or name")
     url: str = Field(
         min_length=1,
@@ -88,11 +90,11 @@ class SourceSpec(BaseModel):
     )
     name: str | None = Field(None, max_length=200, description="a label; defaults to the url")
     tags: list[str] = Field(default_factory=list, description="tags its documents get")
-    collection: str | None = None
+    collection: str | None = Field(None, description="the collection its documents are in")
     schedule: str = Field(
         DEFAULT_SCHEDULE, description="an interval (30m, 1h, 1d) or a cron expression"
     )
-    enabled: bool = True
+    enabled: bool = Field(True, description="false: its schedule is paused")
     include: list[str] = Field(
         default_factory=list,
         description="git: path globs (`docs/**`, `*.md`); web: URL globs; empty: everything",

@@ -125,7 +125,9 @@ async def resolve(host: str, port: int, field: str) -> list[IPAddress]:
         pass
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as err:
+    # UnicodeError: no DNS name at all (a label empty or over 63 characters), refused by the
+    # IDNA codec before any lookup.
+    except (OSError, UnicodeError) as err:
         raise Unreachable(f"cannot resolve host {host!r}: {err}", field=field) from err
     addresses: list[IPAddress] = []
     for info in infos:

@@ -26,10 +26,12 @@ async def list_audit(
             "operator / key",
         ),
     ] = None,
-    kind: Annotated[AuditKind | None, Query(description="document, kb, key or backup")] = None,
+    kind: Annotated[
+        AuditKind | None, Query(description="document, kb, key, backup or source")
+    ] = None,
     action: Annotated[
         AuditAction | None,
-        Query(description="uploaded, changed, deleted, created, failed or restored"),
+        Query(description="uploaded, changed, deleted, created, failed, restored or refused"),
     ] = None,
     document_id: Annotated[str | None, Query(max_length=64)] = None,
     kb_id: Annotated[str | None, Query(max_length=64)] = None,

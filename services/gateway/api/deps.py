@@ -17,6 +17,7 @@ from services.gateway.service import (
     GatewayService,
     KnowledgeBases,
     Search,
+    Sources,
 )
 
 # `async def` throughout, though none of them waits: FastAPI runs a plain `def` dependency
@@ -56,6 +57,10 @@ async def get_audit(request: Request) -> AuditLog:
     return _service(request).audit
 
 
+async def get_sources(request: Request) -> Sources:
+    return _service(request).sources
+
+
 async def get_keys(request: Request) -> KeyResolver:
     keys: KeyResolver = request.app.state.keys
     return keys
@@ -79,6 +84,7 @@ Searcher = Annotated[Search, Depends(get_search)]
 Answerer = Annotated[Answers, Depends(get_answers)]
 Letters = Annotated[DeadLetters, Depends(get_dead_letters)]
 AuditTrail = Annotated[AuditLog, Depends(get_audit)]
+SourceDefs = Annotated[Sources, Depends(get_sources)]
 Caller = Annotated[Principal, Depends(get_principal)]
 Keys = Annotated[KeyResolver, Depends(get_keys)]
 

@@ -1,6 +1,7 @@
 """The gateway's logic, shared by REST and MCP and free of both: knowledge bases, documents,
-search, answers and stored prompts, KBs and documents as resources to list and read, the
-access rules of API-key scopes, and read-your-writes waiting.
+search, answers and stored prompts, sources (definitions, secrets, sync requests), KBs and
+documents as resources to list and read, the access rules of API-key scopes, and
+read-your-writes waiting.
 
 It never writes vectors: documents change through events to ingest; KB definitions are
 written here (the gateway owns the KB API) and announced with `kb.changed`."""
@@ -18,6 +19,7 @@ from services.gateway.service.documents import Documents
 from services.gateway.service.kbs import KnowledgeBases, checked_kb
 from services.gateway.service.resources import Resources
 from services.gateway.service.search import Search
+from services.gateway.service.sources import Sources
 from services.gateway.service.waiting import Waiting
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "KnowledgeBases",
     "Resources",
     "Search",
+    "Sources",
     "checked_kb",
 ]
 
@@ -49,6 +52,7 @@ class GatewayService:
         self.answers = Answers(bus, registries, settings, self.kbs)
         self.dead_letters = DeadLetters(bus)
         self.audit = AuditLog(bus)
+        self.sources = Sources(bus, registries, self.kbs, settings)
 
     async def start(self) -> None:
         """Make sure the default org has its KB (the notifications the gateway follows come

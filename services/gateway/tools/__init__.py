@@ -1,7 +1,7 @@
 """The agent tools: the registry (`registry.py`), their text rendering (`rendering.py`), and
-the `core` (with `answers`) and `compat` toolsets, registered on import."""
+the `core` (with `answers` and `sources`) and `compat` toolsets, registered on import."""
 
-from services.gateway.tools import answers, compat, core
+from services.gateway.tools import answers, compat, core, sources
 from services.gateway.tools.registry import (
     TOOLS,
     TOOLSETS,
@@ -24,5 +24,6 @@ __all__ = [
     "core",
     "error_outcome",
     "run_tool",
+    "sources",
     "tools_for",
 ]

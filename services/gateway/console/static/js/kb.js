@@ -1,15 +1,17 @@
-// One knowledge base: tabs Overview, Documents, Search, Settings (ARIA tabs, arrow keys).
+// One knowledge base: tabs Overview, Documents, Search, Sources, Settings (ARIA tabs, arrow keys).
 import { all, api, ApiError, events } from "./api.js";
 import { clear, h } from "./dom.js";
 import { renderDocuments } from "./documents.js";
 import { deleteKb, kbForm } from "./kbform.js";
 import { renderSearch } from "./search.js";
+import { renderSources } from "./sources.js";
 import { ago, confirmDialog, errorBox, kbBadge, num, pageHeader, setView, tagList, toast, when } from "./ui.js";
 
 const TABS = [
   ["overview", "Overview"],
   ["documents", "Documents"],
   ["search", "Search"],
+  ["sources", "Sources"],
   ["settings", "Settings"],
 ];
 
@@ -73,7 +75,7 @@ export async function renderKb(main, kbId, tab = "overview") {
     history.replaceState(null, "", `${base}/${key}`);
     if (!rendered[key] || key === "settings") {
       rendered[key] = true;
-      const render = { overview: drawOverview, documents: drawDocuments, search: drawSearch, settings: drawSettings }[key];
+      const render = { overview: drawOverview, documents: drawDocuments, search: drawSearch, sources: drawSources, settings: drawSettings }[key];
       render();
     }
   }
@@ -333,6 +335,10 @@ export async function renderKb(main, kbId, tab = "overview") {
 
   function drawSearch() {
     renderSearch(panels.search, () => state.kb);
+  }
+
+  function drawSources() {
+    cleanups.push(renderSources(panels.sources, () => state.kb));
   }
 
   function drawSettings() {

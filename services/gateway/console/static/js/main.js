@@ -14,7 +14,7 @@ let cleanup = null;
 const routes = [
   [/^#\/kbs\/?$/, "kbs", () => renderKbList],
   [/^#\/kbs\/new$/, "kbs", () => renderKbNew],
-  [/^#\/kbs\/([^/]+)(?:\/(overview|documents|search|settings))?$/, "kbs", () => renderKb],
+  [/^#\/kbs\/([^/]+)(?:\/(overview|documents|search|sources|settings))?$/, "kbs", () => renderKb],
   [/^#\/dead-letters$/, "dead-letters", () => renderDeadLetters],
 ];
 
