@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from services.common.bus.audit import AuditAction, AuditEntry
 from services.common.bus.audit import sink as audit_sink
 from services.common.bus.client import Bus
-from services.common.bus.registry import Registries
+from services.common.bus.registry import Registries, SourceRegistry, SourceSecretsRegistry
 from services.common.domain.errors import Conflict, InvalidInput, NotFound
 from services.common.domain.ids import is_id, new_id
 from services.common.domain.models import Writer
@@ -90,13 +90,20 @@ class Sources:
         self, bus: Bus, registries: Registries, kbs: KnowledgeBases, settings: Settings
     ) -> None:
         self.bus = bus
-        self.sources = registries.sources
-        self.secrets = registries.source_secrets
+        self.reg = registries
         self.kbs = kbs
         self.settings = settings
         self._audit_sink = audit_sink(lambda: bus.js)
         # source key → (start of its window, refused calls in it not yet audited)
         self._refused: dict[str, tuple[float, int]] = {}
+
+    @property
+    def sources(self) -> SourceRegistry:
+        return self.reg.sources
+
+    @property
+    def secrets(self) -> SourceSecretsRegistry:
+        return self.reg.source_secrets
 
     # ---- definitions --------------------------------------------------------------------
 
