@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import qdrant_edge as qe
@@ -509,7 +509,8 @@ def _chunk_point(record: qe.Record) -> ChunkPoint:
     dense = vectors.get(DENSE)
     return ChunkPoint(
         id=str(record.id),
-        dense=dense if isinstance(dense, list) else [],
+        # A named dense vector: kbmesh's collections hold no multivectors.
+        dense=cast(list[float], dense) if isinstance(dense, list) else [],
         sparse=SparseVector(list(sparse.indices), list(sparse.values))
         if isinstance(sparse, qe.SparseVector)
         else SparseVector([], []),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from qdrant_client import AsyncQdrantClient, models
 from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
@@ -299,7 +299,8 @@ def _chunk_point(record: models.Record) -> ChunkPoint:
     dense = vectors.get(DENSE)
     return ChunkPoint(
         id=str(record.id),
-        dense=[float(x) for x in dense] if isinstance(dense, list) else [],
+        # A named dense vector: kbmesh's collections hold no multivectors.
+        dense=cast(list[float], dense) if isinstance(dense, list) else [],
         sparse=SparseVector(list(sparse.indices), list(sparse.values))
         if isinstance(sparse, models.SparseVector)
         else SparseVector([], []),
