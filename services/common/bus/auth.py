@@ -6,7 +6,8 @@ The model is data (`permissions(role)`), rendered into nats-server configuration
 same rendering with passwords taken from the environment (`kbmesh bus config`).
 
 - All of kbmesh lives in one NATS account, `KBMESH`, with JetStream. Roles: `operator` (the
-  CLI: API keys, dead letters; everything in the account), `ingest`, `embed`, `search`,
+  CLI: API keys, dead letters, backups; everything in the account, and the only user that
+  may ask embed for a KB's vectors, `vectors.export`), `ingest`, `embed`, `search`,
   `gateway`, and `stack`, the four services together as `kbmesh up` runs them in one
   process. Only `operator` may write the API-key bucket (`keys`); the others read it.
 - Each upstream publisher has an account of its own holding one user. It sees four
@@ -155,10 +156,10 @@ _JS_READ = (
     "$JS.ACK.>",
     "$JS.FC.>",
 )
-_EVENTS = tuple(
-    s for s in Subject if s not in (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
-)
+# Request/reply subjects, never in the event stream: searches, which the gateway asks, and
+# the export of vectors, which only the operator (`kbmesh backup`) may ask.
 _REQUESTS = (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
+_EVENTS = tuple(s for s in Subject if s not in (*_REQUESTS, Subject.VECTORS_EXPORT))
 
 
 def _streams(buckets: Iterable[str], object_store: str) -> tuple[str, ...]:
@@ -243,7 +244,8 @@ def permissions(role: str, user: str | None = None) -> Permissions:
                 "dlq.>",
                 *_kv("index", "kbs"),
             ),
-            (),
+            (Subject.VECTORS_EXPORT,),
+            responses=True,
         )
     if role == "search":
         return base | Permissions((), _REQUESTS, responses=True)

@@ -239,6 +239,10 @@ class Bus:
         data = payload.model_dump_json().encode()
         return await replies.request(self._connection(), self._tracer, subject, data, timeout)
 
+    def max_payload(self) -> int:
+        """The largest message the connected server takes (a reply must fit in one)."""
+        return self.nc.max_payload if self.nc is not None else replies.DEFAULT_MAX_PAYLOAD
+
     def _connection(self) -> nats.NATS:
         if self.nc is None:
             raise RuntimeError("bus not connected")

@@ -31,6 +31,9 @@ class Subject(StrEnum):
     SEARCH_QUERY = "search.query"
     SEARCH_CHUNK = "search.chunk"
     SEARCH_ASK = "search.ask"
+    # A page of a KB collection's points with their vectors, for `kbmesh backup` (the
+    # operator's only: services/common/store/export.py).
+    VECTORS_EXPORT = "vectors.export"
 
 
 STREAM = "KBMESH"
