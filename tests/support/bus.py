@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import nats
+from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.bus.auth import Credentials, recorded_credentials
+from services.common.bus.client import Bus
 
 
 def credentials(data_dir: Path, role: str) -> Credentials:
@@ -34,6 +38,17 @@ def bus_url(url: str, data_dir: Path, role: str = "operator") -> str:
     creds = credentials(data_dir, role)
     parsed = urlparse(url)
     return f"nats://{creds.user}:{creds.password}@{parsed.hostname}:{parsed.port}"
+
+
+@contextlib.asynccontextmanager
+async def operator_bus(rt: Any) -> AsyncIterator[Bus]:
+    """The stack's bus as `kbmesh backup` reaches it: as the operator's user."""
+    bus = Bus(rt.bus.url, TracerProvider(), credentials(rt.settings.data_dir, "operator"))
+    await bus.connect()
+    try:
+        yield bus
+    finally:
+        await bus.close()
 
 
 def matches(pattern: str, subject: str) -> bool:
