@@ -265,7 +265,11 @@ class PointSource:
                 log.info("no embed service answers: reading the vector store directly")
                 self.store = self.open_store()
         body = request.model_dump_json().encode()
-        return read_reply(await answer_export(self.store, body, self.bus.max_payload()))
+        try:
+            reply = await answer_export(self.store, body, self.bus.max_payload())
+        except Exception as err:  # the engine's own errors (a shard another process holds)
+            raise ExportFailed(f"the vector store cannot be read here: {err}") from err
+        return read_reply(reply)
 
     async def close(self) -> None:
         if self.store is not None:
