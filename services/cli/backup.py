@@ -878,6 +878,10 @@ class _Restorer:
             await self.rt.registries.texts.put(name.removeprefix("objects/"), data)
             self.counts["objects"] += 1
         elif section == "audit":
+            # The vectors are all in: their indexes are built before anything else is written
+            # (a build holds the interpreter lock, and a write waiting on the bus meanwhile
+            # would time out).
+            await self._vectors_done()
             # The archive's trail as it was, each entry under its own id (de-duplicated).
             for entry, raw in _rows(self.path, name, data, _audit_entry):
                 await self.operator.publish(
@@ -936,6 +940,11 @@ class _Restorer:
         self.counts[what] += 1
         self.orgs.add(org_id)
 
+    async def _vectors_done(self) -> None:
+        if not self.vectors.finished:
+            await self.vectors.finish()
+            self.counts["vectors"] = self.vectors.loaded
+
     async def settle(self) -> None:
         """Once everything but the pending uploads is written: the restore and each key it
         brought on the audit trail (after the archive's own entries), and ingest told of
@@ -945,8 +954,7 @@ class _Restorer:
         self.settled = True
         # Before ingest hears of the KBs: the documents it then sends to embed find their
         # entries, and only those without (or whose points were not whole) are embedded.
-        await self.vectors.finish()
-        self.counts["vectors"] = self.vectors.loaded
+        await self._vectors_done()
         audit = audit_sink(lambda: self.operator)
         for org_id in sorted(self.orgs or {self.rt.settings.default_org}):
             await audit(

@@ -358,6 +358,7 @@ class Loader:
     reembedded: dict[str, str] = field(default_factory=dict)
     loaded: int = 0
     stale_documents: int = 0
+    finished: bool = False
     _kbs: dict[str, KbPoints] = field(default_factory=dict)
     _restored: list[KnowledgeBase] = field(default_factory=list)
     _found: dict[tuple[str, str], Current] = field(default_factory=dict)
@@ -425,6 +426,7 @@ class Loader:
         """Documents whose points are not all there, or not all of their revision: entry
         and points removed, so that the restore embeds them again. Then the index of each
         loaded collection is built, as after any bulk load."""
+        self.finished = True
         for rule in self._kbs.values():
             for document in rule.broken():
                 entry = document.entry
