@@ -198,7 +198,7 @@ def _add_backup(sub: _Subparsers) -> None:
     backup = sub.add_parser(
         "backup",
         help="write an archive of a running stack (KBs, keys, prompts, documents and their "
-        "texts, the audit trail) without stopping it; protect it like the key store",
+        "texts, the vectors, the audit trail) without stopping it; protect it like the key store",
     )
     backup.add_argument("file", type=Path, help="the archive to write (.tar.gz)")
     backup.add_argument(
@@ -210,7 +210,7 @@ def _add_restore(sub: _Subparsers) -> None:
     """`kbmesh restore`: a new data dir from an archive."""
     restore = sub.add_parser(
         "restore",
-        help="make a new data dir from an archive, its indexes rebuilt; `kbmesh up` then serves it",
+        help="make a new data dir from an archive, its vectors loaded; `kbmesh up` then serves it",
     )
     restore.add_argument("file", type=Path, help="an archive written by `kbmesh backup`")
     restore.add_argument(
@@ -224,6 +224,12 @@ def _add_restore(sub: _Subparsers) -> None:
     )
     restore.add_argument(
         "--with-prompts", action="store_true", help="restore the archive's stored prompts too"
+    )
+    restore.add_argument(
+        "--reembed",
+        action="store_true",
+        help="leave the archive's vectors and embed every document again (KBs whose vectors "
+        "were built with other settings, or archives without vectors, are embedded anyway)",
     )
 
 
@@ -653,6 +659,7 @@ _ARCHIVE_COUNTS = {
     "kbs": "KBs",
     "documents": "documents",
     "objects": "objects",
+    "vectors": "chunk vectors",
     "keys": "API keys",
     "prompts": "prompts",
     "audit": "audit entries",
@@ -666,13 +673,22 @@ def _counted(counts: dict[str, int]) -> str:
 
 async def _backup_or_restore(args: argparse.Namespace) -> int:
     from services.cli.backup import BackupError, backup, member_limit, restore
+    from services.common.store import create_store
 
     try:
         if args.command == "backup":
             settings = _settings(args)
             async with _cli_bus(settings) as bus:
-                manifest = await backup(bus.js, args.file, limit=member_limit(settings))
+                manifest = await backup(
+                    bus,
+                    args.file,
+                    limit=member_limit(settings),
+                    # With the stack stopped, its store is read here.
+                    open_store=lambda: create_store(settings),
+                )
             print(f"wrote {args.file}: {_counted(manifest.counts)}")
+            for kb_id, reason in manifest.vectors_left_out.items():
+                print(f"  vectors of KB {kb_id} not in the archive ({reason}): a restore embeds it")
             skipped = manifest.skipped_documents
         else:
             restored = await restore(
@@ -680,9 +696,17 @@ async def _backup_or_restore(args: argparse.Namespace) -> int:
                 args.data_dir,
                 with_keys=args.with_keys,
                 with_prompts=args.with_prompts,
+                reembed=args.reembed,
             )
             # What was written, counted as it was written: not what the archive claims.
             print(f"restored {args.file} into {args.data_dir}: {_counted(restored.counts)}")
+            for kb_id, reason in restored.reembedded.items():
+                print(f"  embedded again: KB {kb_id} ({reason})")
+            if restored.stale_documents:
+                print(
+                    f"  embedded again: {restored.stale_documents} documents that changed while "
+                    "the backup ran"
+                )
             left = restored.left_out
             if left:
                 flags = {"keys": "--with-keys", "prompts": "--with-prompts"}
