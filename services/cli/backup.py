@@ -48,7 +48,7 @@ import tarfile
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -800,40 +800,50 @@ class Restored:
 
 async def restore(
     path: Path,
-    data_dir: Path,
+    data_dir: Path | None = None,
     *,
+    onto: Settings | None = None,
+    store: VectorStore | None = None,
     with_keys: bool = False,
     with_prompts: bool = False,
     reembed: bool = False,
     timeout: float = 3600.0,
     embedders: EmbedderPool | None = None,
 ) -> Restored:
-    """A new data dir at `data_dir` holding what the archive at `path` holds, its vectors
-    loaded (`reembed`: computed again from the texts, as for a KB whose vectors the archive
-    lacks or cannot be used): when this returns, `kbmesh up` on it serves the backed-up KBs
-    and documents. API keys and stored prompts only `with_keys` / `with_prompts`.
+    """What the archive at `path` holds, its vectors loaded (`reembed`: computed again from
+    the texts, as for a KB whose vectors the archive lacks or cannot be used), in a new data
+    dir at `data_dir`, or `onto` the servers those settings name (`nats_url`, a cluster's
+    URLs; `qdrant_url`): a new deployment, holding no KB or document yet. When this returns,
+    `kbmesh up` on the data dir, or the deployment's services on the servers, serve the
+    backed-up KBs and documents. API keys and stored prompts only `with_keys` /
+    `with_prompts`. `store`: the vector store to load (default: the one the settings name);
     `embedders`: the models to embed with (default: those the settings choose)."""
-    if read_format(data_dir) is not None:
-        raise BackupError(f"{data_dir} is not empty: restore makes a new data dir")
-    settings = Settings(data_dir=data_dir, nats_url=None)
+    if data_dir is not None and onto is None:
+        if read_format(data_dir) is not None:
+            raise BackupError(f"{data_dir} is not empty: restore makes a new data dir")
+        settings = Settings(data_dir=data_dir, nats_url=None)
+    elif data_dir is None and onto is not None and onto.nats_url:
+        settings = onto
+    else:
+        raise ValueError("restore into a new data dir, or onto servers (a NATS URL): one of them")
     limit = member_limit(settings)
     manifest = check_archive(path, limit)  # before anything is written
-    _check_space(path, manifest, data_dir)
-    created = not data_dir.exists()
+    created = False
+    if data_dir is not None:
+        _check_space(path, manifest, data_dir)
+        created = not data_dir.exists()
     # Ingest and embed rebuild the index. The gateway is wired but never started (started,
     # it would add a default KB of its own beside the restored one).
-    rt = await build_runtime(settings, SERVICES, embedded_nats=True, embedders=embedders)
+    rt = await build_runtime(
+        settings, SERVICES, embedded_nats=data_dir is not None, embedders=embedders, store=store
+    )
     written = False
     try:
+        if data_dir is None:
+            await _check_new_deployment(rt, manifest)
         await start_consuming(rt)
-        # The operator's connection: the only user that may write API keys, and the audit
-        # trail of every kind.
-        creds = busauth.local_credentials(data_dir)["operator"]
-        nc = await nats.connect(rt.bus.url or "", user=creds.user, password=creds.password)
-        try:
-            restorer = _Restorer(
-                rt, nc.jetstream(), path, manifest, with_keys, with_prompts, reembed
-            )
+        async with _as_operator(rt, data_dir) as operator:
+            restorer = _Restorer(rt, operator, path, manifest, with_keys, with_prompts, reembed)
             # Read and checked again as it is written: the file may have changed since.
             with _Reader(path, limit) as reader:
                 if reader.manifest() != manifest:
@@ -841,13 +851,11 @@ async def restore(
                 for section, name, data in reader.members(manifest):
                     await restorer.take(section, name, data)
             await restorer.settle()
-        finally:
-            await nc.close()
         written = True
         await _indexed(rt.bus.js, rt.registries, timeout)
     finally:
         await rt.close()
-        if not written:
+        if not written and data_dir is not None:
             # The archive changed under the restore, or the bus failed: no half-written data
             # dir is left to be taken for a restored one.
             _discard(data_dir, created)
@@ -859,6 +867,40 @@ async def restore(
         loader.reembedded,
         loader.stale_documents,
     )
+
+
+@contextlib.asynccontextmanager
+async def _as_operator(rt: Runtime, data_dir: Path | None) -> AsyncIterator[JetStreamContext]:
+    """The operator's connection: the only user that may write API keys, and the audit trail
+    of every kind. In a new data dir, its recorded user; on servers, the restore connects as
+    the operator already (KBMESH_NATS__USER)."""
+    if data_dir is None:
+        yield rt.bus.js
+        return
+    creds = busauth.local_credentials(data_dir)["operator"]
+    nc = await nats.connect(rt.bus.url or "", user=creds.user, password=creds.password)
+    try:
+        yield nc.jetstream()
+    finally:
+        await nc.close()
+
+
+async def _check_new_deployment(rt: Runtime, manifest: Manifest) -> None:
+    """Servers are restored onto only while they hold no KB and no document, and none of the
+    archive's collections: the archive's records and points would mix with what is there."""
+    reg = rt.registries
+    if await reg.kbs.list(fresh=True) or await reg.documents.list(fresh=True):
+        raise BackupError(
+            f"NATS at {rt.bus.url} already holds KBs or documents: a restore onto servers fills "
+            "a new deployment"
+        )
+    store = require_store(rt)
+    for vector_set in manifest.vectors:
+        if await store.collection_exists(vector_set.collection):
+            raise BackupError(
+                f"the vector store already holds collection {vector_set.collection}: a restore "
+                "onto servers fills a new deployment"
+            )
 
 
 def _check_space(path: Path, manifest: Manifest, data_dir: Path) -> None:

@@ -135,7 +135,10 @@ async def build_runtime(
     embedded_nats: bool = False,
     span_processors: list[SpanProcessor] | None = None,
     embedders: EmbedderPool | None = None,
+    store: VectorStore | None = None,
 ) -> Runtime:
+    """The chosen services wired to the bus (`store`: the vector store they use; default:
+    the one the settings name)."""
     chosen = check_services(services, settings)
     provider = configure_telemetry("kbmesh-" + "-".join(chosen), processors=span_processors)
     nats_server = None
@@ -172,7 +175,7 @@ async def build_runtime(
         )
         rt = Runtime(settings, chosen, bus, registries, pool, nats=nats_server)
         if "embed" in chosen or "search" in chosen:
-            rt.store = create_store(settings)
+            rt.store = store or create_store(settings)
         await _wire(rt)
         return rt
     except BaseException:

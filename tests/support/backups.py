@@ -1,5 +1,6 @@
 """Backups as someone holding the file reads and rewrites them (the members of the gzip'd
-tar, the manifest resealed to match), and `kbmesh` run as an operator runs it."""
+tar, the manifest resealed to match), `kbmesh` run as an operator runs it, and a KB whose
+searches a restored stack must answer as the backed-up one did."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import asyncio
 import hashlib
 import io
 import json
+import random
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
+
+from prometheus_client import REGISTRY
 
 from tests.support.procs import KBMESH, ROOT, kbmesh_env
 
@@ -125,3 +130,74 @@ async def kbmesh(
     out, err = await asyncio.wait_for(proc.communicate(), timeout=600)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+# --- a KB to back up, and its answers ---------------------------------------------------
+
+TAG = "vectors"
+PARAGRAPHS = {
+    "glaciers.md": "A glacier carves a U-shaped valley as it creeps downhill over centuries. "
+    "Meltwater streams leave gravel ridges called eskers, and boulders dropped far from "
+    "their source are known as erratics.",
+    "beekeeping.md": "Beekeepers smoke the hive gently before lifting the honey frames. The "
+    "smoke masks the alarm pheromone, so the workers gorge on honey instead of stinging.",
+    "lighthouse.md": "The lighthouse keeper logs every passing ship in a leather ledger and "
+    "trims the lamp's wick at dusk, winding the clockwork that turns the lens.",
+    "croissants.md": "The baker folds butter into the dough six times for flaky croissants, "
+    "chilling it between folds so the layers of butter stay separate in the oven.",
+    "tidepools.md": "Tidal pools hold anemones, crabs and starfish between the rocks at low "
+    "tide; the animals there survive heat, waves and changing salinity twice a day.",
+    "cartography.md": "The cartographer drew the coastline from soundings taken by the survey "
+    "boat, marking shoals and reefs with the depths measured by a weighted line.",
+}
+
+
+def _long(seed: str, words: str, sentences: int = 40) -> str:
+    """A document of several chunks whose sentences all differ in words and length, so that
+    no two chunks score alike (tied hits may come back in either order)."""
+    rng = random.Random(seed)
+    return " ".join(
+        " ".join(rng.choices(words.split(), k=rng.randint(6, 16))).capitalize() + f" ({i})."
+        for i in range(sentences)
+    )
+
+
+# Long documents: several chunks each, so points of one document are spread over pages.
+LONG = {
+    "volcanoes.md": _long(
+        "volcanoes",
+        "lava ash eruption crater basalt magma fumarole sulphur caldera tephra pumice vent "
+        "obsidian plume dome fissure scoria cinder lahar pyroclastic",
+    ),
+    "rivers.md": _long(
+        "rivers",
+        "river meander oxbow floodplain levee silt delta estuary bank channel current bend "
+        "sediment tributary gravel rapids valley flood erosion confluence",
+    ),
+}
+QUERIES = (
+    "who records ships in a ledger",
+    "how glaciers shape valleys",
+    "creatures living in rock pools at low tide",
+    "lava ash eruption crater",
+    "oxbow lake floodplain meanders",
+)
+MODES = ("hybrid", "dense", "keyword")
+
+
+def embedded() -> float:
+    """Chunks embedded in this process so far (`kbmesh_chunks_embedded_total`)."""
+    return REGISTRY.get_sample_value("kbmesh_chunks_embedded_total") or 0.0
+
+
+async def answers(client: Any, kb_id: str) -> dict[tuple[str, str], list[tuple[str, int]]]:
+    """(document id, chunk index) of every hit, in order, per query and mode."""
+    found = {}
+    for mode in MODES:
+        for query in QUERIES:
+            r = await client.post(
+                "/v1/search", json={"query": query, "kb_ids": [kb_id], "mode": mode, "top_k": 8}
+            )
+            assert r.status_code == 200, r.text
+            found[(mode, query)] = [(h["document_id"], h["chunk_index"]) for h in r.json()["hits"]]
+    return found
