@@ -1,4 +1,5 @@
-"""Backup and restore of a stack: `kbmesh backup FILE` and `kbmesh restore FILE --data-dir DIR`.
+"""Backup and restore of a stack: `kbmesh backup FILE`, and `kbmesh restore FILE --data-dir DIR`
+(or `--nats-url URL --qdrant-url URL`: onto a new deployment's servers).
 
 The archive holds the source of truth, read over the bus while the stack keeps serving:
 KB definitions, API keys (their hashes), stored prompts, every document whose text is
@@ -14,7 +15,8 @@ records, so that a restore loads them instead of embedding every chunk again
 describe its record in the archive is embedded again). `restore` builds a new data dir,
 writes what the archive holds, loads the vectors (or, with `reembed`, leaves them and embeds
 everything again), and runs ingest and embed over it until every document is indexed in every
-KB it belongs to, so `kbmesh up` on that dir answers as the backed-up stack did. Documents
+KB it belongs to, so `kbmesh up` on that dir answers as the backed-up stack did; onto servers
+(a NATS cluster, a Qdrant server) it does the same there, for a deployment's services. Documents
 still being extracted when the backup ran are left out and listed in the archive's manifest:
 upload them again.
 
