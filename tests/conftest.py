@@ -66,17 +66,21 @@ async def running_stack(
     nats_url: str | None = None,
     embedders=None,
     span_processors=None,
+    store=None,
     **overrides,
 ) -> AsyncIterator[tuple]:
     """All five services in this process plus an HTTP client on the gateway app.
-    Without `nats_url`, the stack runs its own private nats-server under `data_dir`."""
+    Without `nats_url`, the stack runs its own private nats-server under `data_dir`; without
+    `store`, it uses the vector store the settings name."""
     import httpx
 
     from services.cli.runtime import build_runtime, gateway_app, start_consuming
     from services.common.settings import Settings
 
     settings = Settings(data_dir=data_dir, nats_url=nats_url, **overrides)
-    rt = await build_runtime(settings, embedders=embedders, span_processors=span_processors)
+    rt = await build_runtime(
+        settings, embedders=embedders, span_processors=span_processors, store=store
+    )
     app = gateway_app(rt)
     started, stop = asyncio.Event(), asyncio.Event()
 

@@ -1,4 +1,5 @@
-"""Backup and restore of a stack: `kbmesh backup FILE` and `kbmesh restore FILE --data-dir DIR`.
+"""Backup and restore of a stack: `kbmesh backup FILE`, and `kbmesh restore FILE --data-dir DIR`
+(or `--nats-url URL --qdrant-url URL`: onto a new deployment's servers).
 
 The archive holds the source of truth, read over the bus while the stack keeps serving:
 KB definitions, API keys (their hashes), stored prompts, every document whose text is
@@ -7,16 +8,23 @@ not ingested yet. Each document is taken with the text its record describes (the
 checksum is the record's; a document that changes while it is read is read again), so the
 archive never pairs one revision's record with another's text.
 
-Vectors are not in the archive: they are recomputed from the texts. `restore` builds a new
-data dir, writes what the archive holds, and runs ingest and embed over it until every
-document is indexed in every KB it belongs to, so `kbmesh up` on that dir answers as the
-backed-up stack did. Documents still being extracted when the backup ran are left out and
-listed in the archive's manifest: upload them again.
+It holds the vectors too: each KB's points (dense and sparse vectors, payload) and the index
+entries saying which revision of which document they were built from, taken after the
+records, so that a restore loads them instead of embedding every chunk again
+(services/cli/vectors.py states which points a restore uses; a document whose points do not
+describe its record in the archive is embedded again). `restore` builds a new data dir,
+writes what the archive holds, loads the vectors (or, with `reembed`, leaves them and embeds
+everything again), and runs ingest and embed over it until every document is indexed in every
+KB it belongs to, so `kbmesh up` on that dir answers as the backed-up stack did; onto servers
+(a NATS cluster, a Qdrant server) it does the same there, for a deployment's services. Documents
+still being extracted when the backup ran are left out and listed in the archive's manifest:
+upload them again.
 
 The archive is a gzip'd tar. `manifest.json` comes first and lists every other member in
 order with its size and SHA-256; then `kv/<bucket>/NNNNNN.jsonl` (key and value per line),
-`objects/<name>` (the `texts` object store), `audit/NNNNNN.jsonl` (the trail, oldest first)
-and `events/NNNNNN.jsonl` (pending uploads).
+`objects/<name>` (the `texts` object store), `kv/index/NNNNNN.jsonl` (index entries),
+`vectors/NNNNNN.jsonl` (one point per line: services/common/store/export.py),
+`audit/NNNNNN.jsonl` (the trail, oldest first) and `events/NNNNNN.jsonl` (pending uploads).
 
 Restore trusts nothing it has not checked. It reads the archive front to back with a running
 count of the bytes taken (so no header or member can make it hold more than the manifest
@@ -39,13 +47,14 @@ import json
 import re
 import shutil
 import tarfile
+import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import nats
 from nats.js import JetStreamContext
@@ -62,7 +71,8 @@ from tenacity import (
     wait_fixed,
 )
 
-from services.cli.runtime import SERVICES, Runtime, build_runtime, start_consuming
+from services.cli.runtime import SERVICES, Runtime, build_runtime, require_store, start_consuming
+from services.cli.vectors import Loader, PointSource, Spooled, VectorSet, as_restored, take
 from services.common.bus import auth as busauth
 from services.common.bus.audit import (
     AuditEntry,
@@ -71,36 +81,64 @@ from services.common.bus.audit import (
 from services.common.bus.audit import (
     sink as audit_sink,
 )
-from services.common.bus.registry import ApiKey, KbRegistry, Registries, TextStore
+from services.common.bus.client import Bus
+from services.common.bus.registry import ApiKey, KbRegistry, Registries, Registry, TextStore
 from services.common.domain.content import checksum, content_checksum
 from services.common.domain.ids import new_id
 from services.common.domain.layout import layout_object
-from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase, Writer
+from services.common.domain.models import (
+    DocStatus,
+    DocumentRecord,
+    IndexEntry,
+    KnowledgeBase,
+    Writer,
+)
+from services.common.embedders import EmbedderPool
 from services.common.messages.answers import Prompt
 from services.common.messages.events import KbChanged
 from services.common.messages.names import AUDIT_PREFIX, AUDIT_STREAM, KEYS_BUCKET, STREAM, Subject
 from services.common.ops.datadir import CURRENT_FORMAT, read_format
 from services.common.ops.files import replacing
 from services.common.settings import Settings
+from services.common.store import VectorStore
+from services.common.store.export import PointRow
 
-# 2: every member's size and SHA-256 in the manifest, tables in parts, the audit trail.
+# 3: the vectors and the index entries (`kv/index`, `vectors/`), which a version 2 reader
+# would refuse as members it does not know.
+# 2: every member's size and SHA-256 in the manifest, tables in parts, the audit trail; still
+# read: it holds no vectors, so a restore embeds every KB again.
 # 1 (no checksums) is refused: nothing in it could be verified.
-ARCHIVE_VERSION = 2
-# The index bucket is left out: its entries describe vectors, which restore rebuilds.
+ARCHIVE_VERSION = 3
+OLDEST_VERSION = 2
+# Registries taken whole. The index bucket is taken with the vectors (services/cli/vectors.py):
+# only the entries whose points are in the archive.
 BUCKETS = ("kbs", "keys", "prompts", "documents")
 # The parts of an archive in the order backup writes them and restore applies them: KBs and
-# records before the texts, the old audit trail before anything this restore adds to it,
-# pending uploads last (ingest takes them on top of everything else).
-SECTIONS = ("kv/kbs", "kv/keys", "kv/prompts", "kv/documents", "objects", "audit", "events")
+# records before the texts, index entries before the points they vouch for, the old audit
+# trail before anything this restore adds to it, pending uploads last (ingest takes them on
+# top of everything else).
+SECTIONS = (
+    "kv/kbs",
+    "kv/keys",
+    "kv/prompts",
+    "kv/documents",
+    "objects",
+    "kv/index",
+    "vectors",
+    "audit",
+    "events",
+)
+VECTOR_SECTIONS = ("kv/index", "vectors")  # not in a version 2 archive
 RECORDS: dict[str, type[BaseModel]] = {
     "kv/kbs": KnowledgeBase,
     "kv/keys": ApiKey,
     "kv/prompts": Prompt,
     "kv/documents": DocumentRecord,
+    "kv/index": IndexEntry,
 }
 _PART = re.compile(r"\d{6}\.jsonl")
-# What a restore counts as it writes it.
-COUNTED = ("kbs", "documents", "objects", "keys", "prompts", "audit", "events")
+# What a restore counts as it writes it (`vectors`: the chunk vectors it loaded).
+COUNTED = ("kbs", "documents", "objects", "vectors", "keys", "prompts", "audit", "events")
 
 MiB = 1 << 20
 # Restore holds one member in memory at a time, at most this many bytes (or the largest
@@ -149,6 +187,10 @@ class Manifest(BaseModel):
     counts: dict[str, int] = Field(default_factory=dict)
     # Documents not extracted yet when the backup ran: upload them again after a restore.
     skipped_documents: list[str] = Field(default_factory=list)
+    # What built each KB's vectors; a KB not listed has none here and is embedded again.
+    vectors: list[VectorSet] = Field(default_factory=list)
+    # KBs whose vectors could not be taken, and why.
+    vectors_left_out: dict[str, str] = Field(default_factory=dict)
     members: list[Member] = Field(default_factory=list)
 
 
@@ -285,9 +327,18 @@ class _MidChange(Exception):
     """A document's text and record disagree: its new revision is being written."""
 
 
-async def backup(js: JetStreamContext, path: Path, *, limit: int = MEMBER_BYTES) -> Manifest:
-    """Write the archive of the stack behind `js` to `path` (replaced only when complete);
-    no member larger than `limit` (`member_limit`), or a restore would refuse it."""
+async def backup(
+    bus: Bus,
+    path: Path,
+    *,
+    limit: int = MEMBER_BYTES,
+    open_store: Callable[[], VectorStore] | None = None,
+) -> Manifest:
+    """Write the archive of the stack behind `bus` to `path` (replaced only when complete);
+    no member larger than `limit` (`member_limit`), or a restore would refuse it. The
+    vectors are asked of the stack's embed service; where none answers, read from the store
+    `open_store` opens (the stack's, when it is stopped)."""
+    js = bus.js
     texts = TextStore(await js.object_store("texts"))
     manifest = Manifest()
     # Events first, then the registries: an upload ingest finishes in between is then in
@@ -311,34 +362,79 @@ async def backup(js: JetStreamContext, path: Path, *, limit: int = MEMBER_BYTES)
     for name in await _object_names(texts) if events else []:
         if name not in objects and (data := await texts.get(name)) is not None:
             objects[name] = data
-    trail = await _audit_trail(js)
 
     members: list[tuple[str, bytes]] = []
     for bucket, entries in buckets.items():
-        rows = (json.dumps({"key": k, "value": v.decode("utf-8")}) for k, v in entries.items())
-        members += _table(f"kv/{bucket}", (row.encode() for row in rows))
+        members += _table(f"kv/{bucket}", _kv_rows(entries))
     members += [(f"objects/{name}", data) for name, data in objects.items()]
-    members += _table("audit", trail)
-    members += _table("events", (json.dumps(e).encode() for e in events))
-    for name, data in members:
-        if len(data) > limit:
-            raise BackupError(
-                f"{name} is {len(data)} bytes, more than the {limit} a restore takes of one "
-                "member (KBMESH_MAX_CONTENT_BYTES raises it)"
+    # The vectors go to files beside the archive as they come (a folder of our own, 0700),
+    # then into the archive: never all of them in memory.
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.vectors-") as spool:
+        source = PointSource(bus, open_store)
+        try:
+            vectors = await take(
+                source,
+                [KnowledgeBase.model_validate_json(v) for v in buckets["kbs"].values()],
+                [DocumentRecord.model_validate_json(v) for v in documents.values()],
+                Registry(await js.key_value("index"), IndexEntry),
+                Path(spool),
+                TABLE_PART_BYTES,
             )
-    manifest.counts = {bucket: len(entries) for bucket, entries in buckets.items()}
-    manifest.counts |= {"objects": len(objects), "audit": len(trail), "events": len(events)}
-    manifest.members = [
-        Member(name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
-        for name, data in members
-    ]
+        finally:
+            await source.close()
+        index = {e.key: e.model_dump_json().encode() for e in vectors.entries}
+        members += _table("kv/index", _kv_rows(index))
+        trail = await _audit_trail(js)
+        tail = _table("audit", trail) + _table("events", (json.dumps(e).encode() for e in events))
 
-    # A fresh temporary file beside `path`, renamed into place: see services/common/infra/files.py.
-    with replacing(path) as out, tarfile.open(fileobj=out, mode="w:gz") as tar:
-        _add(tar, "manifest.json", manifest.model_dump_json(indent=1).encode())
-        for name, data in members:
-            _add(tar, name, data)
+        pieces: list[tuple[str, bytes] | Spooled] = [*members, *vectors.parts, *tail]
+        for piece in pieces:
+            name, size = (
+                (piece.name, piece.size)
+                if isinstance(piece, Spooled)
+                else (
+                    piece[0],
+                    len(piece[1]),
+                )
+            )
+            if size > limit:
+                raise BackupError(
+                    f"{name} is {size} bytes, more than the {limit} a restore takes of one "
+                    "member (KBMESH_MAX_CONTENT_BYTES raises it)"
+                )
+        manifest.counts = {bucket: len(entries) for bucket, entries in buckets.items()}
+        manifest.counts |= {
+            "objects": len(objects),
+            "index": len(index),
+            "vectors": sum(v.points for v in vectors.sets),
+            "audit": len(trail),
+            "events": len(events),
+        }
+        manifest.vectors, manifest.vectors_left_out = vectors.sets, vectors.left_out
+        manifest.members = [
+            Member(name=p.name, size=p.size, sha256=p.sha256)
+            if isinstance(p, Spooled)
+            else Member(name=p[0], size=len(p[1]), sha256=hashlib.sha256(p[1]).hexdigest())
+            for p in pieces
+        ]
+
+        # A fresh temporary file beside `path`, renamed into place: see
+        # services/common/ops/files.py.
+        with replacing(path) as out, tarfile.open(fileobj=out, mode="w:gz") as tar:
+            head = manifest.model_dump_json(indent=1).encode()
+            _add(tar, "manifest.json", io.BytesIO(head), len(head))
+            for piece in pieces:
+                if isinstance(piece, Spooled):
+                    with piece.path.open("rb") as spooled:
+                        _add(tar, piece.name, spooled, piece.size)
+                else:
+                    _add(tar, piece[0], io.BytesIO(piece[1]), len(piece[1]))
     return manifest
+
+
+def _kv_rows(entries: dict[str, bytes]) -> Iterator[bytes]:
+    for key, value in entries.items():
+        yield json.dumps({"key": key, "value": value.decode("utf-8")}).encode()
 
 
 def _table(folder: str, rows: Iterable[bytes]) -> list[tuple[str, bytes]]:
@@ -410,12 +506,12 @@ async def _audit_trail(js: JetStreamContext) -> list[bytes]:
         await sub.unsubscribe()
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+def _add(tar: tarfile.TarFile, name: str, data: BinaryIO, size: int) -> None:
     info = tarfile.TarInfo(name)
-    info.size = len(data)
+    info.size = size
     info.mtime = int(time.time())
     info.mode = 0o600
-    tar.addfile(info, io.BytesIO(data))
+    tar.addfile(info, data)
 
 
 # --- reading an archive -------------------------------------------------------------------
@@ -542,7 +638,7 @@ class _Reader:
                 f"written by a newer kbmesh (archive version {version}); this one reads "
                 f"version {ARCHIVE_VERSION}"
             )
-        if version < ARCHIVE_VERSION:
+        if version < OLDEST_VERSION:
             raise self.error(
                 f"archive version {version} was written before archives carried checksums, "
                 "so nothing in it can be verified: restore it with the kbmesh that wrote it "
@@ -552,13 +648,22 @@ class _Reader:
             manifest = Manifest.model_validate(raw)
         except ValidationError as err:
             raise self.error(f"manifest.json is malformed: {_reason(err)}") from None
+        if version < ARCHIVE_VERSION and manifest.vectors:
+            raise self.error(f"manifest.json lists vectors: no version {version} archive has any")
+        if len({v.kb_id for v in manifest.vectors}) != len(manifest.vectors):
+            raise self.error("manifest.json lists the vectors of one KB twice")
         order, names = 0, set()
         for member in manifest.members:
             section = _section(member.name)
-            if section is None or member.name in names or SECTIONS.index(section) < order:
+            if (
+                section is None
+                or member.name in names
+                or SECTIONS.index(section) < order
+                or (version < ARCHIVE_VERSION and section in VECTOR_SECTIONS)
+            ):
                 raise self.error(
-                    f"manifest.json lists {member.name}: not a part of an archive, out of "
-                    "order, or twice"
+                    f"manifest.json lists {member.name}: not a part of a version {version} "
+                    "archive, out of order, or twice"
                 )
             order = SECTIONS.index(section)
             names.add(member.name)
@@ -628,7 +733,7 @@ def _key_of(record: BaseModel) -> str:
         return KbRegistry.key(record.org_id, record.kb_id)
     if isinstance(record, ApiKey):
         return record.key_hash
-    assert isinstance(record, Prompt | DocumentRecord)
+    assert isinstance(record, Prompt | DocumentRecord | IndexEntry)
     return record.key
 
 
@@ -636,8 +741,28 @@ def _audit_entry(line: bytes) -> tuple[AuditEntry, bytes]:
     return AuditEntry.model_validate_json(line), line
 
 
-def _parse(path: Path, section: str, name: str, data: bytes) -> list[Any]:
+def _point_reader(manifest: Manifest) -> Callable[[bytes], PointRow]:
+    """Points of the KBs the manifest lists vectors of, each of their dimension."""
+    dims = {v.kb_id: v.dim for v in manifest.vectors}
+
+    def read(line: bytes) -> PointRow:
+        row = PointRow.model_validate_json(line)
+        kb_id = row.payload.get("kb_id")
+        if not isinstance(kb_id, str) or kb_id not in dims:
+            raise ValueError(f"point {row.id} is of KB {kb_id!r}, whose vectors are not listed")
+        if row.dim != dims[kb_id]:
+            raise ValueError(
+                f"point {row.id} has {row.dim} dense numbers; KB {kb_id}'s have {dims[kb_id]}"
+            )
+        return row
+
+    return read
+
+
+def _parse(path: Path, manifest: Manifest, section: str, name: str, data: bytes) -> list[Any]:
     """A member's rows, each checked; objects are bytes and stay as they are."""
+    if section == "vectors":
+        return _rows(path, name, data, _point_reader(manifest))
     if section in RECORDS:
         return _rows(path, name, data, _record_reader(RECORDS[section]))
     if section == "audit":
@@ -653,7 +778,7 @@ def check_archive(path: Path, limit: int = MEMBER_BYTES) -> Manifest:
     with _Reader(path, limit) as reader:
         manifest = reader.manifest()
         for section, name, data in reader.members(manifest):
-            _parse(path, section, name, data)
+            _parse(path, manifest, section, name, data)
         return manifest
 
 
@@ -662,61 +787,122 @@ def check_archive(path: Path, limit: int = MEMBER_BYTES) -> Manifest:
 
 @dataclass
 class Restored:
-    """What a restore wrote (`counts`: kbs, documents, objects, keys, prompts, audit,
-    events), what it left out because it was not asked to (`left_out`: keys, prompts), and
-    the documents the backup itself left out."""
+    """What a restore wrote (`counts`: kbs, documents, objects, vectors, keys, prompts,
+    audit, events), what it left out because it was not asked to (`left_out`: keys,
+    prompts), the KBs it embedded again rather than load their vectors (`reembedded`: KB id →
+    why), the documents it embedded again because their vectors in the archive were not of
+    their revision (`stale_documents`), and the documents the backup itself left out."""
 
     counts: dict[str, int]
     left_out: dict[str, int]
     skipped_documents: list[str] = field(default_factory=list)
+    reembedded: dict[str, str] = field(default_factory=dict)
+    stale_documents: int = 0
 
 
 async def restore(
     path: Path,
-    data_dir: Path,
+    data_dir: Path | None = None,
     *,
+    onto: Settings | None = None,
+    store: VectorStore | None = None,
     with_keys: bool = False,
     with_prompts: bool = False,
+    reembed: bool = False,
     timeout: float = 3600.0,
+    embedders: EmbedderPool | None = None,
 ) -> Restored:
-    """A new data dir at `data_dir` holding what the archive at `path` holds, its vectors
-    rebuilt: when this returns, `kbmesh up` on it serves the backed-up KBs and documents.
-    API keys and stored prompts only `with_keys` / `with_prompts`."""
-    if read_format(data_dir) is not None:
-        raise BackupError(f"{data_dir} is not empty: restore makes a new data dir")
-    settings = Settings(data_dir=data_dir, nats_url=None)
+    """What the archive at `path` holds, its vectors loaded (`reembed`: computed again from
+    the texts, as for a KB whose vectors the archive lacks or cannot be used), in a new data
+    dir at `data_dir`, or `onto` the servers those settings name (`nats_url`, a cluster's
+    URLs; `qdrant_url`): a new deployment, holding no KB or document yet. When this returns,
+    `kbmesh up` on the data dir, or the deployment's services on the servers, serve the
+    backed-up KBs and documents. API keys and stored prompts only `with_keys` /
+    `with_prompts`. `store`: the vector store to load (default: the one the settings name);
+    `embedders`: the models to embed with (default: those the settings choose)."""
+    if data_dir is not None and onto is None:
+        if read_format(data_dir) is not None:
+            raise BackupError(f"{data_dir} is not empty: restore makes a new data dir")
+        settings = Settings(data_dir=data_dir, nats_url=None)
+    elif data_dir is None and onto is not None and onto.nats_url:
+        settings = onto
+    else:
+        raise ValueError("restore into a new data dir, or onto servers (a NATS URL): one of them")
     limit = member_limit(settings)
     manifest = check_archive(path, limit)  # before anything is written
-    _check_space(path, manifest, data_dir)
-    created = not data_dir.exists()
+    created = False
+    if data_dir is not None:
+        _check_space(path, manifest, data_dir)
+        created = not data_dir.exists()
     # Ingest and embed rebuild the index. The gateway is wired but never started (started,
     # it would add a default KB of its own beside the restored one).
-    rt = await build_runtime(settings, SERVICES, embedded_nats=True)
+    rt = await build_runtime(
+        settings, SERVICES, embedded_nats=data_dir is not None, embedders=embedders, store=store
+    )
     written = False
     try:
+        if data_dir is None:
+            await _check_new_deployment(rt, manifest)
         await start_consuming(rt)
-        # The operator's connection: the only user that may write API keys, and the audit
-        # trail of every kind.
-        creds = busauth.local_credentials(data_dir)["operator"]
-        nc = await nats.connect(rt.bus.url or "", user=creds.user, password=creds.password)
-        try:
-            restorer = _Restorer(rt, nc.jetstream(), path, manifest, with_keys, with_prompts)
+        async with _as_operator(rt, data_dir) as operator:
+            restorer = _Restorer(rt, operator, path, manifest, with_keys, with_prompts, reembed)
             # Read and checked again as it is written: the file may have changed since.
             with _Reader(path, limit) as reader:
-                for section, name, data in reader.members(reader.manifest()):
+                if reader.manifest() != manifest:
+                    raise reader.error("changed since it was checked")
+                for section, name, data in reader.members(manifest):
                     await restorer.take(section, name, data)
             await restorer.settle()
-        finally:
-            await nc.close()
         written = True
         await _indexed(rt.bus.js, rt.registries, timeout)
     finally:
         await rt.close()
-        if not written:
+        if not written and data_dir is not None:
             # The archive changed under the restore, or the bus failed: no half-written data
             # dir is left to be taken for a restored one.
             _discard(data_dir, created)
-    return Restored(restorer.counts, restorer.left_out, manifest.skipped_documents)
+    loader = restorer.vectors
+    return Restored(
+        restorer.counts,
+        restorer.left_out,
+        manifest.skipped_documents,
+        loader.reembedded,
+        loader.stale_documents,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _as_operator(rt: Runtime, data_dir: Path | None) -> AsyncIterator[JetStreamContext]:
+    """The operator's connection: the only user that may write API keys, and the audit trail
+    of every kind. In a new data dir, its recorded user; on servers, the restore connects as
+    the operator already (KBMESH_NATS__USER)."""
+    if data_dir is None:
+        yield rt.bus.js
+        return
+    creds = busauth.local_credentials(data_dir)["operator"]
+    nc = await nats.connect(rt.bus.url or "", user=creds.user, password=creds.password)
+    try:
+        yield nc.jetstream()
+    finally:
+        await nc.close()
+
+
+async def _check_new_deployment(rt: Runtime, manifest: Manifest) -> None:
+    """Servers are restored onto only while they hold no KB and no document, and none of the
+    archive's collections: the archive's records and points would mix with what is there."""
+    reg = rt.registries
+    if await reg.kbs.list(fresh=True) or await reg.documents.list(fresh=True):
+        raise BackupError(
+            f"NATS at {rt.bus.url} already holds KBs or documents: a restore onto servers fills "
+            "a new deployment"
+        )
+    store = require_store(rt)
+    for vector_set in manifest.vectors:
+        if await store.collection_exists(vector_set.collection):
+            raise BackupError(
+                f"the vector store already holds collection {vector_set.collection}: a restore "
+                "onto servers fills a new deployment"
+            )
 
 
 def _check_space(path: Path, manifest: Manifest, data_dir: Path) -> None:
@@ -749,6 +935,7 @@ class _Restorer:
         manifest: Manifest,
         with_keys: bool,
         with_prompts: bool,
+        reembed: bool,
     ) -> None:
         self.rt = rt
         self.operator = operator
@@ -762,12 +949,23 @@ class _Restorer:
         self.keys: list[ApiKey] = []
         self.orgs: set[str] = set()
         self.settled = False
+        self.vectors = Loader(
+            require_store(rt),
+            rt.registries.index,
+            rt.embedders,
+            {v.kb_id: v for v in manifest.vectors},
+            reembed,
+        )
 
     async def take(self, section: str, name: str, data: bytes) -> None:
         if section == "objects":
             await self.rt.registries.texts.put(name.removeprefix("objects/"), data)
             self.counts["objects"] += 1
         elif section == "audit":
+            # The vectors are all in: their indexes are built before anything else is written
+            # (a build holds the interpreter lock, and a write waiting on the bus meanwhile
+            # would time out).
+            await self._vectors_done()
             # The archive's trail as it was, each entry under its own id (de-duplicated).
             for entry, raw in _rows(self.path, name, data, _audit_entry):
                 await self.operator.publish(
@@ -777,6 +975,8 @@ class _Restorer:
                     stream=AUDIT_STREAM,
                 )
                 self.counts["audit"] += 1
+        elif section == "vectors":
+            await self.vectors.points(_rows(self.path, name, data, _point_reader(self.manifest)))
         elif section == "events":
             await self.settle()
             for event in _rows(self.path, name, data, PendingEvent.model_validate_json):
@@ -792,14 +992,16 @@ class _Restorer:
         reg = self.rt.registries
         if isinstance(record, KnowledgeBase):
             # The collections a rebuild was reading from are not in the archive: the
-            # restored KB serves the generation that restore builds.
-            record.cancel_rebuild()
+            # restored KB serves the generation the archive's vectors were taken from.
+            record = as_restored(record)
             await reg.kbs.put(key, record)
+            self.vectors.kb(record)
             self.kbs.append(record)
             self._count("kbs", record.org_id)
         elif isinstance(record, DocumentRecord):
             record.kb_ids, record.kb_errors = [], {}  # membership is decided again below
             await reg.documents.put(key, record)
+            self.vectors.document(record)
             self._count("documents", record.org_id)
         elif isinstance(record, ApiKey):
             if not self.with_keys:
@@ -809,6 +1011,8 @@ class _Restorer:
             await kv.put(key, record.model_dump_json().encode())
             self.keys.append(record)
             self._count("keys", record.org_id)
+        elif isinstance(record, IndexEntry):
+            await self.vectors.entry(record)
         elif isinstance(record, Prompt):
             if not self.with_prompts:
                 self.left_out["prompts"] = self.left_out.get("prompts", 0) + 1
@@ -820,6 +1024,11 @@ class _Restorer:
         self.counts[what] += 1
         self.orgs.add(org_id)
 
+    async def _vectors_done(self) -> None:
+        if not self.vectors.finished:
+            await self.vectors.finish()
+            self.counts["vectors"] = self.vectors.loaded
+
     async def settle(self) -> None:
         """Once everything but the pending uploads is written: the restore and each key it
         brought on the audit trail (after the archive's own entries), and ingest told of
@@ -827,6 +1036,9 @@ class _Restorer:
         if self.settled:
             return
         self.settled = True
+        # Before ingest hears of the KBs: the documents it then sends to embed find their
+        # entries, and only those without (or whose points were not whole) are embedded.
+        await self._vectors_done()
         audit = audit_sink(lambda: self.operator)
         for org_id in sorted(self.orgs or {self.rt.settings.default_org}):
             await audit(

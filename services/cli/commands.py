@@ -200,7 +200,7 @@ def _add_backup(sub: _Subparsers) -> None:
     backup = sub.add_parser(
         "backup",
         help="write an archive of a running stack (KBs, keys, prompts, documents and their "
-        "texts, the audit trail) without stopping it; protect it like the key store",
+        "texts, the vectors, the audit trail) without stopping it; protect it like the key store",
     )
     backup.add_argument("file", type=Path, help="the archive to write (.tar.gz)")
     backup.add_argument(
@@ -212,11 +212,21 @@ def _add_restore(sub: _Subparsers) -> None:
     """`kbmesh restore`: a new data dir from an archive."""
     restore = sub.add_parser(
         "restore",
-        help="make a new data dir from an archive, its indexes rebuilt; `kbmesh up` then serves it",
+        help="make a new data dir from an archive, its vectors loaded, for `kbmesh up` to serve; "
+        "or, with --nats-url and --qdrant-url, fill a new deployment's servers with it",
     )
     restore.add_argument("file", type=Path, help="an archive written by `kbmesh backup`")
     restore.add_argument(
-        "--data-dir", type=Path, required=True, help="the new data dir (must not exist or be empty)"
+        "--data-dir", type=Path, help="the new data dir (must not exist or be empty)"
+    )
+    restore.add_argument(
+        "--nats-url",
+        help="instead of a data dir: the NATS server or cluster (comma-separated URLs) of a new "
+        "deployment, reached as its operator's user (KBMESH_NATS__USER, KBMESH_NATS__PASSWORD)",
+    )
+    restore.add_argument(
+        "--qdrant-url",
+        help="with --nats-url: the deployment's Qdrant server (KBMESH_QDRANT_API_KEY its key)",
     )
     restore.add_argument(
         "--with-keys",
@@ -226,6 +236,12 @@ def _add_restore(sub: _Subparsers) -> None:
     )
     restore.add_argument(
         "--with-prompts", action="store_true", help="restore the archive's stored prompts too"
+    )
+    restore.add_argument(
+        "--reembed",
+        action="store_true",
+        help="leave the archive's vectors and embed every document again (KBs whose vectors "
+        "were built with other settings, or archives without vectors, are embedded anyway)",
     )
 
 
@@ -358,6 +374,15 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_login(args))
     elif args.command in ("backup", "restore"):
+        onto_servers = args.command == "restore" and (args.nats_url or args.qdrant_url)
+        if args.command == "restore" and (
+            bool(args.data_dir) == bool(onto_servers)
+            or (onto_servers and not (args.nats_url and args.qdrant_url))
+        ):
+            parser.error(
+                "restore needs --data-dir (a new data dir), or --nats-url and --qdrant-url "
+                "(a new deployment's servers)"
+            )
         sys.exit(asyncio.run(_backup_or_restore(args)))
     elif args.command == "audit":
         if not 1 <= args.limit <= 1000:
@@ -665,6 +690,7 @@ _ARCHIVE_COUNTS = {
     "kbs": "KBs",
     "documents": "documents",
     "objects": "objects",
+    "vectors": "chunk vectors",
     "keys": "API keys",
     "prompts": "prompts",
     "audit": "audit entries",
@@ -678,23 +704,50 @@ def _counted(counts: dict[str, int]) -> str:
 
 async def _backup_or_restore(args: argparse.Namespace) -> int:
     from services.cli.backup import BackupError, backup, member_limit, restore
+    from services.common.settings import Settings
+    from services.common.store import create_store
 
     try:
         if args.command == "backup":
             settings = _settings(args)
             async with _cli_bus(settings) as bus:
-                manifest = await backup(bus.js, args.file, limit=member_limit(settings))
+                manifest = await backup(
+                    bus,
+                    args.file,
+                    limit=member_limit(settings),
+                    # With the stack stopped, its store is read here.
+                    open_store=lambda: create_store(settings),
+                )
             print(f"wrote {args.file}: {_counted(manifest.counts)}")
+            for kb_id, reason in manifest.vectors_left_out.items():
+                print(f"  vectors of KB {kb_id} not in the archive ({reason}): a restore embeds it")
             skipped = manifest.skipped_documents
         else:
+            # Onto servers: the rest of the settings (the operator's NATS user, the bus's
+            # replicas, the models) as the deployment's own processes read them.
+            onto = (
+                Settings(nats_url=args.nats_url, qdrant_url=args.qdrant_url)
+                if args.nats_url
+                else None
+            )
             restored = await restore(
                 args.file,
                 args.data_dir,
+                onto=onto,
                 with_keys=args.with_keys,
                 with_prompts=args.with_prompts,
+                reembed=args.reembed,
             )
+            where = args.data_dir or f"NATS at {args.nats_url} and Qdrant at {args.qdrant_url}"
             # What was written, counted as it was written: not what the archive claims.
-            print(f"restored {args.file} into {args.data_dir}: {_counted(restored.counts)}")
+            print(f"restored {args.file} into {where}: {_counted(restored.counts)}")
+            for kb_id, reason in restored.reembedded.items():
+                print(f"  embedded again: KB {kb_id} ({reason})")
+            if restored.stale_documents:
+                print(
+                    f"  embedded again: {restored.stale_documents} documents that changed while "
+                    "the backup ran"
+                )
             left = restored.left_out
             if left:
                 flags = {"keys": "--with-keys", "prompts": "--with-prompts"}
@@ -707,7 +760,10 @@ async def _backup_or_restore(args: argparse.Namespace) -> int:
                     "  the restored stack has no API key: it serves loopback clients without "
                     "one until `kbmesh keys create` makes one"
                 )
-            print(f"start it with `kbmesh up --data-dir {args.data_dir}`")
+            if onto is None:
+                print(f"start it with `kbmesh up --data-dir {args.data_dir}`")
+            else:
+                print("start the deployment's services on these servers")
             skipped = restored.skipped_documents
     except BackupError as err:
         print(f"kbmesh {args.command}: {err}", file=sys.stderr)

@@ -142,7 +142,10 @@ async def build_runtime(
     embedded_nats: bool = False,
     span_processors: list[SpanProcessor] | None = None,
     embedders: EmbedderPool | None = None,
+    store: VectorStore | None = None,
 ) -> Runtime:
+    """The chosen services wired to the bus (`store`: the vector store they use; default:
+    the one the settings name)."""
     chosen = check_services(services, settings)
     provider = configure_telemetry("kbmesh-" + "-".join(chosen), processors=span_processors)
     nats_server = None
@@ -179,7 +182,7 @@ async def build_runtime(
         )
         rt = Runtime(settings, chosen, bus, registries, pool, nats=nats_server)
         if "embed" in chosen or "search" in chosen:
-            rt.store = create_store(settings)
+            rt.store = store or create_store(settings)
         await _wire(rt)
         return rt
     except BaseException:
@@ -212,6 +215,7 @@ async def _wire(rt: Runtime) -> None:
         )
         rt.bus.broker.include_router(ingest_router(rt.bus, rt.ingest))
     if "embed" in rt.services:
+        from services.embed.handlers import create_responders as embed_responders
         from services.embed.handlers import create_router as embed_router
         from services.embed.service import EmbedService
 
@@ -219,9 +223,10 @@ async def _wire(rt: Runtime) -> None:
         rt.bus.broker.include_router(
             embed_router(rt.bus, rt.embed, concurrency=rt.settings.embed_concurrency)
         )
+        rt.bus.responders += embed_responders(require_store(rt), max_payload=rt.bus.max_payload)
     if "search" in rt.services:
         from services.search.ask import AskService
-        from services.search.handlers import DEFAULT_MAX_PAYLOAD, create_responders
+        from services.search.handlers import create_responders
         from services.search.rerank import LiteLLMReranker
         from services.search.service import SearchService
 
@@ -246,7 +251,7 @@ async def _wire(rt: Runtime) -> None:
             rt.ask,
             concurrency=rt.settings.search.concurrency,
             ask_concurrency=rt.settings.ask.concurrency,
-            max_payload=lambda: rt.bus.nc.max_payload if rt.bus.nc else DEFAULT_MAX_PAYLOAD,
+            max_payload=rt.bus.max_payload,
         )
     if "gateway" in rt.services:
         from services.gateway.handlers import create_router as gateway_router

@@ -1,14 +1,21 @@
-"""Embed's bus subscribers."""
+"""Embed's bus subscribers, and its one responder: the export of a KB's vectors."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from faststream.nats import NatsRouter
 
 from services.common.bus.client import Bus, consume
+from services.common.bus.replies import Responder
 from services.common.messages.events import DocFailed, KbChanged, KbIndex, KbRemove
 from services.common.messages.names import Subject
 from services.common.ops import metrics
+from services.common.store import VectorStore
+from services.common.store.export import answer_export
 from services.embed.service import EmbedService
+
+QUEUE = "embed"
 
 
 def create_router(bus: Bus, service: EmbedService, *, concurrency: int = 1) -> NatsRouter:
@@ -49,3 +56,13 @@ def create_router(bus: Bus, service: EmbedService, *, concurrency: int = 1) -> N
     consume(router, bus, Subject.KB_REMOVE, "embed-kb-remove", on_remove)
     consume(router, bus, Subject.KB_CHANGED, "embed-kb-changed", on_kb)
     return router
+
+
+def create_responders(store: VectorStore, *, max_payload: Callable[[], int]) -> list[Responder]:
+    """`vectors.export` for `kbmesh backup`: one page at a time, each fitting in one message
+    of the connected server (`max_payload`)."""
+
+    async def on_export(body: bytes) -> bytes:
+        return await answer_export(store, body, max_payload())
+
+    return [Responder(Subject.VECTORS_EXPORT, on_export, queue=QUEUE, concurrency=1)]

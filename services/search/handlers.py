@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from services.common.bus.replies import Responder, envelope
+from services.common.bus.replies import DEFAULT_MAX_PAYLOAD, Responder, envelope
 from services.common.domain.errors import KbmeshError
 from services.common.messages.answers import AskRequest
 from services.common.messages.names import Subject
@@ -20,7 +20,6 @@ from services.search.service import SearchService
 
 log = logging.getLogger("kbmesh.search")
 QUEUE = "search"
-DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default
 
 
 def create_responders(

@@ -12,7 +12,7 @@ import pytest
 from services.cli.backup import BackupError, backup, check_archive, restore
 from services.cli.commands import main
 from tests.conftest import running_stack
-from tests.support.bus import OperatorKeys, as_operator
+from tests.support.bus import OperatorKeys, operator_bus
 from tests.support.domain import create_kb, uid
 
 FACTS = {
@@ -58,10 +58,8 @@ async def test_a_backup_during_an_ingest_restores_into_a_stack_that_answers_the_
         search = asyncio.create_task(
             client.post("/v1/search", json={"query": "ledger", "kb_ids": [kb["kb_id"]]})
         )
-        # Backup reads the streams with consumers of its own: the operator's right, as for
-        # `kbmesh backup`.
-        async with as_operator(rt) as operator:
-            manifest = await backup(operator.jetstream(), archive)
+        async with operator_bus(rt) as bus:
+            manifest = await backup(bus, archive)
         assert (await search).status_code == 200
         # Every upload is in the archive: as a document, or as its event still waiting.
         assert manifest.counts["documents"] + manifest.counts["events"] >= len(FACTS), manifest

@@ -15,12 +15,8 @@ file could, and restored into real stacks.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import io
 import json
 import os
-import sys
-import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,12 +29,22 @@ from services.cli.commands import main
 from services.common.bus.registry import ApiKey
 from services.gateway.auth import hash_key, key_id, new_key
 from tests.conftest import running_stack
-from tests.support.bus import OperatorKeys, as_operator, bus_env
+from tests.support.backups import (
+    Members,
+    appended_line,
+    first,
+    kbmesh,
+    manifest,
+    members_of,
+    reseal,
+    the_original,
+    with_manifest,
+    write_archive,
+)
+from tests.support.bus import OperatorKeys, bus_env, operator_bus
 from tests.support.domain import create_kb, uid, upload
-from tests.support.procs import KBMESH, ROOT, kbmesh_env
 
 GiB = 1 << 30
-Members = list[tuple[str, bytes]]
 
 
 @dataclass
@@ -70,8 +76,8 @@ async def source(tmp_path_factory, embedders) -> Source:
             json={"name": f"p-{uid()}", "model": "openai/gpt-4o-mini", "instructions": "Answer."},
         )
         assert prompt.status_code == 201, prompt.text
-        async with as_operator(rt) as operator:  # as `kbmesh backup` connects
-            await backup(operator.jetstream(), archive)
+        async with operator_bus(rt) as bus:
+            await backup(bus, archive)
     return Source(
         archive,
         org,
@@ -83,120 +89,7 @@ async def source(tmp_path_factory, embedders) -> Source:
     )
 
 
-# --- reading and rewriting archives the way someone holding the file would ---------------
-
-
-def members_of(archive: Path) -> Members:
-    with tarfile.open(archive, "r:gz") as tar:
-        return [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]  # type: ignore[union-attr]
-
-
-def write_archive(
-    path: Path,
-    members: Members,
-    *,
-    sparse: dict[str, int] | None = None,
-    links: tuple[str, ...] = (),
-    pax: dict[str, dict[str, str]] | None = None,
-) -> Path:
-    """A gzip'd tar of `members` in order; those named in `sparse` become sparse members of
-    that size (one hole: nothing stored), `links` symlinks, `pax` adds extended headers."""
-    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.mode = 0o600
-            if sparse and name in sparse:
-                info.pax_headers = {
-                    "GNU.sparse.map": f"{sparse[name]},0",
-                    "GNU.sparse.realsize": str(sparse[name]),
-                    "GNU.sparse.name": name,
-                }
-                tar.addfile(info, io.BytesIO(b""))
-                continue
-            if name in links:
-                info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
-                tar.addfile(info)
-                continue
-            info.pax_headers = (pax or {}).get(name, {})
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
-def manifest(members: Members) -> dict:
-    assert members[0][0] == "manifest.json"
-    found: dict = json.loads(members[0][1])
-    return found
-
-
-def with_manifest(members: Members, found: object) -> Members:
-    return [("manifest.json", json.dumps(found).encode()), *members[1:]]
-
-
-def reseal(members: Members) -> Members:
-    """The manifest rewritten to match the members as they now are (sizes and checksums):
-    what someone who edits an archive with care does."""
-    found = manifest(members)
-    if "members" in found:
-        found["members"] = [
-            {"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
-            for n, d in members[1:]
-        ]
-    return with_manifest(members, found)
-
-
-def first(members: Members, prefix: str) -> int:
-    return next(i for i, (name, _) in enumerate(members) if name.startswith(prefix))
-
-
-def edited(members: Members, prefix: str, data: bytes) -> Members:
-    i = first(members, prefix)
-    return [*members[:i], (members[i][0], data), *members[i + 1 :]]
-
-
-def appended_line(members: Members, prefix: str, line: str) -> Members:
-    i = first(members, prefix)
-    return edited(members, prefix, members[i][1].rstrip(b"\n") + b"\n" + line.encode())
-
-
-def the_original(members: Members) -> str:
-    return next(n for n, _ in members if n.startswith("objects/") and n.endswith("/original"))
-
-
 # --- 1. members are bounded -------------------------------------------------------------
-
-# Runs `kbmesh ...` under an address-space limit and reports its peak memory (VmHWM: the
-# process's own high-water mark since exec; getrusage's would count the forking parent's).
-BOUNDED = """
-import atexit, re, resource, runpy, sys
-limit = int(sys.argv.pop(1))
-resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-def peak():
-    status = open("/proc/self/status").read()
-    print("peak_kib=" + re.search(r"VmHWM:\\s*(\\d+)", status).group(1), file=sys.stderr)
-atexit.register(peak)
-sys.argv[0] = "kbmesh"
-runpy.run_module("services.cli", run_name="__main__", alter_sys=True)
-"""
-
-
-async def kbmesh(
-    *args: str, address_space: int | None = None, env: dict[str, str] | None = None
-) -> tuple[int, str, str]:
-    command = [*KBMESH, *args]
-    if address_space is not None:
-        command = [sys.executable, "-c", BOUNDED, str(address_space), *args]
-    proc = await asyncio.create_subprocess_exec(
-        *command,
-        cwd=ROOT,
-        env=kbmesh_env(**(env or {})),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=600)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 @pytest.mark.parametrize("declared", [True, False], ids=["declared-huge", "declared-as-before"])
@@ -273,6 +166,17 @@ def _long_header(members: Members, path: Path) -> None:
     write_archive(path, members, pax={the_original(members): {"comment": "x" * (1 << 20)}})
 
 
+def _point_changed(change: Callable[[dict], object]) -> Callable[[Members], Members]:
+    """A point added to the vector part: the first one, changed (the manifest resealed)."""
+
+    def build(m: Members) -> Members:
+        point = json.loads(m[first(m, "vectors/")][1].split(b"\n")[0])
+        change(point)
+        return reseal(appended_line(m, "vectors/", json.dumps(point)))
+
+    return build
+
+
 MALFORMED: dict[str, tuple[Build, str]] = {
     "a newer archive version": (_manifest_is(lambda f: {**f, "archive_version": 99}), "newer"),
     "an archive without checksums (version 1)": (
@@ -322,6 +226,30 @@ MALFORMED: dict[str, tuple[Build, str]] = {
     "a link member": (_link_member, "objects/local/link/original"),
     "a truncated archive": (_truncated, "damaged"),
     "a 1 MiB extended header": (_long_header, "header"),
+    "a point that is no point": (
+        rewritten(lambda m: reseal(appended_line(m, "vectors/", json.dumps({"id": "x"})))),
+        "vectors/",
+    ),
+    "a point whose dense vector is no base64": (
+        rewritten(_point_changed(lambda p: p.update(dense="not base64!"))),
+        "dense",
+    ),
+    "a point whose dense vector holds NaN": (
+        rewritten(_point_changed(lambda p: p.update(dense="AADAfw=="))),
+        "finite",
+    ),
+    "a point of another dimension than its KB's": (
+        rewritten(_point_changed(lambda p: p.update(dense="AACAPw=="))),
+        "dense numbers",
+    ),
+    "a point of a KB whose vectors the manifest does not list": (
+        rewritten(_point_changed(lambda p: p["payload"].update(kb_id="elsewhere"))),
+        "whose vectors are not listed",
+    ),
+    "vectors in a version 2 archive": (
+        _manifest_is(lambda f: {**f, "archive_version": 2, "vectors": []}),
+        "not a part of a version 2 archive",
+    ),
 }
 
 

@@ -11,8 +11,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 import nats
+from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.bus.auth import Credentials, recorded_credentials
+from services.common.bus.client import Bus
 from services.common.bus.nats_server import free_port, nats_server_binary, wait_for_port
 
 
@@ -75,6 +77,17 @@ async def as_operator(rt: Any) -> AsyncIterator[nats.NATS]:
         yield nc
     finally:
         await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def operator_bus(rt: Any) -> AsyncIterator[Bus]:
+    """The stack's bus as `kbmesh backup` reaches it: as the operator's user."""
+    bus = Bus(rt.bus.url, TracerProvider(), credentials(rt.settings.data_dir, "operator"))
+    await bus.connect()
+    try:
+        yield bus
+    finally:
+        await bus.close()
 
 
 def matches(pattern: str, subject: str) -> bool:

@@ -114,6 +114,15 @@ def test_replies_arrive_in_each_users_own_inbox():
     assert permissions("search").responses and not permissions("gateway").responses
 
 
+def test_only_the_operator_may_ask_for_a_kbs_vectors_and_embed_answers():
+    """`vectors.export` hands out any KB's chunks and vectors: the operator's backup asks,
+    embed answers, and no service user (the gateway, `kbmesh up`'s combined one) can ask."""
+    assert may_publish("operator", "vectors.export")
+    assert [r for r in ROLES if may_publish(r, "vectors.export")] == ["operator"]
+    assert may_subscribe("embed", "vectors.export") and permissions("embed").responses
+    assert not [r for r in ("ingest", "search", "gateway") if may_subscribe(r, "vectors.export")]
+
+
 def test_stack_is_the_union_of_the_four_services():
     stack = permissions("stack")
     for role in SERVICE_ROLES:

@@ -36,8 +36,10 @@ CLI_ALLOWED: dict[str, set[str]] = {
     "mcp": set(),
     # The launcher: the services wired into one process.
     "runtime": set(),
+    # A backup's vectors: taken from the bus or the store, loaded into a new stack.
+    "vectors": set(),
     # Backup reads the bus; restore runs ingest and embed over a new data dir.
-    "backup": {"runtime"},
+    "backup": {"runtime", "vectors"},
     "commands": {"api", "ingest", "login", "mcp", "backup", "runtime", "sources"},
     "__main__": {"commands"},
 }
@@ -49,6 +51,7 @@ CLI_SERVICES: dict[str, set[str]] = {
     "sources": {"common"},
     "mcp": set(),
     "runtime": {"common", *SERVICES},
+    "vectors": {"common"},
     "backup": {"common"},
     "commands": {"common", "contracts", "gateway"},
     "__main__": set(),

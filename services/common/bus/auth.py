@@ -10,8 +10,9 @@ permissions into nats-server configuration: `kbmesh up` writes it for its privat
 config`).
 
 - All of kbmesh lives in one NATS account, `KBMESH`, with JetStream. Roles: `operator` (the
-  CLI and the topology step: API keys, dead letters, streams, buckets, durable consumers;
-  everything in the account), `ingest`, `embed`, `search`, `gateway`, `sources`, and
+  CLI and the topology step: API keys, dead letters, streams, buckets, durable consumers,
+  backups; everything in the account, and the only user that may ask embed for a KB's
+  vectors, `vectors.export`), `ingest`, `embed`, `search`, `gateway`, `sources`, and
   `stack`, the five services together as `kbmesh up` runs them in one process. No service
   may create, change, purge or delete a stream, bucket, object store or durable consumer;
   only `operator` may write the API-key bucket (`keys`); the others read it.
@@ -253,7 +254,8 @@ class Work:
 
 
 _REQUESTS = (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
-_EVENTS = tuple(s for s in Subject if s not in _REQUESTS)
+# The export of vectors is a request too, which only the operator (`kbmesh backup`) may ask.
+_EVENTS = tuple(s for s in Subject if s not in (*_REQUESTS, Subject.VECTORS_EXPORT))
 
 WORK: dict[str, Work] = {
     "ingest": Work(
@@ -280,6 +282,8 @@ WORK: dict[str, Work] = {
         ),
         publishes=(Subject.DOC_INDEXED, Subject.DOC_FAILED),
         notifies=(Subject.DOC_INDEXED, Subject.DOC_FAILED),
+        # A KB's vectors, for the operator's backup.
+        answers=(Subject.VECTORS_EXPORT,),
         writes=("index", "kbs"),
     ),
     # Replies only.

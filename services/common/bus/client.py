@@ -233,7 +233,6 @@ DEAD_LETTER_HEADROOM = 16 * 1024
 UPSTREAM_BACKLOG = 1000
 DEAD_LETTERS_PER_SUBJECT = 1000
 DEAD_LETTER_DAYS = 30
-NATS_DEFAULT_MAX_PAYLOAD = 1024 * 1024
 
 
 def _tls_context(auth: NatsAuthSettings) -> ssl.SSLContext | None:
@@ -514,6 +513,10 @@ class Bus:
         data = payload.model_dump_json().encode()
         return await replies.request(self._connection(), self._tracer, subject, data, timeout)
 
+    def max_payload(self) -> int:
+        """The largest message the connected server takes (a reply must fit in one)."""
+        return self.nc.max_payload if self.nc is not None else replies.DEFAULT_MAX_PAYLOAD
+
     def _connection(self) -> nats.NATS:
         if self.nc is None:
             raise RuntimeError("bus not connected")
@@ -525,7 +528,7 @@ async def declare_topology(
     bus: BusSettings,
     audit: AuditSettings | None = None,
     *,
-    max_payload: int = NATS_DEFAULT_MAX_PAYLOAD,
+    max_payload: int = replies.DEFAULT_MAX_PAYLOAD,
     ack_wait: float = ACK_WAIT_SECONDS,
 ) -> None:
     """Streams, buckets, the object store and the durable consumers of auth.WORK, with

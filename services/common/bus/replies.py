@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind, Tracer
 log = logging.getLogger("kbmesh.bus")
 
 Handler = Callable[[bytes], Awaitable[bytes]]
+DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default; a reply must fit in one message
 
 
 class Responder:

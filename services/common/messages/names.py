@@ -41,10 +41,15 @@ class Subject(StrEnum):
     SEARCH_QUERY = "search.query"
     SEARCH_CHUNK = "search.chunk"
     SEARCH_ASK = "search.ask"
+    # A page of a KB collection's points with their vectors, for `kbmesh backup` (the
+    # operator's only: services/common/store/export.py).
+    VECTORS_EXPORT = "vectors.export"
 
 
 REQUEST_SUBJECTS = (Subject.SEARCH_QUERY, Subject.SEARCH_CHUNK, Subject.SEARCH_ASK)
-EVENT_SUBJECTS = tuple(s for s in Subject if s not in REQUEST_SUBJECTS)
+EVENT_SUBJECTS = tuple(
+    s for s in Subject if s not in REQUEST_SUBJECTS and s is not Subject.VECTORS_EXPORT
+)
 
 # kbmesh's own events, each subject named: upstream publishers' events arrive on longer
 # subjects (`<subject>.upstream.<org>.<publisher>`, services/common/bus/auth.py) and are

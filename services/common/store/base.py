@@ -258,6 +258,13 @@ class VectorStore(Protocol):
         start) with the named payload fields (None: all), and where the next page starts
         (None: none left; also for a missing collection)."""
 
+    async def export(
+        self, name: str, offset: str | None, limit: int
+    ) -> tuple[list[ChunkPoint], str | None]:
+        """Every point with its vectors and payload, in id order, a page at a time (as
+        `page`): what a backup takes, and `upsert` writes back without embedding anything.
+        Dense vectors come back as the engine keeps them (cosine: normalised)."""
+
     async def count(self, name: str, flt: Filter | None = None) -> int: ...
 
     async def term_stats(self, name: str, terms: list[int]) -> TermStats:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import qdrant_edge as qe
@@ -54,6 +54,7 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
+    SparseVector,
     TermStats,
     any_values,
     check_document_points,
@@ -238,6 +239,21 @@ class EdgeStore:
         records, after = _read(shard.scroll, request)
         hits = [Hit(str(r.id), None, r.payload or {}) for r in records]
         return hits, None if after is None else str(after)
+
+    async def export(
+        self, name: str, offset: str | None, limit: int
+    ) -> tuple[list[ChunkPoint], str | None]:
+        shard = await self._shard(name)
+        if shard is None:
+            return [], None
+        request = qe.ScrollRequest(
+            offset=uuid.UUID(offset) if offset else None,
+            limit=limit,
+            with_payload=True,
+            with_vector=True,
+        )
+        records, after = _read(shard.scroll, request)
+        return [_chunk_point(r) for r in records], None if after is None else str(after)
 
     async def count(self, name: str, flt: Filter | None = None) -> int:
         shard = await self._shard(name)
@@ -491,6 +507,21 @@ def _edge_point(p: ChunkPoint) -> qe.Point:
         SPARSE: qe.SparseVector(indices=p.sparse.indices, values=p.sparse.values),
     }
     return qe.Point(p.id, vectors, p.payload)
+
+
+def _chunk_point(record: qe.Record) -> ChunkPoint:
+    vectors = record.vector if isinstance(record.vector, dict) else {}
+    sparse = vectors.get(SPARSE)
+    dense = vectors.get(DENSE)
+    return ChunkPoint(
+        id=str(record.id),
+        # A named dense vector: kbmesh's collections hold no multivectors.
+        dense=cast(list[float], dense) if isinstance(dense, list) else [],
+        sparse=SparseVector(list(sparse.indices), list(sparse.values))
+        if isinstance(sparse, qe.SparseVector)
+        else SparseVector([], []),
+        payload=record.payload or {},
+    )
 
 
 # Point ids as strings, by the id's integer. The engine hands out each id as a new

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from qdrant_client import AsyncQdrantClient, models
 from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
@@ -34,6 +34,7 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
+    SparseVector,
     TermStats,
     any_values,
     check_document_points,
@@ -210,6 +211,18 @@ class ServerStore:
         hits = [Hit(str(r.id), None, r.payload or {}) for r in records]
         return hits, None if after is None else str(after)
 
+    async def export(
+        self, name: str, offset: str | None, limit: int
+    ) -> tuple[list[ChunkPoint], str | None]:
+        try:
+            with _classified(name):
+                records, after = await self._client.scroll(
+                    name, offset=offset, limit=limit, with_payload=True, with_vectors=True
+                )
+        except NotFound:
+            return [], None
+        return [_chunk_point(r) for r in records], None if after is None else str(after)
+
     async def count(self, name: str, flt: Filter | None = None) -> int:
         try:
             with _classified(name):
@@ -277,6 +290,21 @@ def _server_point(p: ChunkPoint) -> models.PointStruct:
             SPARSE: models.SparseVector(indices=p.sparse.indices, values=p.sparse.values),
         },
         payload=p.payload,
+    )
+
+
+def _chunk_point(record: models.Record) -> ChunkPoint:
+    vectors = record.vector if isinstance(record.vector, dict) else {}
+    sparse = vectors.get(SPARSE)
+    dense = vectors.get(DENSE)
+    return ChunkPoint(
+        id=str(record.id),
+        # A named dense vector: kbmesh's collections hold no multivectors.
+        dense=cast(list[float], dense) if isinstance(dense, list) else [],
+        sparse=SparseVector(list(sparse.indices), list(sparse.values))
+        if isinstance(sparse, models.SparseVector)
+        else SparseVector([], []),
+        payload=record.payload or {},
     )
 
 
