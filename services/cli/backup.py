@@ -58,7 +58,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import nats
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tenacity import (
@@ -82,7 +82,14 @@ from services.common.bus.audit import (
     sink as audit_sink,
 )
 from services.common.bus.client import Bus
-from services.common.bus.registry import ApiKey, KbRegistry, Registries, Registry, TextStore
+from services.common.bus.registry import (
+    ApiKey,
+    KbRegistry,
+    Registries,
+    Registry,
+    TextStore,
+    current_entries,
+)
 from services.common.domain.content import checksum, content_checksum
 from services.common.domain.ids import new_id
 from services.common.domain.layout import layout_object
@@ -252,16 +259,12 @@ def _original(record: DocumentRecord) -> str:
 
 async def _entries(js: JetStreamContext, bucket: str) -> dict[str, bytes]:
     kv = await js.key_value(bucket)
+    # Each watch is an ephemeral consumer on the server: let it expire quickly.
+    watcher = await kv.watch(">", inactive_threshold=5.0)
     try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return {}
-    out: dict[str, bytes] = {}
-    for key in keys:
-        entry = await kv.get(key)
-        if entry.value:
-            out[key] = entry.value
-    return out
+        return await current_entries(kv, watcher, ">")
+    finally:
+        await watcher.stop()
 
 
 async def _document(

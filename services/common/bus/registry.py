@@ -244,23 +244,11 @@ class Registry(Generic[M]):
     async def _read_initial(
         self, watcher: Any, pattern: str, keep: Callable[[str], bool] | None = None
     ) -> dict[str, M]:
-        """Read the current values from a fresh watch.
-
-        nats-py's "no more values" marker can fire before values already on the wire are
-        handled, so the marker is only trusted once the stream confirms there is nothing
-        under the pattern; otherwise we read until the consumer reports nothing pending.
-        Deletes are watched too, so that the last message always ends the read."""
-        found: dict[str, M] = {}
-        while True:
-            entry = await watcher.updates(timeout=10.0)
-            if entry is None:
-                if await self._empty(pattern):
-                    return found
-                continue
-            if keep is None or keep(entry.key):
-                self._apply(found, entry)
-            if entry.delta == 0:
-                return found
+        """The current values from a fresh watch of `pattern` (`current_entries`)."""
+        raw = await current_entries(self.kv, watcher, pattern)
+        return {
+            k: self.model.model_validate_json(v) for k, v in raw.items() if keep is None or keep(k)
+        }
 
     def _apply(self, values: dict[str, M], entry: Any) -> None:
         if entry.operation is None and entry.value:
@@ -268,11 +256,30 @@ class Registry(Generic[M]):
         else:
             values.pop(entry.key, None)
 
-    async def _empty(self, pattern: str) -> bool:
-        info = await self.kv._js.stream_info(
-            self.kv._stream, subjects_filter=f"$KV.{self.kv._name}.{pattern}"
-        )
-        return not info.state.subjects
+
+async def current_entries(kv: KeyValue, watcher: Any, pattern: str) -> dict[str, bytes]:
+    """The current value of every key under `pattern`, read from `watcher` (a fresh watch of
+    it that includes deletes).
+
+    nats-py's "no more values" marker can fire before values already on the wire are handled
+    (`kv.keys()` then answers nothing at all), so the marker is only trusted once the stream
+    confirms there is nothing under the pattern; otherwise the read goes on until the
+    consumer reports nothing pending. Deletes are watched too, so that the last message
+    always ends the read."""
+    found: dict[str, bytes] = {}
+    while True:
+        entry = await watcher.updates(timeout=10.0)
+        if entry is None:
+            info = await kv._js.stream_info(kv._stream, subjects_filter=f"$KV.{kv._name}.{pattern}")
+            if not info.state.subjects:
+                return found
+            continue
+        if entry.operation is None and entry.value:
+            found[entry.key] = entry.value
+        else:
+            found.pop(entry.key, None)
+        if entry.delta == 0:
+            return found
 
 
 # A chunk of an object that does not arrive within this long was purged by a replacement.
