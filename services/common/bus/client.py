@@ -67,7 +67,10 @@ from tenacity import (
     AsyncRetrying,
     RetryCallState,
     retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
     stop_before_delay,
+    wait_exponential,
     wait_exponential_jitter,
 )
 
@@ -149,6 +152,10 @@ def unavailable(err: BaseException) -> Transient:
     return Transient(
         f"the message bus is unavailable ({type(err).__name__}); retry in a few seconds"
     )
+
+
+# Sends of one event whose acknowledgement could not be read (Bus.publish).
+PUBLISH_ATTEMPTS = 3
 
 
 class BusStartError(RuntimeError):
@@ -493,13 +500,23 @@ class Bus:
         Status notifications are repeated, undurably, to the org's upstream publishers."""
         body = event.model_dump_json()
         headers = {"content-type": "application/json"}
-        await self.broker.publish(
-            body,
-            subject,
-            headers={"Nats-Msg-Id": event.event_id, **headers},
-            stream=STREAM,
-            timeout=10.0,
-        )
+        # An acknowledgement that arrives empty (seen from a clustered JetStream under load)
+        # says nothing of whether the stream took the event: send it again, which the
+        # stream de-duplicates by `Nats-Msg-Id`.
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(json.JSONDecodeError),
+            stop=stop_after_attempt(PUBLISH_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.1, max=1.0),
+            reraise=True,
+        ):
+            with attempt:
+                await self.broker.publish(
+                    body,
+                    subject,
+                    headers={"Nats-Msg-Id": event.event_id, **headers},
+                    stream=STREAM,
+                    timeout=10.0,
+                )
         if subject in UPSTREAM_STATUS:
             await self.broker.publish(body, status_subject(event.org_id, subject), headers=headers)
 
