@@ -16,6 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.bus.registry import SourceRegistry
+from services.common.domain.sources import Source, SourceSecrets
+from services.common.messages.events import SourceSync
+from services.common.messages.names import Subject
 from services.common.settings import EgressSettings
 from tests.conftest import running_stack
 from tests.support.domain import LONG_DOCS, LONG_QUERIES, create_kb, settled, uid, wait_until
@@ -273,3 +276,34 @@ async def test_a_kb_that_sources_feed_is_not_deleted(stack):
 
 async def _gone(client: Any, kb: dict[str, Any]) -> bool:
     return (await client.get(f"/v1/kbs/{kb['kb_id']}")).status_code == 404
+
+
+async def test_a_source_whose_kb_is_gone_fails_its_run_and_sends_nothing(stack, daemon: GitDaemon):
+    """A source left feeding a KB that no longer exists (written before KBs fed by sources
+    were kept from deletion) fails each run, saying so, and publishes no document."""
+    rt = stack.rt
+    repo = daemon.repo(f"orphan-{uid()}")
+    repo.write("guide.md", LONG_DOCS["espresso.md"])
+    repo.commit("one")
+    source = Source(
+        kind="git",
+        kb="gone",
+        url=repo.url,
+        org_id=stack.org,
+        source_id=f"src-{uid()}",
+        kb_id=f"kb-{uid()}",
+        enabled=False,
+    )
+    await rt.registries.source_secrets.put(
+        rt.registries.source_secrets.key(stack.org, source.source_id),
+        SourceSecrets(webhook_secret="not-used-here"),
+    )
+    await rt.registries.sources.put(source)
+    await rt.bus.publish(
+        Subject.SOURCE_SYNC, SourceSync(org_id=stack.org, source_id=source.source_id)
+    )
+    run = await ran(stack, source.source_id, 0)
+    assert run["status"] == "failed" and "no longer exists" in run["error"], run
+    assert (run["added"], run["changed"]) == (0, 0), run
+    records = await rt.registries.documents.of_org(stack.org)
+    assert not [r for r in records if r.source_id == source.source_id]
