@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.cli.api import Api, api_command, print_table
+from services.cli.api import Api, ApiFailure, api_command, print_table
 from services.common.domain.ids import ID_PATTERN
 from services.common.domain.sources import SourceSpec
 
 EXIT_INVALID = 2
+# `sync --wait` reads the source's runs this often; a run takes seconds at least.
+WAIT_POLL_SECONDS = 0.5
 # The fields of a definition that `apply` compares (all of SourceSpec's).
 SPEC_FIELDS = tuple(SourceSpec.model_fields)
 
@@ -109,6 +112,14 @@ def add_parsers(sub: Any) -> None:
 
     sync = sources_sub.add_parser("sync", help="run a source now")
     sync.add_argument("source", help="id or name")
+    sync.add_argument(
+        "--wait",
+        action="store_true",
+        help="return when the run ends: exit 0 if it succeeded, 1 (with its error) if not",
+    )
+    sync.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds --wait waits at most (600)"
+    )
     api_command(sync, _sync)
 
     remove = sources_sub.add_parser("remove", help="remove a source and its documents")
@@ -230,10 +241,39 @@ def _show(api: Api, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sync(api: Api, args: argparse.Namespace) -> dict[str, Any]:
+    # The runs already recorded: the one this sync asks for is none of them.
+    before = {r["run_id"] for r in _runs(api, args.source)[1]} if args.wait else set()
     ack: dict[str, Any] = api.call("POST", f"/v1/sources/{args.source}/sync")
+    if not args.wait:
+        if not args.json:
+            print(f"sync of {ack['source_id']} requested (`kbmesh sources show` follows it)")
+        return ack
+    run = _ended_run(api, ack["source_id"], before, args.timeout)
+    if run["status"] != "succeeded":
+        raise ApiFailure(f"the run of {ack['source_id']} failed: {run.get('error')}")
     if not args.json:
-        print(f"sync of {ack['source_id']} requested (`kbmesh sources show` follows it)")
-    return ack
+        print(f"run of {ack['source_id']} succeeded: {_counts(run)}")
+    return run
+
+
+def _runs(api: Api, source: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    status: dict[str, Any] = api.call("GET", f"/v1/sources/{source}")["status"]
+    return status, status["runs"]
+
+
+def _ended_run(api: Api, source_id: str, before: set[str], timeout: float) -> dict[str, Any]:
+    """The run that answered a sync asked for after `before` were recorded, once it ended
+    and no sync is asked for any more (a run under way at the request is followed by
+    another, which is the one that answers it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, runs = _runs(api, source_id)
+        ended = [r for r in runs if r["run_id"] not in before and r["status"] != "running"]
+        if ended and status["requested"] is None:
+            return ended[-1]
+        if time.monotonic() >= deadline:
+            raise ApiFailure(f"no run of {source_id} ended within {timeout:.0f} s")
+        time.sleep(WAIT_POLL_SECONDS)
 
 
 def _remove(api: Api, args: argparse.Namespace) -> dict[str, Any]:

@@ -4,11 +4,14 @@ A run (`SourcesService.run`) takes the source's lease by compare-and-set, reads 
 definition, secrets and state, asks the fetcher of its kind for the changes since the state's
 cursor, and publishes each change as an upstream system would: `doc.uploaded` (content inline
 when it is text, else staged in the object store; never base64 on the bus) or `doc.deleted`.
-Each event's id derives from the source, the uri, the revision and the cursor the run started
-from, so a run done again (its replica died halfway) publishes the same events: JetStream
-drops the repeats within its window and ingest recognises them after it. Only when every
-publish is acknowledged does the state move to the fetcher's new cursor; a run that fails
-keeps the cursor (and every document), records why, and is done again at its next turn.
+Each event's id derives from the source, the uri, the revision, the cursor the run started
+from and the placement (KB, tags, collection) it sends with, so a run done again (its
+replica died halfway) publishes the same events: JetStream drops the repeats within its
+window and ingest recognises them after it. Only when every publish is acknowledged does
+the state move to the fetcher's new cursor; a run that fails keeps the cursor (and every
+document), records why, and is done again at its next turn.
+The state also keeps the placement the documents were sent with: a source moved to another
+KB, or given other tags or another collection, sends every document again at its next run.
 
 The lease (`SourceLease`) is renewed while the run works; a run that loses it (its replica
 stalled past the expiry and another took over) stops before its next publish and writes
@@ -38,6 +41,7 @@ from services.common.domain.sources import (
     RunTrigger,
     Source,
     SourceLease,
+    SourcePlacement,
     SourceRun,
     SourceState,
     document_id_for,
@@ -303,9 +307,15 @@ class SourcesService:
             fetcher = self.fetchers.get(source.kind)
             if fetcher is None:
                 raise SourceError(f"this kbmesh cannot read {source.kind} sources")
+            if await self.reg.kbs.get(self.reg.kbs.key(source.org_id, source.kb_id)) is None:
+                raise SourceError(f"the KB it feeds ({source.kb_id}) no longer exists")
             secrets = await self.reg.source_secrets.find(source.org_id, source.source_id)
-            cursor = decode_cursor(state.cursor)
-            base = state.cursor or ""
+            placement = SourcePlacement.of(source)
+            # Its KB, tags or collection changed since its documents were sent: every
+            # document again (from no cursor: the whole listing), whatever its bytes.
+            replace = state.placement is not None and state.placement != placement
+            cursor = None if replace else decode_cursor(state.cursor)
+            base = f"{state.cursor or ''}@{placement.digest()}"
             seen: set[str] = set()
             sent = 0
             async for change in fetcher.fetch(source, secrets, cursor):
@@ -316,7 +326,7 @@ class SourcesService:
                     break
                 seen.add(change.uri)
                 if isinstance(change, Put):
-                    await self._put(source, run, change, base)
+                    await self._put(source, run, change, base, force=replace)
                 elif isinstance(change, Gone):
                     await self._gone(source, run, change.uri, base)
                 elif isinstance(change, Unchanged):
@@ -402,6 +412,7 @@ class SourcesService:
         def finish(state: SourceState) -> SourceState:
             if done is not None:
                 state.cursor = encode_cursor(done.state)
+                state.placement = SourcePlacement.of(source)
             state.finished(run)
             state.next_run_at = next_run(source.schedule, run.started_at)
             return state
@@ -419,11 +430,14 @@ class SourcesService:
             ),
         )
 
-    async def _put(self, source: Source, run: SourceRun, put: Put, base: str) -> None:
+    async def _put(
+        self, source: Source, run: SourceRun, put: Put, base: str, *, force: bool = False
+    ) -> None:
         document_id = document_id_for(source.source_id, put.uri)
         existing = await self.reg.documents.find(source.org_id, document_id)
         if (
-            existing is not None
+            not force
+            and existing is not None
             and existing.status != DocStatus.failed
             and existing.content_checksum == content_checksum(put.content)
             and existing.name == put.name

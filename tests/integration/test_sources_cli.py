@@ -17,6 +17,7 @@ from services.common.settings import EgressSettings
 from tests.conftest import running_stack
 from tests.support.cli import kbmesh
 from tests.support.domain import create_kb, uid
+from tests.support.gitserver import git
 from tests.support.mcp_client import serve_http
 
 
@@ -182,3 +183,29 @@ async def test_add_list_show_sync_and_remove_one_source(stack):
     assert await sources_of(client, kb) == {}
     code, out, err = await kbmesh("sources", "show", name, "--api", base)
     assert code == 1 and "HTTP 404" in err, (out, err)
+
+
+async def test_sync_wait_exits_with_the_outcome_of_the_run_it_asked_for(stack, tmp_path):
+    """`kbmesh sources sync --wait` returns once the run it asked for has ended: exit 0 with
+    the run's counts when it succeeded; exit 1 with the run's error when it failed (a branch
+    that does not exist), so a script that waits on it stops there."""
+    client, base = stack
+    kb = (await create_kb(client, name=f"wait-{uid()}"))["name"]
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "guide.md").write_text("# Guide\n\nThe guide says where the kettle is.\n")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "one")
+    good, bad = f"good-{uid()}", f"bad-{uid()}"
+    for name, branch in ((good, "main"), (bad, "no-such-branch")):
+        code, _, err = await kbmesh(
+            "sources", "add", "git", str(repo), "--kb", kb, "--id", name, "--branch", branch,
+            "--schedule", "1d", "--api", base,
+        )  # fmt: skip
+        assert code == 0, err
+
+    code, out, err = await kbmesh("sources", "sync", good, "--wait", "--api", base)
+    assert code == 0 and "succeeded" in out and "a1" in out, (out, err)
+    code, out, err = await kbmesh("sources", "sync", bad, "--wait", "--api", base)
+    assert code == 1 and "failed" in err and "no-such-branch" in err, (out, err)

@@ -202,6 +202,24 @@ class SourceRun(BaseModel):
         return (self.finished_at - self.started_at).total_seconds()
 
 
+class SourcePlacement(BaseModel):
+    """Where a source's documents go: its KB, tags and collection. The state keeps the one
+    its documents were last sent with, because a run sends only what changed at the source:
+    when the definition's placement differs from it, the next run sends every document
+    again, placed anew."""
+
+    kb_id: str
+    tags: list[str] = Field(default_factory=list)
+    collection: str | None = None
+
+    @classmethod
+    def of(cls, source: Source) -> SourcePlacement:
+        return cls(kb_id=source.kb_id, tags=list(source.tags), collection=source.collection)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
 class SourceState(BaseModel):
     """Where a source's sync stands, written by the sources service only. `cursor` is what the
     next run continues from: the last commit synced (git) or the object holding each page's
@@ -217,6 +235,8 @@ class SourceState(BaseModel):
     runs: list[SourceRun] = Field(default_factory=list, description="newest last")
     # A sync asked for (manual or by webhook) that no run has taken yet.
     requested: RunTrigger | None = None
+    # Where the documents were sent by the last successful run (None: not recorded yet).
+    placement: SourcePlacement | None = None
 
     @property
     def key(self) -> str:

@@ -267,7 +267,17 @@ class KnowledgeBases:
         return changed
 
     async def delete(self, p: Principal, ref: str) -> Ack:
+        """Delete the KB. Refused while sources feed it: they would go on sending documents
+        to a KB that no longer exists; the caller removes them, or moves them elsewhere."""
         kb = await self.resolve(p, ref, write=True)
+        feeding = [s for s in await self.reg.sources.of_org(p.org_id) if s.kb_id == kb.kb_id]
+        if feeding:
+            named = ", ".join(sorted(s.source_id for s in feeding))
+            raise Conflict(
+                f"knowledge base {ref!r} is fed by {len(feeding)} source(s) ({named}): "
+                "remove them, or move them to another KB, before deleting it",
+                field="kb_id",
+            )
         await self.reg.kbs.delete(self.reg.kbs.key(p.org_id, kb.kb_id))
         last = max(kb.generations, kb.index_generation)
         collections = [kb.collection_for(g) for g in range(1, last + 1)]

@@ -38,7 +38,7 @@ from services.common.bus.registry import Registries, SourceRegistry, SourceSecre
 from services.common.domain.errors import Conflict, InvalidInput, NotFound
 from services.common.domain.ids import is_id, new_id
 from services.common.domain.models import Writer
-from services.common.domain.sources import Source, SourceSecrets, SourceSpec
+from services.common.domain.sources import Source, SourcePlacement, SourceSecrets, SourceSpec
 from services.common.messages.events import DocDeleted, SourceSync
 from services.common.messages.names import Subject
 from services.common.outbound.egress import EgressPolicy, egress_policy, parse_http_url
@@ -208,6 +208,18 @@ class Sources:
         if secrets_after != kept:
             await self.secrets.put(source.key, secrets_after)
         await self._audit(p.org_id, p.writer, changed[1], "changed")
+        if SourcePlacement.of(changed[1]) != SourcePlacement.of(source):
+            # Its documents are re-placed by a run (the sources service sends them all
+            # again): at once rather than at the next scheduled one.
+            await self.bus.publish(
+                Subject.SOURCE_SYNC,
+                SourceSync(
+                    org_id=source.org_id,
+                    source_id=source.source_id,
+                    trigger="manual",
+                    writer=p.writer,
+                ),
+            )
         return await self._view(changed[1], webhook_secret=hook_secret)
 
     async def _secrets_after(
