@@ -31,6 +31,7 @@ import random
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.common import kbmesh_up_at
+from benchmarks.common import kbmesh_ingest, kbmesh_up_at
 from benchmarks.search_latency import (
     SOURCES,
     TAGS,
@@ -51,12 +52,13 @@ from services.common.domain.ids import point_id
 from services.common.domain.models import KnowledgeBase
 from services.common.embedders import EmbedderPool
 from services.common.store import ChunkPoint, SparseVector, bm25
-from services.common.store.edge import EdgeStore
+from services.common.store.edge import INDEX_THRESHOLD, EdgeStore
 from services.embed.chunking import chunk_text
 
 KB = "scale"
 PER_DOC = 10  # chunks a synthetic document holds
 BATCH = 1000  # points per upsert while loading
+TAIL = INDEX_THRESHOLD  # points added after the big build, indexed as a growing KB's are
 TWO_FILTERS = {"tags": ["team-3"], "source_ids": ["repo-3", "repo-1"]}
 
 
@@ -129,22 +131,69 @@ class Corpus:
 
 
 async def grow(shards: Path, name: str, corpus: Corpus, kb_id: str, size: int) -> dict:
-    """Load points until the KB's shard holds `size`, then build its index."""
+    """Load points until the KB's shard holds `size`, then build its index: all but the
+    last `TAIL` points at once, then those as the store's own builds take them in (every
+    `INDEX_THRESHOLD` new vectors), timed on their own: what a build costs a growing KB."""
     store = EdgeStore(shards, index_threshold=0)
     try:
         have = await store.count(name)
         started = time.perf_counter()
-        for batch in corpus.points(kb_id, have, size):
+        for batch in corpus.points(kb_id, have, max(have, size - TAIL)):
             await store.upsert(name, batch)
         loaded = time.perf_counter() - started
         started = time.perf_counter()
         await store.optimize(name)
         built = time.perf_counter() - started
+        tail = None
+        if size - TAIL > have:
+            for batch in corpus.points(kb_id, size - TAIL, size):
+                await store.upsert(name, batch)
+            started = time.perf_counter()
+            await store.optimize(name)
+            tail = time.perf_counter() - started
         count = await store.count(name)
     finally:
         await store.close()
-    print(f"  {count} points: loaded {size - have} in {loaded:.0f} s, index {built:.0f} s")
-    return {"points": count, "load_s": loaded, "index_s": built}
+    print(
+        f"  {count} points: loaded {size - have} in {loaded:.0f} s, index {built:.0f} s, "
+        f"then {TAIL} more indexed in {tail or 0:.1f} s",
+        flush=True,
+    )
+    return {"points": count, "load_s": loaded, "index_s": built, "tail_index_s": tail}
+
+
+def ingest_ratio(data: Path, kb_id: str, n_docs: int, block: int) -> dict[str, float]:
+    """The same `n_docs` documents uploaded through REST into an empty KB and into the full
+    one, in alternating blocks (the order swapping each block) so both see the same load;
+    chunks/s of each."""
+    docs, _ = texts_and_queries()
+    corpus = [{"_id": title, "text": text} for title, text in docs[:n_docs]]
+    seconds = {"empty": 0.0, "full": 0.0}
+
+    async def run(base: str) -> dict[str, int]:
+        async with httpx.AsyncClient(base_url=base, timeout=1200) as client:
+            r = await client.post("/v1/kbs", json={"name": f"empty-{uuid.uuid4().hex[:8]}"})
+            r.raise_for_status()
+            kbs = {"empty": r.json()["kb_id"], "full": kb_id}
+            for n, start in enumerate(range(0, len(corpus), block)):
+                part = corpus[start : start + block]
+                for side in ("empty", "full") if n % 2 == 0 else ("full", "empty"):
+                    took, _, _ = await kbmesh_ingest(client, kbs[side], part)
+                    seconds[side] += took
+                print(f"    {start + len(part)} documents: {seconds}", flush=True)
+            stats = (await client.get(f"/v1/kbs/{kbs['empty']}/stats")).json()
+            return {"chunks": stats["chunk_count"], "documents": stats["document_count"]}
+
+    with kbmesh_up_at(data) as base:
+        counted = asyncio.run(run(base))
+    chunks = counted["chunks"]
+    return {
+        "documents": counted["documents"],
+        "chunks": chunks,
+        "empty_chunks_per_s": chunks / seconds["empty"],
+        "full_chunks_per_s": chunks / seconds["full"],
+        "ratio": seconds["empty"] / seconds["full"],
+    }
 
 
 def processes(data: Path) -> dict[str, int]:
@@ -241,6 +290,17 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=200, help="per run at concurrency 1")
     parser.add_argument("--data-dir", type=Path, help="kept, and grown further on a rerun")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--ingest",
+        type=int,
+        default=0,
+        metavar="DOCS",
+        help="then upload DOCS documents into the full KB and into an empty one (chunks/s)",
+    )
+    parser.add_argument("--ingest-block", type=int, default=50)
+    parser.add_argument(
+        "--skip-search", action="store_true", help="grow the KB only (then --ingest)"
+    )
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
     _, queries = texts_and_queries()
@@ -265,13 +325,20 @@ def main() -> None:
         for size in sizes:
             print(f"size {size}", flush=True)
             loaded = asyncio.run(grow(data / "shards", name, corpus, kb_id, size))
-            figures = {"size": size, **loaded, **measure_size(data, name, queries, args.queries)}
-            results.append(figures)
+            if not args.skip_search:
+                measured = measure_size(data, name, queries, args.queries)
+                results.append({"size": size, **loaded, **measured})
             if args.json:
                 args.json.write_text(json.dumps(results, indent=1))
+        if args.ingest:
+            ingested = ingest_ratio(data, kb_id, args.ingest, args.ingest_block)
+            print(f"ingest into {sizes[-1]:,} chunks vs an empty KB: {ingested}", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps({"curve": results, "ingest": ingested}, indent=1))
         if args.data_dir is None:
             shutil.rmtree(data, ignore_errors=True)
-    report(results)
+    if results:
+        report(results)
 
 
 def report(results: list[dict]) -> None:
@@ -295,6 +362,7 @@ def report(results: list[dict]) -> None:
         "KB shard on disk per chunk, bytes": lambda r: f"{r['shard_bytes'] / r['points']:.0f}",
         "data dir per chunk, bytes": lambda r: f"{r['data_bytes'] / r['points']:.0f}",
         "load + index build, s": lambda r: f"{r['load_s']:.0f} + {r['index_s']:.0f}",
+        f"index build of the last {TAIL:,}, s": lambda r: f"{r['tail_index_s'] or 0:.1f}",
     }
     for label, cell in rows.items():
         print(f"| {label} | {' | '.join(cell(r) for r in results)} |")
