@@ -16,12 +16,20 @@ Gaussian perturbations. Queries are the corpus's own queries, each text distinct
 embedded for real.
 
     python -m benchmarks.scale [--sizes 10000,100000,300000,1000000] [--data-dir DIR]
+        [--ingest DOCS] [--skip-search]
+    python -m benchmarks.scale --alternate DATA_A[:CHECKOUT_A] DATA_B[:CHECKOUT_B]
+
+`--ingest DOCS` then uploads the corpus's first DOCS documents through REST into the full
+KB and into an empty one, in alternating blocks, and prints the chunks/s of each.
+`--alternate` serves two grown data dirs at once (each from this checkout or another, for
+before / after figures of a change) and compares their hybrid p50 query by query.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import itertools
 import json
@@ -29,6 +37,7 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import tempfile
 import time
 import uuid
@@ -39,7 +48,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.common import kbmesh_ingest, kbmesh_up_at
+from benchmarks.common import ROOT, kbmesh_ingest, kbmesh_up_at
 from benchmarks.search_latency import (
     SOURCES,
     TAGS,
@@ -269,6 +278,34 @@ def fmt(m: dict[str, float]) -> str:
     return f"p50 {m['p50_ms']:.1f} ms, p99 {m['p99_ms']:.1f} ms, {m['rps']:.0f}/s"
 
 
+def alternate(sides: list[tuple[Path, Path]], queries: list[str], n: int) -> None:
+    """Two stacks (data dir, checkout) at once, hybrid searches at concurrency 1 alternating
+    query by query (which side goes first swapping each round), after each has answered
+    the same warm-up and read its document ids: the ratio of their p50s holds whatever the
+    machine's load does meanwhile."""
+    pool = distinct(queries, 2 * n + 400)
+    with contextlib.ExitStack() as stack:
+        bases = [stack.enter_context(kbmesh_up_at(d, root=r)) for d, r in sides]
+        clients = [stack.enter_context(httpx.Client(base_url=b, timeout=60)) for b in bases]
+        times: list[list[float]] = [[], []]
+        for i, query in enumerate(pool):
+            if i == 200:
+                for base in bases:
+                    wait_for_document_ids(base, timeout=900)
+            for side in (0, 1) if i % 2 == 0 else (1, 0):
+                started = time.perf_counter()
+                body = {"query": query, "kb_ids": [KB], "top_k": 10}
+                clients[side].post("/v1/search", json=body).raise_for_status()
+                if i >= 400:  # after the warm-up and the document ids' read
+                    times[side].append(time.perf_counter() - started)
+    p50 = [statistics.median(t) * 1000 for t in times]
+    p99 = [sorted(t)[int(len(t) * 0.99) - 1] * 1000 for t in times]
+    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {machine()}")
+    for (data, root), a, b in zip(sides, p50, p99, strict=True):
+        print(f"| {data} ({root}) | hybrid c1 p50 {a:.1f} ms | p99 {b:.1f} ms |")
+    print(f"p50 ratio second / first: {p50[1] / p50[0]:.3f}  ({len(times[0])} queries each)")
+
+
 def machine() -> str:
     model = flags = ""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -301,7 +338,23 @@ def main() -> None:
     parser.add_argument(
         "--skip-search", action="store_true", help="grow the KB only (then --ingest)"
     )
+    parser.add_argument(
+        "--alternate",
+        nargs=2,
+        metavar="DATA[:CHECKOUT]",
+        help="compare two grown data dirs (each served by this or another checkout) query "
+        "by query instead",
+    )
     args = parser.parse_args()
+    if args.alternate:
+        _, queries = texts_and_queries()
+        random.Random(1).shuffle(queries)
+        sides = [
+            (Path(a.split(":")[0]), Path(a.split(":")[1]) if ":" in a else ROOT)
+            for a in args.alternate
+        ]
+        alternate(sides, queries, args.queries)
+        return
     sizes = sorted(int(s) for s in args.sizes.split(","))
     _, queries = texts_and_queries()
     random.Random(1).shuffle(queries)
