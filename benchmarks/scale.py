@@ -146,16 +146,17 @@ async def grow(shards: Path, name: str, corpus: Corpus, kb_id: str, size: int) -
     store = EdgeStore(shards, index_threshold=0)
     try:
         have = await store.count(name)
+        split = max(have, size - TAIL)
         started = time.perf_counter()
-        for batch in corpus.points(kb_id, have, max(have, size - TAIL)):
+        for batch in corpus.points(kb_id, have, split):
             await store.upsert(name, batch)
         loaded = time.perf_counter() - started
         started = time.perf_counter()
         await store.optimize(name)
         built = time.perf_counter() - started
         tail = None
-        if size - TAIL > have:
-            for batch in corpus.points(kb_id, size - TAIL, size):
+        if size > split:
+            for batch in corpus.points(kb_id, split, size):
                 await store.upsert(name, batch)
             started = time.perf_counter()
             await store.optimize(name)
@@ -165,7 +166,7 @@ async def grow(shards: Path, name: str, corpus: Corpus, kb_id: str, size: int) -
         await store.close()
     print(
         f"  {count} points: loaded {size - have} in {loaded:.0f} s, index {built:.0f} s, "
-        f"then {TAIL} more indexed in {tail or 0:.1f} s",
+        f"then {size - split} more indexed in {tail or 0:.1f} s",
         flush=True,
     )
     return {"points": count, "load_s": loaded, "index_s": built, "tail_index_s": tail}
