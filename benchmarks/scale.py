@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -41,7 +42,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,9 @@ class Corpus:
             yield batch
 
 
-async def grow(shards: Path, name: str, corpus: Corpus, kb_id: str, size: int) -> dict:
+async def grow(
+    shards: Path, name: str, corpus: Callable[[], Corpus], kb_id: str, size: int
+) -> dict:
     """Load points until the KB's shard holds `size`, then build its index: all but the
     last `TAIL` points at once, then those as the store's own builds take them in (every
     `INDEX_THRESHOLD` new vectors), timed on their own: what a build costs a growing KB."""
@@ -148,7 +151,7 @@ async def grow(shards: Path, name: str, corpus: Corpus, kb_id: str, size: int) -
         have = await store.count(name)
         split = max(have, size - TAIL)
         started = time.perf_counter()
-        for batch in corpus.points(kb_id, have, split):
+        for batch in corpus().points(kb_id, have, split) if split > have else []:
             await store.upsert(name, batch)
         loaded = time.perf_counter() - started
         started = time.perf_counter()
@@ -156,7 +159,7 @@ async def grow(shards: Path, name: str, corpus: Corpus, kb_id: str, size: int) -
         built = time.perf_counter() - started
         tail = None
         if size > split:
-            for batch in corpus.points(kb_id, split, size):
+            for batch in corpus().points(kb_id, split, size):
                 await store.upsert(name, batch)
             started = time.perf_counter()
             await store.optimize(name)
@@ -375,7 +378,7 @@ def main() -> None:
                 timeout=300,
             ).raise_for_status()
         name = f"kb_{kb_id}"
-        corpus = Corpus(kb_id, args.real)
+        corpus = functools.cache(lambda: Corpus(kb_id, args.real))  # only when it grows
         for size in sizes:
             print(f"size {size}", flush=True)
             loaded = asyncio.run(grow(data / "shards", name, corpus, kb_id, size))
