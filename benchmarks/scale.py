@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import functools
 import itertools
 import json
 import os
@@ -42,7 +41,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,7 @@ TWO_FILTERS = {"tags": ["team-3"], "source_ids": ["repo-3", "repo-1"]}
 class Corpus:
     """Real chunks (title, text, BM25 vector) and real dense vectors to perturb."""
 
-    def __init__(self, kb_id: str, n_real: int) -> None:
+    def __init__(self, kb_id: str) -> None:
         docs, _ = texts_and_queries()
         embedder = EmbedderPool(local_backend="onnx").get("local/all-MiniLM-L6-v2")
         kb = KnowledgeBase(org_id="local", kb_id=kb_id, name=KB)
@@ -85,15 +84,23 @@ class Corpus:
             for c in chunk_text(text[:60000], kb, embedder.tokenizer(), max_tokens=230)
         ]
         self.sparse = [bm25.encode_document(f"{t}\n{c}") for t, c in self.chunks]
-        real = random.Random(7).sample(self.chunks, min(n_real, len(self.chunks)))
+        self.embedder = embedder
+        self.documents = len(docs)
+        self.base = np.empty((0, 0), dtype=np.float32)
+
+    @classmethod
+    async def build(cls, kb_id: str, n_real: int) -> Corpus:
+        corpus = cls(kb_id)
+        real = random.Random(7).sample(corpus.chunks, min(n_real, len(corpus.chunks)))
         started = time.perf_counter()
-        vectors = asyncio.run(embedder.embed([f"{t}\n{c}" for t, c in real]))
-        self.base = np.array(vectors, dtype=np.float32)
+        vectors = await corpus.embedder.embed([f"{t}\n{c}" for t, c in real])
+        corpus.base = np.array(vectors, dtype=np.float32)
         print(
-            f"{len(docs)} documents, {len(self.chunks)} real text chunks; {len(real)} embedded "
-            f"for real in {time.perf_counter() - started:.0f} s",
+            f"{corpus.documents} documents, {len(corpus.chunks)} real text chunks; {len(real)} "
+            f"embedded for real in {time.perf_counter() - started:.0f} s",
             flush=True,
         )
+        return corpus
 
     def points(self, kb_id: str, start: int, stop: int) -> Iterator[list[ChunkPoint]]:
         """Points `start`..`stop` of the grown KB, `BATCH` at a time. Point i is chunk
@@ -141,7 +148,7 @@ class Corpus:
 
 
 async def grow(
-    shards: Path, name: str, corpus: Callable[[], Corpus], kb_id: str, size: int
+    shards: Path, name: str, corpus: Callable[[], Awaitable[Corpus]], kb_id: str, size: int
 ) -> dict:
     """Load points until the KB's shard holds `size`, then build its index: all but the
     last `TAIL` points at once, then those as the store's own builds take them in (every
@@ -151,7 +158,7 @@ async def grow(
         have = await store.count(name)
         split = max(have, size - TAIL)
         started = time.perf_counter()
-        for batch in corpus().points(kb_id, have, split) if split > have else []:
+        for batch in (await corpus()).points(kb_id, have, split) if split > have else []:
             await store.upsert(name, batch)
         loaded = time.perf_counter() - started
         started = time.perf_counter()
@@ -159,7 +166,7 @@ async def grow(
         built = time.perf_counter() - started
         tail = None
         if size > split:
-            for batch in corpus().points(kb_id, split, size):
+            for batch in (await corpus()).points(kb_id, split, size):
                 await store.upsert(name, batch)
             started = time.perf_counter()
             await store.optimize(name)
@@ -378,7 +385,13 @@ def main() -> None:
                 timeout=300,
             ).raise_for_status()
         name = f"kb_{kb_id}"
-        corpus = functools.cache(lambda: Corpus(kb_id, args.real))  # only when it grows
+        made: list[Corpus] = []
+
+        async def corpus() -> Corpus:  # made only when the KB grows
+            if not made:
+                made.append(await Corpus.build(kb_id, args.real))
+            return made[0]
+
         for size in sizes:
             print(f"size {size}", flush=True)
             loaded = asyncio.run(grow(data / "shards", name, corpus, kb_id, size))
