@@ -109,11 +109,14 @@ def kbmesh_up(**env: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def kbmesh_up_at(
-    data_dir: Path | None, constants: dict[str, object] | None = None, **env: str
+    data_dir: Path | None,
+    constants: dict[str, object] | None = None,
+    root: Path = ROOT,
+    **env: str,
 ) -> Iterator[str]:
     """`kbmesh up` on `data_dir` (a temporary one when None), with the module `constants`
     given ({"services.search.service.RRF_K": 20}: see benchmarks/with_constants.py) set in
-    its process; yields its base URL."""
+    its process, running the code of the checkout at `root`; yields its base URL."""
     with contextlib.ExitStack() as stack:
         if data_dir is None:
             data = stack.enter_context(tempfile.TemporaryDirectory())
@@ -127,8 +130,8 @@ def kbmesh_up_at(
             command = ["-m", "benchmarks.with_constants", json.dumps(constants)]
         proc = subprocess.Popen(
             [sys.executable, *command, "up", "--data-dir", data, "--port", str(port)],
-            cwd=ROOT,
-            env=bench_env(**env),
+            cwd=root,
+            env=bench_env(**({"PYTHONPATH": str(root)} if root != ROOT else {}), **env),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

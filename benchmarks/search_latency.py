@@ -150,9 +150,10 @@ def measure(
     concurrency: int,
     filters: dict | None,
     warmup: list[str],
+    mode: str = "hybrid",
 ) -> dict[str, float]:
     def one(query: str) -> float:
-        body = {"query": query, "kb_ids": [kb], "top_k": 10}
+        body = {"query": query, "kb_ids": [kb], "top_k": 10, "mode": mode}
         if filters:
             body["filters"] = filters
         started = time.perf_counter()

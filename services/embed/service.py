@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,6 +44,11 @@ PATH_SEPARATOR = " › "
 # How often one kb.index catches up with a document that changed while it was being indexed.
 CATCH_UP_ROUNDS = 5
 SWITCH_GRACE_SECONDS = 2.0
+# A rebuild's completion check reads every document of the org and every index entry of the
+# KB. After each indexed document that made a rebuild of N documents read N x N records; it
+# runs at most this often per KB instead (and at most a quarter of the time), and a document
+# indexed while a check is due is seen by that check.
+SWITCH_CHECK_SECONDS = 2.0
 
 
 def document_payload(record: DocumentRecord) -> dict[str, Any]:
@@ -78,12 +84,37 @@ class EmbedService:
         self.publish = publish
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._waiters: dict[tuple[str, str], int] = {}
+        # Per KB being rebuilt: one completion check at a time, the next not before `_next`.
+        self._checks: dict[str, asyncio.Lock] = {}
+        self._check_due: set[str] = set()  # a check is waiting to run: it sees what is done
+        self._next_check: dict[str, float] = {}
 
     async def index(self, ev: KbIndex) -> IndexEntry | None:
         entry = await self._index_serialized(ev)
         if entry is not None:
-            await self._switch_if_built(ev.org_id, ev.kb_id)
+            await self._switch_when_built(ev.org_id, ev.kb_id)
         return entry
+
+    async def _switch_when_built(self, org_id: str, kb_id: str) -> None:
+        """Check whether the KB's rebuild (if any) is complete, as `_switch_if_built`, at
+        most every SWITCH_CHECK_SECONDS: a document indexed while a check waits to run
+        leaves it to that check, one indexed while a check runs waits for the next."""
+        kb = await self.reg.kbs.get(f"{org_id}.{kb_id}")
+        if kb is None or kb.serving is None or kb_id in self._check_due:
+            return
+        self._check_due.add(kb_id)
+        try:
+            async with self._checks.setdefault(kb_id, asyncio.Lock()):
+                wait = self._next_check.get(kb_id, 0.0) - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                self._check_due.discard(kb_id)
+                started = time.monotonic()
+                await self._switch_if_built(org_id, kb_id)
+                took = time.monotonic() - started
+                self._next_check[kb_id] = time.monotonic() + max(SWITCH_CHECK_SECONDS, 3 * took)
+        finally:
+            self._check_due.discard(kb_id)
 
     async def _switch_if_built(self, org_id: str, kb_id: str) -> None:
         """Once every member document is in the generation being built, searches move to
