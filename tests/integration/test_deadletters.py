@@ -387,6 +387,8 @@ async def test_an_earlier_versions_streams_and_dead_letters_stay_usable(tmp_path
             "kb.changed",
             "doc.indexed",
             "doc.failed",
+            "source.sync",
+            "source.run",
         ]
         upstream = await js.stream_info("KBMESH_UPSTREAM")
         assert "doc.uploaded.upstream.*.*" in upstream.config.subjects
