@@ -43,6 +43,22 @@ class ChunkPoint:
     payload: dict[str, Any]
 
 
+def exported_point(point_id: Any, vectors: Any, payload: Any, sparse_type: type[Any]) -> ChunkPoint:
+    """A stored point as both adapters export it: `vectors` the engine's named vectors, the
+    sparse one an instance of the engine's `sparse_type` (indices and values)."""
+    named: dict[str, Any] = vectors if isinstance(vectors, dict) else {}
+    sparse, dense = named.get(SPARSE), named.get(DENSE)
+    return ChunkPoint(
+        id=str(point_id),
+        # A named dense vector: kbmesh's collections hold no multivectors.
+        dense=list(dense) if isinstance(dense, list) else [],
+        sparse=SparseVector(list(sparse.indices), list(sparse.values))
+        if isinstance(sparse, sparse_type)
+        else SparseVector([], []),
+        payload=payload or {},
+    )
+
+
 class Hit(NamedTuple):
     """A point as a store returns it. A tuple, not a dataclass: a hybrid search builds
     hundreds of these per KB and the construction showed in profiles."""

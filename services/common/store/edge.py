@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 import qdrant_edge as qe
@@ -54,11 +54,11 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
-    SparseVector,
     TermStats,
     any_values,
     check_document_points,
     check_signal,
+    exported_point,
     payload_selector,
     probed_term_stats,
     uuid_strings,
@@ -510,18 +510,7 @@ def _edge_point(p: ChunkPoint) -> qe.Point:
 
 
 def _chunk_point(record: qe.Record) -> ChunkPoint:
-    vectors = record.vector if isinstance(record.vector, dict) else {}
-    sparse = vectors.get(SPARSE)
-    dense = vectors.get(DENSE)
-    return ChunkPoint(
-        id=str(record.id),
-        # A named dense vector: kbmesh's collections hold no multivectors.
-        dense=cast(list[float], dense) if isinstance(dense, list) else [],
-        sparse=SparseVector(list(sparse.indices), list(sparse.values))
-        if isinstance(sparse, qe.SparseVector)
-        else SparseVector([], []),
-        payload=record.payload or {},
-    )
+    return exported_point(record.id, record.vector, record.payload, qe.SparseVector)
 
 
 # Point ids as strings, by the id's integer. The engine hands out each id as a new

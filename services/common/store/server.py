@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 from qdrant_client import AsyncQdrantClient, models
 from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
@@ -34,11 +34,11 @@ from services.common.store.base import (
     Mode,
     Query,
     Range,
-    SparseVector,
     TermStats,
     any_values,
     check_document_points,
     check_signal,
+    exported_point,
     payload_selector,
     probed_term_stats,
     uuid_strings,
@@ -294,18 +294,7 @@ def _server_point(p: ChunkPoint) -> models.PointStruct:
 
 
 def _chunk_point(record: models.Record) -> ChunkPoint:
-    vectors = record.vector if isinstance(record.vector, dict) else {}
-    sparse = vectors.get(SPARSE)
-    dense = vectors.get(DENSE)
-    return ChunkPoint(
-        id=str(record.id),
-        # A named dense vector: kbmesh's collections hold no multivectors.
-        dense=cast(list[float], dense) if isinstance(dense, list) else [],
-        sparse=SparseVector(list(sparse.indices), list(sparse.values))
-        if isinstance(sparse, models.SparseVector)
-        else SparseVector([], []),
-        payload=record.payload or {},
-    )
+    return exported_point(record.id, record.vector, record.payload, models.SparseVector)
 
 
 _INT8 = models.ScalarQuantization(
