@@ -193,7 +193,14 @@ def run(args: argparse.Namespace, data: Path) -> dict[str, Any]:
                 f"p99 {p99:.1f} ms",
                 flush=True,
             )
-        env = {"KBMESH_EGRESS__ALLOW_PRIVATE": "true", "OPENAI_API_KEY": "bench"}
+        env = {
+            "KBMESH_EGRESS__ALLOW_PRIVATE": "true",
+            "OPENAI_API_KEY": "bench",
+            # The default wait, not the benchmarks' 900 s: each `wait=true` upload's watch
+            # lingers on the server that long after it ends, and a thousand of them at once
+            # reach NATS's consumer limit (the upload then fails with a 500).
+            "KBMESH_WAIT_TIMEOUT_SECONDS": "120",
+        }
         with kbmesh_up_at(data, **env) as base:
             return measure(args, base, provider, data)
     finally:
