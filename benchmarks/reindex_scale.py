@@ -196,9 +196,9 @@ def run(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         env = {
             "KBMESH_EGRESS__ALLOW_PRIVATE": "true",
             "OPENAI_API_KEY": "bench",
-            # The default wait, not the benchmarks' 900 s: each `wait=true` upload's watch
-            # lingers on the server that long after it ends, and a thousand of them at once
-            # reach NATS's consumer limit (the upload then fails with a 500).
+            # The default wait, not the benchmarks' 900 s: before a finished wait dropped its
+            # watch consumer at once, each one stayed that long, and a thousand uploads
+            # within it reached NATS's consumer limit (500s); kept for comparable runs.
             "KBMESH_WAIT_TIMEOUT_SECONDS": "120",
         }
         with kbmesh_up_at(data, **env) as base:
