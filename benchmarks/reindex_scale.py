@@ -260,9 +260,14 @@ def measure(args: argparse.Namespace, base: str, provider: Provider, data: Path)
     started = time.perf_counter()
     client.patch(f"/v1/kbs/{kb_id}", json={"chunk_size": args.to}).raise_for_status()
     stale_during = 0
-    while kb()["status"] != "active":
+    while kb()["status"] != "active":  # every document's index entry at the new settings
         stale_during += probe(client, kb_id, probes[:2]) != before[:2]
         time.sleep(1)
+    rebuilt = time.perf_counter() - started
+    # Searches move to the new collection a moment later, when embed's next check finds it
+    # complete and drops the old one: the end of the reindex.
+    shards = data / "shards"
+    wait_for("the switch", lambda: not (shards / f"kb_{kb_id}").exists(), 600, 0.2)
     finished = time.perf_counter() - started
     searcher.phase = ""
     stats = client.get(f"/v1/kbs/{kb_id}/stats").json()
@@ -279,6 +284,7 @@ def measure(args: argparse.Namespace, base: str, provider: Provider, data: Path)
         "chunk_size": args.to,
         "chunks": chunks1,
         "seconds": finished,
+        "all_entries_rebuilt_s": rebuilt,
         "chunks_per_s": chunks1 / finished,
         "probes_changed_mid_reindex": stale_during,
         "probes_changed_after": after != before,
@@ -286,7 +292,6 @@ def measure(args: argparse.Namespace, base: str, provider: Provider, data: Path)
 
     # Cancel: the same change back, abandoned once about a third is rebuilt.
     serving = kb()
-    shards = data / "shards"
     searcher.phase = "cancelled reindex"
     existing = {d.name for d in shards.iterdir()}
     client.patch(f"/v1/kbs/{kb_id}", json={"chunk_size": args.chunk_size}).raise_for_status()
