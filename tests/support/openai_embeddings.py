@@ -230,7 +230,10 @@ class OpenAIEmbeddingsServer:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> OpenAIEmbeddingsServer:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose
+        # socket says TCP, and without it each response (headers, then body) waited ~40 ms
+        # for the client's delayed ACK on a kept-alive connection.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self._socket = sock

@@ -42,6 +42,11 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed compare-and-s
 
 
 _WATCH_RECHECK_SECONDS = 1.0
+# How long the server keeps a wait's watch consumer once nobody listens on it. While the
+# wait runs its subscription keeps the consumer alive whatever this is; after it ends the
+# consumer is garbage, and kept for the whole wait timeout a burst of `wait=true` uploads
+# piled up a thousand of them and NATS refused new ones ("maximum consumers limit reached").
+_WATCH_INACTIVE_SECONDS = 5.0
 
 
 async def compare_and_set(
@@ -188,7 +193,7 @@ class Registry(Generic[M]):
         """Wait until the value at `key` (None: absent) satisfies `predicate`, on a watch of
         the key. Returns (True, value) then, or (False, last value seen) after `timeout`."""
         deadline = time.monotonic() + timeout
-        watcher = await self.kv.watch(key, inactive_threshold=max(timeout, 5.0))
+        watcher = await self.kv.watch(key, inactive_threshold=_WATCH_INACTIVE_SECONDS)
         current: M | None = None
         try:
             while (remaining := deadline - time.monotonic()) > 0:
