@@ -86,6 +86,13 @@ _INDEX_KINDS: dict[str, qe.PayloadSchemaType] = {
 # "Figures behind the code": "Edge index built every threshold").
 INDEX_THRESHOLD = 10_000
 
+# Largest segment (KiB of vectors) a build merges new points into. Uncapped, the engine lets a
+# segment grow to 256 MB per core, so on 2 cores a build merges 10k new points into a
+# 300k-point segment and rebuilds its whole graph: a 145-193 s pause; capped here (~100k
+# 384-dim vectors a segment), a build re-indexes at most one such segment
+# (docs/benchmarks.md, "Figures behind the code": "Edge segments capped").
+MAX_SEGMENT_KB = 150_000
+
 
 class EdgeStore:
     """`VectorStore` on Qdrant Edge shards under `root` (`root/<collection>`)."""
@@ -430,10 +437,9 @@ def _open_or_create(path: Path, dim: int, index_threshold: int = 0) -> qe.EdgeSh
         return qe.EdgeShard.load(str(path))
     # The engine's own threshold (in KiB of vectors) set to ours, so a build we start does
     # index; shards made without it keep the engine's default.
-    optimizers = (
-        qe.EdgeOptimizersConfig(indexing_threshold=math.ceil(index_threshold * dim * 4 / 1024))
-        if index_threshold
-        else None
+    optimizers = qe.EdgeOptimizersConfig(
+        indexing_threshold=math.ceil(index_threshold * dim * 4 / 1024) if index_threshold else None,
+        max_segment_size=MAX_SEGMENT_KB,
     )
     config = qe.EdgeConfig(
         vectors={
