@@ -22,7 +22,8 @@ embedded for real.
 `--ingest DOCS` then uploads the corpus's first DOCS documents through REST into the full
 KB and into an empty one, in alternating blocks, and prints the chunks/s of each.
 `--alternate` serves two grown data dirs at once (each from this checkout or another, for
-before / after figures of a change) and compares their hybrid p50 query by query.
+before / after figures of a change) and compares their hybrid, dense and keyword p50 and p99
+query by query.
 """
 
 from __future__ import annotations
@@ -290,31 +291,37 @@ def fmt(m: dict[str, float]) -> str:
 
 
 def alternate(sides: list[tuple[Path, Path]], queries: list[str], n: int) -> None:
-    """Two stacks (data dir, checkout) at once, hybrid searches at concurrency 1 alternating
-    query by query (which side goes first swapping each round), after each has answered
-    the same warm-up and read its document ids: the ratio of their p50s holds whatever the
-    machine's load does meanwhile."""
+    """Two stacks (data dir, checkout) at once, hybrid, dense and keyword searches at
+    concurrency 1 alternating query by query (which side goes first swapping each round),
+    after each has answered the same warm-up and read its document ids: the ratio of their
+    p50s holds whatever the machine's load does meanwhile."""
+    modes = ("hybrid", "dense", "keyword")
     pool = distinct(queries, 2 * n + 400)
     with contextlib.ExitStack() as stack:
         bases = [stack.enter_context(kbmesh_up_at(d, root=r)) for d, r in sides]
         clients = [stack.enter_context(httpx.Client(base_url=b, timeout=60)) for b in bases]
-        times: list[list[float]] = [[], []]
+        times: dict[str, list[list[float]]] = {mode: [[], []] for mode in modes}
         for i, query in enumerate(pool):
             if i == 200:
                 for base in bases:
                     wait_for_document_ids(base, timeout=900)
-            for side in (0, 1) if i % 2 == 0 else (1, 0):
-                started = time.perf_counter()
-                body = {"query": query, "kb_ids": [KB], "top_k": 10}
-                clients[side].post("/v1/search", json=body).raise_for_status()
-                if i >= 400:  # after the warm-up and the document ids' read
-                    times[side].append(time.perf_counter() - started)
-    p50 = [statistics.median(t) * 1000 for t in times]
-    p99 = [sorted(t)[int(len(t) * 0.99) - 1] * 1000 for t in times]
+            for mode in modes:
+                for side in (0, 1) if i % 2 == 0 else (1, 0):
+                    started = time.perf_counter()
+                    body = {"query": query, "kb_ids": [KB], "top_k": 10, "mode": mode}
+                    clients[side].post("/v1/search", json=body).raise_for_status()
+                    if i >= 400:  # after the warm-up and the document ids' read
+                        times[mode][side].append(time.perf_counter() - started)
     print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {machine()}")
-    for (data, root), a, b in zip(sides, p50, p99, strict=True):
-        print(f"| {data} ({root}) | hybrid c1 p50 {a:.1f} ms | p99 {b:.1f} ms |")
-    print(f"p50 ratio second / first: {p50[1] / p50[0]:.3f}  ({len(times[0])} queries each)")
+    for mode in modes:
+        p50 = [statistics.median(t) * 1000 for t in times[mode]]
+        p99 = [sorted(t)[int(len(t) * 0.99) - 1] * 1000 for t in times[mode]]
+        for (data, root), a, b in zip(sides, p50, p99, strict=True):
+            print(f"| {data} ({root}) | {mode} c1 p50 {a:.1f} ms | p99 {b:.1f} ms |")
+        print(
+            f"{mode} p50 ratio second / first: {p50[1] / p50[0]:.3f}, "
+            f"p99 {p99[1] / p99[0]:.3f}  ({len(times[mode][0])} queries each)"
+        )
 
 
 def machine() -> str:

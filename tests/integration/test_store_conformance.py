@@ -6,6 +6,7 @@ reachable. Each test runs through the public interface only, on a fresh uuid-nam
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -35,6 +36,7 @@ from services.common.store import (
     SparseVector,
     TermStats,
     VectorStore,
+    edge,
 )
 from services.common.store.base import DENSE, idf
 from services.common.store.edge import EdgeStore
@@ -717,6 +719,7 @@ _KILLED_WRITER = """
 import asyncio, os, signal, sys
 from pathlib import Path
 from services.common.store import ChunkPoint, Filter, Match, SparseVector
+from services.common.store import edge
 from services.common.store.edge import EdgeStore
 
 async def main() -> None:
@@ -960,3 +963,40 @@ async def test_edge_close_during_an_index_build_keeps_every_point(tmp_path: Path
         assert await reopened.count(name) == 310
     finally:
         await reopened.close()
+
+
+async def test_edge_shards_cap_their_segments(tmp_path: Path) -> None:
+    """A shard the store makes records the segment cap in its engine config, so every later
+    load (and every build) keeps it."""
+    store = EdgeStore(tmp_path / "shards")
+    name = f"kb_{uuid.uuid4().hex}"
+    try:
+        await store.ensure_collection(name, DIM)
+    finally:
+        await store.close()
+    config = json.loads((tmp_path / "shards" / name / "edge_config.json").read_text())
+    assert config["optimizers"]["max_segment_size"] == edge.MAX_SEGMENT_KB
+
+
+async def test_edge_builds_leave_full_segments_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a segment holds the cap's worth of vectors, a later build indexes new points in a
+    segment of their own instead of re-indexing the full one with them; searches still see
+    every point."""
+    monkeypatch.setattr(edge, "MAX_SEGMENT_KB", 4)  # 128 vectors of 8 floats
+    store = EdgeStore(tmp_path / "shards", index_threshold=100)
+    name = f"kb_{uuid.uuid4().hex}"
+    points = _spread_points(0, 450)
+    try:
+        await store.ensure_collection(name, DIM)
+        for start in range(0, 450, 150):
+            await store.upsert(name, points[start : start + 150])
+            await store.settled()
+            assert await store.unindexed(name) == 0
+        assert store._shards[name].info().segments_count >= 3
+        assert await store.count(name) == 450
+        probe = Query(mode=Mode.dense, limit=10, filter=Filter(), dense=points[321].dense)
+        assert [h.id for h in await store.query(name, probe)] == _nearest(points, probe)
+    finally:
+        await store.close()

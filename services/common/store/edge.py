@@ -86,6 +86,14 @@ _INDEX_KINDS: dict[str, qe.PayloadSchemaType] = {
 # "Figures behind the code": "Edge index built every threshold").
 INDEX_THRESHOLD = 10_000
 
+# Largest segment (KiB of vectors) a build merges new points into. Uncapped, the engine lets
+# one grow to 256,000 KiB per indexing core and each build re-indexes all of it: 10k new points
+# on a 300k-point KB paused the process 145-193 s (2 cores). Capped, a segment fills at ~90k
+# 384-dim points: growing a KB to 300k, builds paused 26 s on average, 54 s at most; searching
+# 5 segments instead of 2 cost REST p50 hybrid +10 %, dense +27 % (recall@50 0.90 -> 0.975),
+# keyword none (docs/benchmarks.md, "Figures behind the code": "Edge segments capped").
+MAX_SEGMENT_KB = 150_000
+
 
 class EdgeStore:
     """`VectorStore` on Qdrant Edge shards under `root` (`root/<collection>`)."""
@@ -430,10 +438,9 @@ def _open_or_create(path: Path, dim: int, index_threshold: int = 0) -> qe.EdgeSh
         return qe.EdgeShard.load(str(path))
     # The engine's own threshold (in KiB of vectors) set to ours, so a build we start does
     # index; shards made without it keep the engine's default.
-    optimizers = (
-        qe.EdgeOptimizersConfig(indexing_threshold=math.ceil(index_threshold * dim * 4 / 1024))
-        if index_threshold
-        else None
+    optimizers = qe.EdgeOptimizersConfig(
+        indexing_threshold=math.ceil(index_threshold * dim * 4 / 1024) if index_threshold else None,
+        max_segment_size=MAX_SEGMENT_KB,
     )
     config = qe.EdgeConfig(
         vectors={
