@@ -88,7 +88,7 @@ from services.common.bus.registry import (
     Registries,
     Registry,
     TextStore,
-    current_entries,
+    read_current,
 )
 from services.common.domain.content import checksum, content_checksum
 from services.common.domain.ids import new_id
@@ -258,13 +258,7 @@ def _original(record: DocumentRecord) -> str:
 
 
 async def _entries(js: JetStreamContext, bucket: str) -> dict[str, bytes]:
-    kv = await js.key_value(bucket)
-    # Each watch is an ephemeral consumer on the server: let it expire quickly.
-    watcher = await kv.watch(">", inactive_threshold=5.0)
-    try:
-        return await current_entries(kv, watcher, ">")
-    finally:
-        await watcher.stop()
+    return await read_current(await js.key_value(bucket), ">")
 
 
 async def _document(

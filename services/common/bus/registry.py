@@ -227,39 +227,39 @@ class Registry(Generic[M]):
         finally:
             self._remember(key, None)
 
-    async def list(
-        self, prefix: str = "", *, fresh: bool = False, keep: Callable[[str], bool] | None = None
-    ) -> list[M]:
-        """Every value under `prefix` (a key prefix ending in '.') whose key `keep` accepts
-        (default: all); from the live mirror when there is one, unless `fresh`."""
-        if self._mirror is not None and not fresh:
-            return [
-                v
-                for k, v in list(self._mirror.items())
-                if k.startswith(prefix) and (keep is None or keep(k))
-            ]
-        pattern = f"{prefix}>" if prefix else ">"
-        # Each watch is an ephemeral consumer on the server: let it expire quickly.
-        watcher = await self.kv.watch(pattern, inactive_threshold=5.0)
-        try:
-            return list((await self._read_initial(watcher, pattern, keep)).values())
-        finally:
-            await watcher.stop()
+    async def matching(self, pattern: str) -> list[M]:
+        """Every value whose key matches the NATS subject `pattern` (`*` one token, `>` the
+        rest), read from the server."""
+        raw = await read_current(self.kv, pattern)
+        return [self.model.model_validate_json(v) for v in raw.values()]
 
-    async def _read_initial(
-        self, watcher: Any, pattern: str, keep: Callable[[str], bool] | None = None
-    ) -> dict[str, M]:
+    async def list(self, prefix: str = "", *, fresh: bool = False) -> list[M]:
+        """Every value under `prefix` (a key prefix ending in '.'); from the live mirror when
+        there is one, unless `fresh`."""
+        if self._mirror is not None and not fresh:
+            return [v for k, v in list(self._mirror.items()) if k.startswith(prefix)]
+        return await self.matching(f"{prefix}>" if prefix else ">")
+
+    async def _read_initial(self, watcher: Any, pattern: str) -> dict[str, M]:
         """The current values from a fresh watch of `pattern` (`current_entries`)."""
         raw = await current_entries(self.kv, watcher, pattern)
-        return {
-            k: self.model.model_validate_json(v) for k, v in raw.items() if keep is None or keep(k)
-        }
+        return {k: self.model.model_validate_json(v) for k, v in raw.items()}
 
     def _apply(self, values: dict[str, M], entry: Any) -> None:
         if entry.operation is None and entry.value:
             values[entry.key] = self.model.model_validate_json(entry.value)
         else:
             values.pop(entry.key, None)
+
+
+async def read_current(kv: KeyValue, pattern: str) -> dict[str, bytes]:
+    """The current value of every key matching `pattern`, through a short-lived watch (an
+    ephemeral consumer on the server, left to expire quickly)."""
+    watcher = await kv.watch(pattern, inactive_threshold=5.0)
+    try:
+        return await current_entries(kv, watcher, pattern)
+    finally:
+        await watcher.stop()
 
 
 async def current_entries(kv: KeyValue, watcher: Any, pattern: str) -> dict[str, bytes]:
@@ -497,11 +497,7 @@ class SourceRegistry:
     async def _definitions(self, pattern: str) -> list[Source]:
         # `<org>.<source>` is two tokens: the state and lease records under a source's key
         # (three) are not read at all.
-        watcher = await self.definitions.kv.watch(pattern, inactive_threshold=5.0)
-        try:
-            return list((await self.definitions._read_initial(watcher, pattern)).values())
-        finally:
-            await watcher.stop()
+        return await self.definitions.matching(pattern)
 
     async def remove(self, org_id: str, source_id: str) -> None:
         """Forget a source: its definition, state and lease (its documents are the caller's
