@@ -69,6 +69,7 @@ KB = "scale"
 PER_DOC = 10  # chunks a synthetic document holds
 BATCH = 1000  # points per upsert while loading
 TAIL = INDEX_THRESHOLD  # points added after the big build, indexed as a growing KB's are
+SEGMENT_POINTS = 90_000  # 384-dim points that fill one segment of `MAX_SEGMENT_KB`
 TWO_FILTERS = {"tags": ["team-3"], "source_ids": ["repo-3", "repo-1"]}
 
 
@@ -151,20 +152,28 @@ class Corpus:
 async def grow(
     shards: Path, name: str, corpus: Callable[[], Awaitable[Corpus]], kb_id: str, size: int
 ) -> dict:
-    """Load points until the KB's shard holds `size`, then build its index: all but the
-    last `TAIL` points at once, then those as the store's own builds take them in (every
-    `INDEX_THRESHOLD` new vectors), timed on their own: what a build costs a growing KB."""
+    """Load points until the KB's shard holds `size`, building its index a segment at a
+    time for all but the last `TAIL` points, then those as the store's own builds take
+    them in (every `INDEX_THRESHOLD` new vectors), timed on their own: what a build costs a
+    growing KB."""
     store = EdgeStore(shards, index_threshold=0)
+    loaded = built = 0.0
     try:
         have = await store.count(name)
         split = max(have, size - TAIL)
-        started = time.perf_counter()
-        for batch in (await corpus()).points(kb_id, have, split) if split > have else []:
-            await store.upsert(name, batch)
-        loaded = time.perf_counter() - started
-        started = time.perf_counter()
-        await store.optimize(name)
-        built = time.perf_counter() - started
+        # Built a capped segment's worth at a time, so the KB has the layout uploads give it
+        # (full segments of the store's cap, `MAX_SEGMENT_KB`); one build of everything would
+        # make one segment of any size, which no growing KB has.
+        for start in range(have, split, SEGMENT_POINTS):
+            started = time.perf_counter()
+            stop = min(split, start + SEGMENT_POINTS)
+            for batch in (await corpus()).points(kb_id, start, stop):
+                await store.upsert(name, batch)
+            loaded += time.perf_counter() - started
+            started = time.perf_counter()
+            await store.optimize(name)
+            built += time.perf_counter() - started
+            print(f"  {stop} points, index {built:.0f} s so far", flush=True)
         tail = None
         if size > split:
             for batch in (await corpus()).points(kb_id, split, size):
