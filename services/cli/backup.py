@@ -107,7 +107,7 @@ from services.common.messages.names import AUDIT_PREFIX, AUDIT_STREAM, KEYS_BUCK
 from services.common.ops.datadir import CURRENT_FORMAT, read_format
 from services.common.ops.files import replacing
 from services.common.settings import Settings
-from services.common.store import VectorStore
+from services.common.store import VectorStore, create_store
 from services.common.store.export import PointRow
 
 # 3: the vectors and the index entries (`kv/index`, `vectors/`), which a version 2 reader
@@ -834,7 +834,12 @@ async def restore(
     # Ingest and embed rebuild the index. The gateway is wired but never started (started,
     # it would add a default KB of its own beside the restored one).
     rt = await build_runtime(
-        settings, SERVICES, embedded_nats=data_dir is not None, embedders=embedders, store=store
+        settings,
+        SERVICES,
+        embedded_nats=data_dir is not None,
+        embedders=embedders,
+        # Nobody searches a restore's store: each segment is indexed once, when full.
+        store=store or create_store(settings, bulk=True),
     )
     written = False
     try:

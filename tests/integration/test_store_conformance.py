@@ -1000,3 +1000,36 @@ async def test_edge_builds_leave_full_segments_alone(
         assert [h.id for h in await store.query(name, probe)] == _nearest(points, probe)
     finally:
         await store.close()
+
+
+async def test_edge_bulk_load_builds_each_segment_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bulk load (a restore) leaves new points outside the index until a full segment's
+    worth waits, then builds it once; the shards it makes keep the usual threshold, so the
+    stack that serves them later builds every `index_threshold` again."""
+    monkeypatch.setattr(edge, "MAX_SEGMENT_KB", 4)  # 128 vectors of 8 floats
+    root = tmp_path / "shards"
+    name = f"kb_{uuid.uuid4().hex}"
+    points = _spread_points(0, 400)
+    bulk = EdgeStore(root, index_threshold=100, bulk=True)
+    try:
+        await bulk.ensure_collection(name, DIM)
+        await bulk.upsert(name, points[:120])
+        await bulk.settled()
+        assert await bulk.unindexed(name) == 120  # past the threshold, short of a segment
+        await bulk.upsert(name, points[120:140])
+        await bulk.settled()
+        assert await bulk.unindexed(name) == 0
+    finally:
+        await bulk.close()
+    served = EdgeStore(root, index_threshold=100)
+    try:
+        await served.upsert(name, points[140:300])
+        await served.settled()
+        assert await served.unindexed(name) == 0
+        assert await served.count(name) == 300
+        probe = Query(mode=Mode.dense, limit=10, filter=Filter(), dense=points[201].dense)
+        assert [h.id for h in await served.query(name, probe)] == _nearest(points[:300], probe)
+    finally:
+        await served.close()

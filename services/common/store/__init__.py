@@ -47,11 +47,13 @@ __all__ = [
 ]
 
 
-def create_store(settings: Settings) -> VectorStore:
+def create_store(settings: Settings, *, bulk: bool = False) -> VectorStore:
+    """The store the settings name. `bulk`: for a bulk load (a restore), which the embedded
+    store indexes a full segment at a time (the Qdrant server's own optimiser decides)."""
     if settings.qdrant_url:
         from services.common.store.server import ServerStore
 
         return ServerStore(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
     from services.common.store.edge import EdgeStore
 
-    return EdgeStore(settings.data_dir / "shards")
+    return EdgeStore(settings.data_dir / "shards", bulk=bulk)

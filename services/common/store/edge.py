@@ -98,10 +98,17 @@ MAX_SEGMENT_KB = 150_000
 class EdgeStore:
     """`VectorStore` on Qdrant Edge shards under `root` (`root/<collection>`)."""
 
-    def __init__(self, root: Path, *, index_threshold: int = INDEX_THRESHOLD) -> None:
+    def __init__(
+        self, root: Path, *, index_threshold: int = INDEX_THRESHOLD, bulk: bool = False
+    ) -> None:
         """`index_threshold`: dense vectors outside the HNSW index that start an index build
-        (0: never; `optimize` then is the caller's)."""
+        (0: never; `optimize` then is the caller's). `bulk`: a bulk load (a restore), where
+        nobody searches meanwhile: a build starts only once a full segment's worth of vectors
+        waits (`MAX_SEGMENT_KB`), so each segment is built once instead of re-built with every
+        `index_threshold` more; shards are still made with `index_threshold`, for later."""
         self._root = Path(root)
+        self._bulk = bulk
+        self._dims: dict[str, int] = {}
         self._shards: dict[str, qe.EdgeShard] = {}
         self._write_locks: dict[str, asyncio.Lock] = {}
         self._queued: dict[str, list[_Write]] = {}  # per shard, writes not yet committed
@@ -125,6 +132,7 @@ class EdgeStore:
             if shard is None:
                 shard = await asyncio.to_thread(_open_or_create, path, dim, self._index_threshold)
                 self._shards[name] = shard
+            self._dims[name] = dim
         async with self._write_lock(name):
             if self._shards.get(name) is not shard:  # dropped meanwhile
                 raise NotFound(f"collection {name} was dropped while being created")
@@ -138,6 +146,7 @@ class EdgeStore:
             # The write lock stays: writers queued on it must serialize with those of a
             # collection created again under the same name.
             shard = self._shards.pop(name, None)
+            self._dims.pop(name, None)
             await asyncio.to_thread(_close_and_remove, shard, path)
 
     async def collection_exists(self, name: str) -> bool:
@@ -400,9 +409,17 @@ class EdgeStore:
         if not self._index_threshold or self._closing or name in self._index_builds:
             return
         unindexed = _unindexed(_read(shard.info))  # counters only: cheap
-        if unindexed < max(self._index_threshold, self._index_floor.get(name, 0)):
+        if unindexed < max(self._build_threshold(name), self._index_floor.get(name, 0)):
             return
         self._index_builds[name] = asyncio.create_task(self._build_index(name, shard))
+
+    def _build_threshold(self, name: str) -> int:
+        """Vectors outside the index that start a build: `index_threshold`, or in a bulk load
+        a full segment of the shard's dimension (a shard it did not make: `index_threshold`)."""
+        dim = self._dims.get(name)
+        if not self._bulk or dim is None:
+            return self._index_threshold
+        return max(self._index_threshold, MAX_SEGMENT_KB * 1024 // (dim * 4))
 
     async def _build_index(self, name: str, shard: qe.EdgeShard) -> None:
         started = time.monotonic()
