@@ -23,6 +23,7 @@ from services.common.bus.registry import Registries
 from services.common.domain.errors import InvalidInput
 from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase
 from services.gateway.auth import Principal
+from services.gateway.catalog import DocumentSummary
 from services.gateway.schemas import KbDocumentView, KbStats, KbView, Page
 from services.gateway.service.access import visible
 from services.gateway.service.documents import Documents
@@ -112,7 +113,7 @@ class Resources:
         kbs = [k for k in await self.reg.kbs.of_org(p.org_id) if p.can_see(k.kb_id)]
         records = [
             r
-            for r in await self.reg.documents.of_org(p.org_id)
+            for r in self.documents.catalog.documents(p.org_id)
             if r.status == DocStatus.ready and visible(p, r)
         ]
         found = sorted(
@@ -162,7 +163,7 @@ def kb_info(kb: KnowledgeBase) -> ResourceInfo:
     )
 
 
-def document_info(record: DocumentRecord) -> ResourceInfo:
+def document_info(record: DocumentRecord | DocumentSummary) -> ResourceInfo:
     return ResourceInfo(
         uri=document_uri(record.document_id),
         name=record.name,
