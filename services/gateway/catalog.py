@@ -169,8 +169,10 @@ class Catalog:
         self._entries: dict[str, dict[str, EntrySummary]] = {}
         self._totals: dict[str, _Totals] = {}
         self._pairs: dict[str, Counter[_PairKey]] = {}
-        # KBs holding an entry of a document: org → document → KB ids.
-        self._entry_kbs: dict[str, dict[str, tuple[str, ...]]] = {}
+        # The KBs with entries, per org: where a changed document may have some. (An org
+        # has a few KBs, KBMESH_KB_LIMIT at most: looking in each costs less memory than
+        # an index per document.)
+        self._org_kbs: dict[str, set[str]] = {}
         self._kb_orgs: dict[str, str] = {}
         self._tag_sets: _Shared[tuple[str, ...], TagSet] = _Shared(
             lambda tags: TagSet(tags, frozenset(tags))
@@ -290,7 +292,8 @@ class Catalog:
         old = self.entry(kb_id, document_id)
         if _older(sequence, old.sequence if old else None):
             return
-        self._kb_orgs.setdefault(kb_id, sys.intern(entry.org_id))
+        org_id = self._kb_orgs.setdefault(kb_id, sys.intern(entry.org_id))
+        self._org_kbs.setdefault(org_id, set()).add(kb_id)
         new = EntrySummary(
             entry.revision, entry.settings_version, entry.chunk_count, entry.indexed_at, sequence
         )
@@ -341,7 +344,7 @@ class Catalog:
         old: DocumentSummary | None,
         new: DocumentSummary | None,
     ) -> None:
-        kb_ids = set(self._entry_kbs.get(org_id, {}).get(document_id, ()))
+        kb_ids = set(self._org_kbs.get(org_id, ()))
         for doc in (old, new):
             if doc is not None and doc.kb_errors:
                 kb_ids.update(doc.kb_errors)
@@ -395,7 +398,6 @@ class Catalog:
         totals = self._totals.setdefault(kb_id, _Totals())
         versions = totals.by_version
         entries = self._entries.setdefault(kb_id, {})
-        held = self._entry_kbs.setdefault(org_id, {})
         if old is not None:
             totals.entries -= 1
             totals.chunks -= old.chunk_count
@@ -405,21 +407,16 @@ class Catalog:
             totals.chunks += new.chunk_count
             versions[new.settings_version] += 1
             entries[document_id] = new
-            if old is None:
-                held[document_id] = (*held.get(document_id, ()), kb_id)
         else:
             entries.pop(document_id, None)
-            rest = tuple(k for k in held.get(document_id, ()) if k != kb_id)
-            if rest:
-                held[document_id] = rest
-            else:
-                held.pop(document_id, None)
         if not entries:
             del self._entries[kb_id]
             del self._totals[kb_id]
-            self._kb_orgs.pop(kb_id, None)
-        if not held:
-            del self._entry_kbs[org_id]
+            del self._kb_orgs[kb_id]
+            kbs = self._org_kbs[org_id]
+            kbs.discard(kb_id)
+            if not kbs:
+                del self._org_kbs[org_id]
 
     def _count_pair(self, kb_id: str, old: _PairKey | None, new: _PairKey | None) -> None:
         if old == new:

@@ -95,10 +95,8 @@ def test_figures_equal_a_count_of_the_records_after_any_changes(seed: int) -> No
     catalog = Catalog()
     docs: dict[str, DocumentRecord] = {}
     entries: dict[str, IndexEntry] = {}
-    sequence = 0
     held: dict[str, int] = {}  # key → the sequence of what the view holds
-    for _ in range(400):
-        sequence += 1
+    for sequence in range(1, 401):
         doc_id = f"d{rng.randint(0, 25)}"
         roll = rng.random()
         if roll < 0.35:
@@ -151,7 +149,7 @@ def test_figures_equal_a_count_of_the_records_after_any_changes(seed: int) -> No
         catalog.drop_entry(key, None)
     assert catalog.footprint() == {"documents": 0, "entries": 0, "tag_sets": 0}
     assert not catalog._pairs and not catalog._classes and not catalog._uris
-    assert not catalog._entry_kbs and not catalog._writers
+    assert not catalog._org_kbs and not catalog._kb_orgs and not catalog._writers
 
 
 def test_the_uri_index_names_every_document_with_the_uri() -> None:
