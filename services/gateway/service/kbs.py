@@ -371,15 +371,19 @@ class KnowledgeBases:
         members = self.catalog.members(kb)
         if name_search:
             members = [d for d in members if name_search.lower() in d.name.lower()]
-        members.sort(key=lambda d: d.created_at)
-        views = [
-            _kb_document_view(d, self.catalog.entry(kb.kb_id, d.document_id), kb) for d in members
-        ]
         if status is not None:
-            views = [v for v in views if v.status == status]
-        return Page[KbDocumentView](
-            items=views[skip : skip + limit], total=len(views), skip=skip, limit=limit
-        )
+            members = [
+                d
+                for d in members
+                if _kb_doc_status(d, self.catalog.entry(kb.kb_id, d.document_id), kb) == status
+            ]
+        members.sort(key=lambda d: d.created_at)
+        # Views only for the page: a KB of 100k documents pages through them in memory.
+        views = [
+            _kb_document_view(d, self.catalog.entry(kb.kb_id, d.document_id), kb)
+            for d in members[skip : skip + limit]
+        ]
+        return Page[KbDocumentView](items=views, total=len(members), skip=skip, limit=limit)
 
     async def view(self, kb: KnowledgeBase) -> KbView:
         figures = self.catalog.figures(kb)
