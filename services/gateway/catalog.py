@@ -184,6 +184,8 @@ class Catalog:
     async def start(self, registries: Registries) -> None:
         """Read both buckets and follow them (a start step: tried again after a failure,
         it follows what it does not follow yet; values fed twice replace themselves)."""
+        # One after the other: both at once take longer here, and a gateway that falls
+        # behind two streams at once risks being cut off as a slow consumer.
         if self._registries is None:
             await registries.documents.follow(_DocumentFeed(self))
             self._registries = registries
