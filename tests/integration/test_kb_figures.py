@@ -338,3 +338,30 @@ async def test_a_second_gateway_sees_the_first_ones_writes(stack, tmp_path):
 
         await wait_until(gone_here, timeout=SEEN_WITHIN, what="the delete")
         assert await figures(other, kb_id) == await figures(client, kb_id)
+
+
+async def test_an_unreadable_value_does_not_stop_the_view(stack, tmp_path):
+    """A value in the `documents` bucket that is no document record (written by hand, or by
+    a broken publisher) is left out of a gateway's view, whether it is there when the
+    gateway starts or comes while it runs, and the view goes on following the bucket: a
+    document uploaded after it shows in another gateway's listing (which only its watch
+    can tell it)."""
+    rt, client = stack
+    keys = [f"{rt.settings.default_org}.{uid()}{uid()}" for _ in range(2)]
+    async with as_operator(rt) as nc:
+        bucket = await nc.jetstream().key_value("documents")
+        await bucket.put(keys[0], b"{not a record")
+        try:
+            async with second_gateway(rt, tmp_path) as other:
+                await bucket.put(keys[1], b"[]")
+                kb = await create_kb(client)
+                made = await upload(client, "after.md", "After bad values.", kb_id=kb["kb_id"])
+
+                async def listed() -> bool:
+                    r = await other.get(f"/v1/kbs/{kb['kb_id']}/documents")
+                    return [d["document_id"] for d in r.json()["items"]] == [made["document_id"]]
+
+                await wait_until(listed, timeout=SEEN_WITHIN, what="the later upload listed")
+        finally:
+            for key in keys:
+                await bucket.purge(key)

@@ -16,6 +16,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, BinaryIO, Generic, Protocol, TypeVar
@@ -25,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TEMPLATE, ObjectStore
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 
 from services.common.domain.errors import Conflict, Raced, Transient
@@ -35,6 +36,7 @@ from services.common.domain.sources import Source, SourceLease, SourceSecrets, S
 from services.common.messages.answers import Prompt
 from services.common.messages.names import SOURCE_SECRETS_BUCKET, SOURCES_BUCKET
 
+log = logging.getLogger("kbmesh.registry")
 M = TypeVar("M", bound=BaseModel)
 M_contra = TypeVar("M_contra", bound=BaseModel, contravariant=True)
 T = TypeVar("T")
@@ -157,8 +159,21 @@ class Registry(Generic[M]):
         watcher = await self.kv.watch(">", inactive_threshold=60.0)
 
         def apply(entry: Any) -> None:
+            value = None
             if entry.operation is None and entry.value:
-                follower.put(entry.key, self.model.model_validate_json(entry.value), entry.revision)
+                try:
+                    value = self.model.model_validate_json(entry.value)
+                except ValidationError as err:
+                    # One value that does not parse must not stop the view: it reads as
+                    # absent (as it does to `get`'s callers, who get the error).
+                    log.warning(
+                        "registry_value_unreadable bucket=%s key=%s error=%s",
+                        self.kv._name,
+                        entry.key,
+                        str(err)[:300],
+                    )
+            if value is not None:
+                follower.put(entry.key, value, entry.revision)
             else:
                 follower.drop(entry.key, entry.revision)
             following.reached(entry.revision)
