@@ -2,9 +2,10 @@
 (`Registry.follow`): per document the few fields that listings, filters, scopes and KB
 membership use; per KB its index entries' figures; and running counts from which a KB's
 view, stats and progress are summed in time that grows with the number of distinct tag
-sets, not with the number of documents. Every change costs O(1) (times the few KBs one
-document is indexed in). Nothing here reads a bucket per request; a decision that needs
-the server's truth first waits for the view to catch up (`settled`).
+sets, not with the number of documents. A change costs constant time (an entry's), or a
+look into each of its org's KBs (a document's). Nothing here reads a bucket per request;
+a decision that needs the server's truth first waits for the view to catch up
+(`settled`).
 
 Membership is by tags and a KB's tags may change at any time, so no count is kept per KB
 for its members: documents are counted per (tag set, status), and the facts that belong to
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Generic, TypeVar
@@ -267,7 +268,7 @@ class Catalog:
         )
 
     def footprint(self) -> dict[str, int]:
-        """How much the view holds (for the operator's figures and the tests)."""
+        """How much the view holds (for tests and benchmarks)."""
         return {
             "documents": sum(len(d) for d in self._docs.values()),
             "entries": sum(len(e) for e in self._entries.values()),
@@ -479,7 +480,3 @@ def _less(counts: Counter[K], key: K) -> None:
     counts[key] -= 1
     if counts[key] <= 0:
         del counts[key]
-
-
-def sorted_by_creation(docs: Iterable[DocumentSummary]) -> list[DocumentSummary]:
-    return sorted(docs, key=lambda d: d.created_at)
