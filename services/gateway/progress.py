@@ -14,50 +14,31 @@ from typing import Any
 
 from sse_starlette import ServerSentEvent
 
-from services.common.domain.models import (
-    DocStatus,
-    DocumentRecord,
-    IndexEntry,
-    KBStatus,
-    KnowledgeBase,
-)
+from services.common.domain.models import KBStatus, KnowledgeBase
 from services.common.messages.events import DocFailed, DocIndexed, KbChanged
+from services.gateway.catalog import KbFigures
 from services.gateway.schemas import KbProgress, ReindexProgress
 
 # Idle streams get a comment this often, so proxies and clients keep them open.
 KEEPALIVE_SECONDS = 15.0
-# Snapshots are recomputed at most this often while events pour in (each reads the registry).
+# Snapshots are recomputed at most this often while events pour in.
 SNAPSHOT_EVERY_SECONDS = 0.25
 
 
-def kb_progress(
-    kb: KnowledgeBase, entries: list[IndexEntry], members: list[DocumentRecord]
-) -> KbProgress:
-    """Where a KB's documents stand. `members` are the documents whose tags match it."""
-    by_doc = {e.document_id: e for e in entries}
-    indexed = failed = 0
-    rebuild_total = rebuild_done = 0
-    for d in members:
-        entry = by_doc.get(d.document_id)
-        if d.status == DocStatus.failed or kb.kb_id in d.kb_errors:
-            failed += 1
-            continue
-        if entry is not None and entry.revision >= d.revision:
-            indexed += 1
-        if d.status == DocStatus.ready:
-            rebuild_total += 1
-            if entry is not None and entry.settings_version == kb.settings_version:
-                rebuild_done += 1
+def kb_progress(kb: KnowledgeBase, figures: KbFigures) -> KbProgress:
+    """Where a KB's documents stand (`figures`: the gateway's live counts, catalog.py)."""
     reindex = None
     if kb.status == KBStatus.pending_reindex:
         reindex = ReindexProgress(
-            settings_version=kb.settings_version, done=rebuild_done, total=rebuild_total
+            settings_version=kb.settings_version,
+            done=figures.rebuild_done,
+            total=figures.rebuild_total,
         )
     return KbProgress(
-        total=len(members),
-        indexed=indexed,
-        pending=len(members) - indexed - failed,
-        failed=failed,
+        total=figures.members,
+        indexed=figures.indexed,
+        pending=figures.members - figures.indexed - figures.failed,
+        failed=figures.failed,
         reindex=reindex,
     )
 

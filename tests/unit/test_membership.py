@@ -14,6 +14,7 @@ from services.common.domain.errors import InvalidInput, TooLarge
 from services.common.domain.models import KnowledgeBase, join_tags, kb_tag, split_tags
 from services.common.settings import Settings
 from services.gateway.auth import KeyResolver, Unauthorized, hash_key
+from services.gateway.catalog import Catalog
 from services.gateway.schemas import KbCreate
 from services.gateway.service import KnowledgeBases, checked_kb
 
@@ -102,7 +103,7 @@ def test_request_model_rejects_out_of_range_settings(body):
 def test_default_kb_ids_are_unique_per_org():
     """The default org keeps `default` as its default KB's id; every other org gets a
     stable id of its own, so no two orgs share a collection or index entries."""
-    kbs = KnowledgeBases(None, None, Settings(default_org="local"))  # type: ignore[arg-type]
+    kbs = KnowledgeBases(None, None, Settings(default_org="local"), Catalog())  # type: ignore[arg-type]
     assert kbs.default_id("local") == "default"
     a, b = kbs.default_id("org-a"), kbs.default_id("org-b")
     assert len({a, b, "default"}) == 3

@@ -36,9 +36,12 @@ class Index:
             chunk_count=7,
         )
 
+    async def settled(self) -> bool:
+        return True  # nothing follows this registry: nothing to catch up with
+
 
 def wait(index: Index, events: Events, seconds: float = 10.0) -> Any:
-    w = Waiting(SimpleNamespace(index=index), seconds)  # type: ignore[arg-type]
+    w = Waiting(SimpleNamespace(index=index, documents=index), seconds)  # type: ignore[arg-type]
     return w.indexed(events, "o", "d1", {"kb"}, set(), 1, time.monotonic() + seconds)
 
 

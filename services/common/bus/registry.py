@@ -16,16 +16,17 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, BinaryIO, Generic, TypeVar
+from typing import Any, BinaryIO, Generic, Protocol, TypeVar
 
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TEMPLATE, ObjectStore
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 
 from services.common.domain.errors import Conflict, Raced, Transient
@@ -35,13 +36,19 @@ from services.common.domain.sources import Source, SourceLease, SourceSecrets, S
 from services.common.messages.answers import Prompt
 from services.common.messages.names import SOURCE_SECRETS_BUCKET, SOURCES_BUCKET
 
+log = logging.getLogger("kbmesh.registry")
 M = TypeVar("M", bound=BaseModel)
+M_contra = TypeVar("M_contra", bound=BaseModel, contravariant=True)
 T = TypeVar("T")
 CAS_ATTEMPTS = 20
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed compare-and-set
 
 
 _WATCH_RECHECK_SECONDS = 1.0
+# How long a decision that needs the server's truth waits for a live view to catch up with
+# its bucket (`Registry.settled`); a watch delivers in milliseconds unless the gateway is
+# swamped, and then the view answers as it stands.
+SETTLE_SECONDS = 5.0
 # How long the server keeps a wait's watch consumer once nobody listens on it. While the
 # wait runs its subscription keeps the consumer alive whatever this is; after it ends the
 # consumer is garbage, and kept for the whole wait timeout a burst of `wait=true` uploads
@@ -73,38 +80,140 @@ async def compare_and_set(
         raise exhausted(f"{what} keeps changing concurrently; try again") from err
 
 
+class Follower(Protocol[M_contra]):
+    """A live view of a bucket that `Registry.follow` feeds: every value the bucket holds,
+    then every change, as the watch delivers it (`revision`: the stream sequence), and the
+    registry's own writes at once (`revision` of a put; None for a delete, whose sequence
+    nats-py does not report). A view that keeps revisions can tell a late delivery of an
+    older value from a newer one; one that does not simply takes the last."""
+
+    def put(self, key: str, value: M_contra, revision: int | None) -> None: ...
+
+    def drop(self, key: str, revision: int | None) -> None: ...
+
+
+class _Copy(Generic[M]):
+    """The plain live copy of a bucket (`Registry.mirror`)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, M] = {}
+
+    def put(self, key: str, value: M, revision: int | None) -> None:
+        self.values[key] = value
+
+    def drop(self, key: str, revision: int | None) -> None:
+        self.values.pop(key, None)
+
+
+class _Following(Generic[M]):
+    """One follower's watch: where it has got to in the bucket's stream, and who waits for
+    it to get further (`Registry.settled`)."""
+
+    def __init__(self, follower: Follower[M]) -> None:
+        self.follower = follower
+        self.sequence = 0
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
+        self.task: asyncio.Task[None] | None = None
+
+    def reached(self, sequence: int) -> None:
+        self.sequence = max(self.sequence, sequence)
+        if self._waiting:
+            done = [(s, f) for s, f in self._waiting if s <= self.sequence]
+            for s, future in done:
+                self._waiting.remove((s, future))
+                if not future.done():
+                    future.set_result(None)
+
+    async def reach(self, sequence: int) -> None:
+        if self.sequence >= sequence:
+            return
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((sequence, future))
+        try:
+            await future
+        finally:
+            if (sequence, future) in self._waiting:
+                self._waiting.remove((sequence, future))
+
+
 class Registry(Generic[M]):
     def __init__(self, kv: KeyValue, model: type[M]) -> None:
         self.kv = kv
         self.model = model
         self._mirror: dict[str, M] | None = None
-        self._mirror_task: asyncio.Task[None] | None = None
+        self._following: list[_Following[M]] = []
 
     async def mirror(self) -> None:
         """Keep a live in-memory copy of the bucket (for small buckets read on every
         request, like `kbs`): `list` then costs nothing and opens no consumer."""
         if self._mirror is not None:
             return
+        copy: _Copy[M] = _Copy()
+        await self.follow(copy)
+        self._mirror = copy.values
+
+    async def follow(self, follower: Follower[M]) -> None:
+        """Feed `follower` every value of the bucket, then every change, for as long as the
+        registry is open: one watch, read to the end before this returns."""
+        following = _Following(follower)
         watcher = await self.kv.watch(">", inactive_threshold=60.0)
+
+        def apply(entry: Any) -> None:
+            value = None
+            if entry.operation is None and entry.value:
+                try:
+                    value = self.model.model_validate_json(entry.value)
+                except ValidationError as err:
+                    # One value that does not parse must not stop the view: it reads as
+                    # absent (as it does to `get`'s callers, who get the error).
+                    log.warning(
+                        "registry_value_unreadable bucket=%s key=%s error=%s",
+                        self.kv._name,
+                        entry.key,
+                        str(err)[:300],
+                    )
+            if value is not None:
+                follower.put(entry.key, value, entry.revision)
+            else:
+                follower.drop(entry.key, entry.revision)
+            following.reached(entry.revision)
+
         try:
-            self._mirror = await self._read_initial(watcher, ">")
+            await replay(self.kv, watcher, ">", apply)
         except BaseException:
             # A start retries this while JetStream fails over: leave no watch behind.
             await watcher.stop()
             raise
 
         async def follow() -> None:
-            assert self._mirror is not None
             try:
                 async for entry in watcher:
-                    if entry is None:
-                        continue
-                    self._apply(self._mirror, entry)
+                    if entry is not None:
+                        apply(entry)
             finally:  # closed (also when a start's later step failed and is tried again)
                 with contextlib.suppress(Exception):
                     await watcher.stop()
 
-        self._mirror_task = asyncio.create_task(follow())
+        following.task = asyncio.create_task(follow())
+        self._following.append(following)
+
+    async def settled(self, timeout: float = SETTLE_SECONDS) -> bool:
+        """Wait until every follower has what the bucket holds now: one request for the
+        stream's last sequence, then the watch's delivery up to it. For decisions that need
+        the server's truth (a write deciding on what exists); False when the watch lags
+        beyond `timeout`, and the followers then answer with what they have."""
+        if not self._following:
+            return True
+        state = (await self.kv._js.stream_info(self.kv._stream)).state
+        if state.messages == 0:
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                for following in self._following:
+                    await following.reach(state.last_seq)
+        except TimeoutError:
+            return False
+        return True
 
     @property
     def mirrored(self) -> bool:
@@ -112,9 +221,10 @@ class Registry(Generic[M]):
         return self._mirror is not None
 
     async def close(self) -> None:
-        if self._mirror_task is not None:
-            self._mirror_task.cancel()
-            self._mirror_task = None
+        for following in self._following:
+            if following.task is not None:
+                following.task.cancel()
+        self._following = []
 
     async def get(self, key: str) -> M | None:
         found = await self.get_versioned(key)
@@ -131,23 +241,23 @@ class Registry(Generic[M]):
 
     async def put(self, key: str, value: M) -> int:
         revision = await self.kv.put(key, value.model_dump_json().encode())
-        self._remember(key, value)
+        self._remember(key, value, revision)
         return revision
 
-    def _remember(self, key: str, value: M | None) -> None:
-        """Our own writes show in our mirror at once (read-your-writes in-process)."""
-        if self._mirror is not None:
+    def _remember(self, key: str, value: M | None, revision: int | None = None) -> None:
+        """Our own writes show in our followers at once (read-your-writes in-process)."""
+        for following in self._following:
             if value is None:
-                self._mirror.pop(key, None)
+                following.follower.drop(key, None)
             else:
-                self._mirror[key] = value
+                following.follower.put(key, value, revision)
 
     async def create(self, key: str, value: M) -> int:
         try:
             revision = await self.kv.create(key, value.model_dump_json().encode())
         except KeyWrongLastSequenceError as err:
             raise Raced(f"{key} already exists") from err
-        self._remember(key, value)
+        self._remember(key, value, revision)
         return revision
 
     async def update(self, key: str, value: M, last: int) -> int:
@@ -156,7 +266,7 @@ class Registry(Generic[M]):
             revision = await self.kv.update(key, value.model_dump_json().encode(), last=last)
         except KeyWrongLastSequenceError as err:
             raise Raced(f"{key} changed concurrently") from err
-        self._remember(key, value)
+        self._remember(key, value, revision)
         return revision
 
     async def delete_unchanged(self, key: str, last: int) -> None:
@@ -240,51 +350,48 @@ class Registry(Generic[M]):
             return [v for k, v in list(self._mirror.items()) if k.startswith(prefix)]
         return await self.matching(f"{prefix}>" if prefix else ">")
 
-    async def _read_initial(self, watcher: Any, pattern: str) -> dict[str, M]:
-        """The current values from a fresh watch of `pattern` (`current_entries`)."""
-        raw = await current_entries(self.kv, watcher, pattern)
-        return {k: self.model.model_validate_json(v) for k, v in raw.items()}
-
-    def _apply(self, values: dict[str, M], entry: Any) -> None:
-        if entry.operation is None and entry.value:
-            values[entry.key] = self.model.model_validate_json(entry.value)
-        else:
-            values.pop(entry.key, None)
-
 
 async def read_current(kv: KeyValue, pattern: str) -> dict[str, bytes]:
     """The current value of every key matching `pattern`, through a short-lived watch (an
     ephemeral consumer on the server, left to expire quickly)."""
+    found: dict[str, bytes] = {}
+
+    def keep(entry: Any) -> None:
+        if entry.operation is None and entry.value:
+            found[entry.key] = entry.value
+        else:
+            found.pop(entry.key, None)
+
     watcher = await kv.watch(pattern, inactive_threshold=5.0)
     try:
-        return await current_entries(kv, watcher, pattern)
+        await replay(kv, watcher, pattern, keep)
     finally:
         await watcher.stop()
+    return found
 
 
-async def current_entries(kv: KeyValue, watcher: Any, pattern: str) -> dict[str, bytes]:
-    """The current value of every key under `pattern`, read from `watcher` (a fresh watch of
-    it that includes deletes).
+async def replay(kv: KeyValue, watcher: Any, pattern: str, apply: Callable[[Any], None]) -> None:
+    """Hand `apply` every entry of a fresh watch of `pattern` (one that includes deletes) up
+    to the bucket's current state.
 
     nats-py's "no more values" marker can fire before values already on the wire are handled
     (`kv.keys()` then answers nothing at all), so the marker is only trusted once the stream
     confirms there is nothing under the pattern; otherwise the read goes on until the
     consumer reports nothing pending. Deletes are watched too, so that the last message
     always ends the read."""
-    found: dict[str, bytes] = {}
     while True:
-        entry = await watcher.updates(timeout=10.0)
+        # What has arrived already is taken as it is; a timer only guards a wait (a bucket
+        # of 100k values otherwise spends a fifth of its read arming timers).
+        queue = watcher._updates
+        entry = queue.get_nowait() if queue.qsize() else await watcher.updates(timeout=10.0)
         if entry is None:
             info = await kv._js.stream_info(kv._stream, subjects_filter=f"$KV.{kv._name}.{pattern}")
             if not info.state.subjects:
-                return found
+                return
             continue
-        if entry.operation is None and entry.value:
-            found[entry.key] = entry.value
-        else:
-            found.pop(entry.key, None)
+        apply(entry)
         if entry.delta == 0:
-            return found
+            return
 
 
 # A chunk of an object that does not arrive within this long was purged by a replacement.

@@ -361,25 +361,36 @@ class DocumentRecord(BaseModel):
         """Whether any kept revision was written by the writer `ref` names."""
         return any(w.writer.matches(ref) for w in self.writers)
 
-    def writable_in(self, scope: list[str] | tuple[str, ...] | None) -> bool:
+    def writable_in(self, scope: Collection[str] | None) -> bool:
         """Whether such a key may replace or change it: visible, and in no KB outside scope."""
-        if scope is None:
-            return True
-        outside = {t.removeprefix(KB_TAG_PREFIX) for t in self.tags if t.startswith(KB_TAG_PREFIX)}
-        return self.in_scope(scope) and (set(self.kb_ids) | outside) <= set(scope)
+        return document_writable_in(self.tags, self.kb_ids, scope)
 
     @property
     def text_object(self) -> str:
         return f"{self.org_id}/{self.document_id}/text"
 
     def in_scope(self, kb_ids: Collection[str] | None) -> bool:
-        """Whether a caller limited to `kb_ids` (None: every KB) may see this document: it
-        is in one of them, or tagged into one."""
-        return (
-            kb_ids is None
-            or bool(set(kb_ids) & set(self.kb_ids))
-            or any(kb_tag(k) in self.tags for k in kb_ids)
-        )
+        """Whether a caller limited to `kb_ids` (None: every KB) may see this document."""
+        return document_in_scope(self.tags, self.kb_ids, kb_ids)
+
+
+def document_in_scope(
+    tags: Collection[str], kb_ids: Collection[str], scope: Collection[str] | None
+) -> bool:
+    """Whether a caller limited to the KBs `scope` (None: every KB) may see a document with
+    these `tags` in these `kb_ids`: it is in one of them, or tagged into one."""
+    return scope is None or bool(set(scope) & set(kb_ids)) or any(kb_tag(k) in tags for k in scope)
+
+
+def document_writable_in(
+    tags: Collection[str], kb_ids: Collection[str], scope: Collection[str] | None
+) -> bool:
+    """Whether a caller limited to `scope` may replace or change such a document: visible,
+    and in no KB outside its scope."""
+    if scope is None:
+        return True
+    outside = {t.removeprefix(KB_TAG_PREFIX) for t in tags if t.startswith(KB_TAG_PREFIX)}
+    return document_in_scope(tags, kb_ids, scope) and (set(kb_ids) | outside) <= set(scope)
 
 
 class IndexEntry(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from services.common.bus.client import Bus
 from services.common.bus.registry import Registries
 from services.common.settings import Settings
+from services.gateway.catalog import Catalog
 from services.gateway.progress import ProgressFeed
 from services.gateway.service.answers import Answers
 from services.gateway.service.audit import AuditLog
@@ -44,7 +45,8 @@ class GatewayService:
         self.reg = registries
         self.settings = settings
         self.waiting = Waiting(registries, settings.wait_timeout_seconds)
-        self.kbs = KnowledgeBases(bus, registries, settings)
+        self.catalog = Catalog()
+        self.kbs = KnowledgeBases(bus, registries, settings, self.catalog)
         self.documents = Documents(bus, registries, settings, self.kbs, self.waiting)
         self.resources = Resources(registries, self.kbs, self.documents)
         self.search = Search(bus, self.kbs, timeout_seconds=settings.search.timeout_seconds)
@@ -55,9 +57,11 @@ class GatewayService:
         self.sources = Sources(bus, registries, self.kbs, settings)
 
     async def start(self) -> None:
-        """Make sure the default org has its KB (the notifications the gateway follows come
-        from its bus subscribers, handlers.py). A step of the process's start: it waits out a
-        bus that is failing over."""
+        """Read the documents and index entries into the live view and follow them, and make
+        sure the default org has its KB (the notifications the gateway follows come from its
+        bus subscribers, handlers.py). Steps of the process's start: each waits out a bus
+        that is failing over."""
+        await self.bus.starting("document and index view", lambda: self.catalog.start(self.reg))
         await self.bus.starting(
             "default knowledge base", lambda: self.kbs.ensure_default(self.settings.default_org)
         )

@@ -12,9 +12,10 @@ from services.common.domain.errors import Forbidden, NotFound
 from services.common.domain.ids import is_id
 from services.common.domain.models import KB_TAG_PREFIX, DocumentRecord, KnowledgeBase
 from services.gateway.auth import Principal
+from services.gateway.catalog import DocumentSummary
 
 
-def visible(p: Principal, record: DocumentRecord) -> bool:
+def visible(p: Principal, record: DocumentRecord | DocumentSummary) -> bool:
     return record.in_scope(p.kb_ids)
 
 

@@ -39,6 +39,7 @@ from services.common.messages.names import Subject
 from services.common.outbound.fetch import fetch_url
 from services.common.settings import Settings
 from services.gateway.auth import Principal
+from services.gateway.catalog import DocumentSummary
 from services.gateway.fetch import read_path
 from services.gateway.schemas import (
     MIME_TYPES,
@@ -105,6 +106,7 @@ class Documents:
         self.reg = registries
         self.settings = settings
         self.kbs = kbs
+        self.catalog = kbs.catalog
         self.waiting = waiting
 
     async def upload(
@@ -254,11 +256,14 @@ class Documents:
 
     async def _same_uri(self, p: Principal, uri: str, kb: KnowledgeBase | None) -> str | None:
         """The document to replace: the one with this uri in `kb` (else among all the
-        caller sees). Several are ambiguous: the caller must say which (document_id)."""
+        caller sees). Several are ambiguous: the caller must say which (document_id).
+        Looked up once the view holds what the bucket holds: a document uploaded a moment
+        ago, through another gateway too, is replaced rather than doubled."""
+        await self.catalog.settled()
         found = [
             r
-            for r in await self.reg.documents.of_org(p.org_id)
-            if r.uri == uri and visible(p, r) and (kb is None or kb.matches(r.tags))
+            for r in self.catalog.with_uri(p.org_id, uri)
+            if visible(p, r) and (kb is None or kb.matches(r.tags))
         ]
         if len(found) > 1:
             ids = ", ".join(sorted(r.document_id for r in found))
@@ -274,10 +279,12 @@ class Documents:
         A uri or name that several documents share is ambiguous: Conflict, listing them."""
         with contextlib.suppress(NotFound):
             return await self._record(p, ref)
-        records = [r for r in await self.reg.documents.of_org(p.org_id) if visible(p, r)]
         for what, matches in (
-            ("uri", [r for r in records if r.uri == ref]),
-            ("name", [r for r in records if r.name == ref]),
+            ("uri", [r for r in self.catalog.with_uri(p.org_id, ref) if visible(p, r)]),
+            (
+                "name",
+                [r for r in self.catalog.documents(p.org_id) if r.name == ref and visible(p, r)],
+            ),
         ):
             if len(matches) > 1:
                 ids = ", ".join(sorted(r.document_id for r in matches))
@@ -287,7 +294,7 @@ class Documents:
                     field="document_id",
                 )
             if matches:
-                return matches[0]
+                return await self.reg.documents.get(matches[0].key)
         return None
 
     async def _publish_upload(self, event: DocUploaded) -> None:
@@ -388,10 +395,11 @@ class Documents:
         """`writer` (a key id, a key or publisher name, or local / bus / operator) keeps the
         documents any of whose kept revisions that writer wrote: how a planted document is
         found, and then removed."""
-        records = await self.reg.documents.of_org(p.org_id)
+        # Filtered and ordered in the live view; only the page's records are read.
         if kb:
-            kb_obj = await self.kbs.resolve(p, kb)
-            records = [r for r in records if kb_obj.matches(r.tags)]
+            records = self.catalog.members(await self.kbs.resolve(p, kb))
+        else:
+            records = list(self.catalog.documents(p.org_id))
         records = [r for r in records if visible(p, r)]
         if tag:
             records = [r for r in records if tag in r.tags]
@@ -404,8 +412,15 @@ class Documents:
         if writer:
             records = [r for r in records if r.written_by(writer)]
         records.sort(key=lambda r: r.created_at)
-        views = await asyncio.gather(*(self._view(r, p) for r in records[skip : skip + limit]))
+        shown = await self._records(records[skip : skip + limit])
+        views = await asyncio.gather(*(self._view(r, p) for r in shown))
         return Page[DocumentView](items=list(views), total=len(records), skip=skip, limit=limit)
+
+    async def _records(self, summaries: list[DocumentSummary]) -> list[DocumentRecord]:
+        """The whole records of these documents, read by key (those deleted meanwhile left
+        out)."""
+        found = await asyncio.gather(*(self.reg.documents.get(d.key) for d in summaries))
+        return [r for r in found if r is not None]
 
     async def patch(
         self, p: Principal, document_id: str, patch: DocumentPatch, *, wait: bool = True
@@ -522,11 +537,14 @@ class Documents:
         if not source_id.strip():
             raise InvalidInput("source_id must not be empty", field="source_id")
         # Only what the caller can see: a scoped key never learns of documents outside it.
-        records = [
-            r
-            for r in await self.reg.documents.of_org(p.org_id)
-            if r.source_id == source_id and visible(p, r)
-        ]
+        await self.catalog.settled()
+        records = await self._records(
+            [
+                r
+                for r in self.catalog.documents(p.org_id)
+                if r.source_id == source_id and visible(p, r)
+            ]
+        )
         for record in records:
             check_document_write(p, record)
         if records:

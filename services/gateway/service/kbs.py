@@ -24,8 +24,6 @@ from services.common.domain.models import (
     KB_TAG_PREFIX,
     MAX_NEIGHBORS,
     DocStatus,
-    DocumentRecord,
-    IndexEntry,
     KBStatus,
     KnowledgeBase,
     split_tags,
@@ -39,6 +37,7 @@ from services.common.outbound.egress import egress_policy
 from services.common.outbound.modelcalls import check_destination
 from services.common.settings import Settings
 from services.gateway.auth import Principal
+from services.gateway.catalog import Catalog, DocumentSummary, EntrySummary
 from services.gateway.modelcheck import check_model
 from services.gateway.progress import kb_progress
 from services.gateway.schemas import (
@@ -64,10 +63,13 @@ REINDEX_FIELDS = ("chunker", "chunk_size", "chunk_overlap", "embedding_model", "
 
 
 class KnowledgeBases:
-    def __init__(self, bus: Bus, registries: Registries, settings: Settings) -> None:
+    def __init__(
+        self, bus: Bus, registries: Registries, settings: Settings, catalog: Catalog
+    ) -> None:
         self.bus = bus
         self.reg = registries
         self.settings = settings
+        self.catalog = catalog
         self._locks: dict[str, asyncio.Lock] = {}
         self._audit_sink = audit_sink(lambda: bus.js)
 
@@ -213,7 +215,7 @@ class KnowledgeBases:
         update = {k: v for k, v in changes.items() if v is not None or k in nullable}
         added = sorted(set(update.get("tag_ids", kb.tag_ids)) - set(kb.tag_ids))
         check_kb_tags_in_scope(p, kb.kb_id, added)
-        indexed = bool(await self.reg.index.of_kb(kb.kb_id))
+        indexed = await self._indexed(kb.kb_id)
 
         def apply(current: KnowledgeBase) -> KnowledgeBase:
             updated = checked_kb({**current.model_dump(), **update})
@@ -291,7 +293,7 @@ class KnowledgeBases:
     async def reindex(self, p: Principal, ref: str, *, failed_only: bool = False) -> Ack:
         kb = await self.resolve(p, ref, write=True)
         if not failed_only:
-            indexed = bool(await self.reg.index.list(f"{kb.kb_id}."))
+            indexed = await self._indexed(kb.kb_id)
 
             def bump(current: KnowledgeBase) -> KnowledgeBase:
                 updated = current.model_copy(deep=True)
@@ -309,8 +311,14 @@ class KnowledgeBases:
                 org_id=p.org_id, kb_id=kb.kb_id, change="retry_failed" if failed_only else "reindex"
             ),
         )
-        members = [d for d in await self.reg.documents.of_org(p.org_id) if kb.matches(d.tags)]
-        return Ack(status="reindexing", kb_id=kb.kb_id, documents=len(members))
+        members = self.catalog.figures(kb).members
+        return Ack(status="reindexing", kb_id=kb.kb_id, documents=members)
+
+    async def _indexed(self, kb_id: str) -> bool:
+        """Whether the KB has index entries (then a settings change builds a new collection
+        while the current one serves): decided on the bucket as it stands now."""
+        await self.catalog.settled()
+        return self.catalog.indexed(kb_id) > 0
 
     async def cancel_reindex(self, p: Principal, ref: str) -> Ack:
         """Abandon the rebuild in progress: searches keep reading the collection they read,
@@ -335,28 +343,19 @@ class KnowledgeBases:
         return Ack(status="cancelled", kb_id=kb.kb_id)
 
     async def progress(self, kb: KnowledgeBase) -> KbProgress:
-        return kb_progress(kb, *await self._state(kb))
+        return kb_progress(kb, self.catalog.figures(kb))
 
     async def stats(self, p: Principal, ref: str) -> KbStats:
         kb = await self.resolve(p, ref)
-        entries, members = await self._state(kb)
-        failed = [d for d in members if d.status == DocStatus.failed or kb.kb_id in d.kb_errors]
-        current = {e.document_id for e in entries if e.settings_version == kb.settings_version}
-        pending = [
-            d
-            for d in members
-            if d.status == DocStatus.ready
-            and d.document_id not in current
-            and kb.kb_id not in d.kb_errors
-        ]
+        figures = self.catalog.figures(kb)
         return KbStats(
             kb_id=kb.kb_id,
-            document_count=len(entries),
-            chunk_count=sum(e.chunk_count for e in entries),
-            total_documents_with_tags=len(members),
-            failed_count=len(failed),
-            pending_count=len(pending),
-            progress=kb_progress(kb, entries, members),
+            document_count=figures.entries,
+            chunk_count=figures.chunks,
+            total_documents_with_tags=figures.members,
+            failed_count=figures.failed,
+            pending_count=figures.pending,
+            progress=kb_progress(kb, figures),
         )
 
     async def documents(
@@ -369,41 +368,38 @@ class KnowledgeBases:
         status: str | None = None,
     ) -> Page[KbDocumentView]:
         kb = await self.resolve(p, ref)
-        entries, members = await self._state(kb)
-        by_doc = {e.document_id: e for e in entries}
+        members = self.catalog.members(kb)
         if name_search:
             members = [d for d in members if name_search.lower() in d.name.lower()]
-        members.sort(key=lambda d: d.created_at)
-        views = [_kb_document_view(d, by_doc.get(d.document_id), kb) for d in members]
         if status is not None:
-            views = [v for v in views if v.status == status]
-        return Page[KbDocumentView](
-            items=views[skip : skip + limit], total=len(views), skip=skip, limit=limit
-        )
+            members = [
+                d
+                for d in members
+                if _kb_doc_status(d, self.catalog.entry(kb.kb_id, d.document_id), kb) == status
+            ]
+        members.sort(key=lambda d: d.created_at)
+        # Views only for the page: a KB of 100k documents pages through them in memory.
+        views = [
+            _kb_document_view(d, self.catalog.entry(kb.kb_id, d.document_id), kb)
+            for d in members[skip : skip + limit]
+        ]
+        return Page[KbDocumentView](items=views, total=len(members), skip=skip, limit=limit)
 
     async def view(self, kb: KnowledgeBase) -> KbView:
-        entries, members = await self._state(kb)
+        figures = self.catalog.figures(kb)
         status = kb.status
-        behind = [e for e in entries if e.settings_version != kb.settings_version]
-        ready = [d for d in members if d.status == DocStatus.ready]
         # The stored status only records that a reindex was asked for; what is left to do
         # is read from the index entries.
-        if status == KBStatus.pending_reindex and not behind:
+        if status == KBStatus.pending_reindex and figures.current == figures.entries:
             status = KBStatus.active
-        if status == KBStatus.active and len(entries) < len(ready):
+        if status == KBStatus.active and figures.entries < figures.ready:
             status = KBStatus.indexing
         return KbView(
             **kb.model_dump(exclude={"org_id", "status"}),
             status=status,
-            document_count=len(entries),
-            chunk_count=sum(e.chunk_count for e in entries),
+            document_count=figures.entries,
+            chunk_count=figures.chunks,
         )
-
-    async def _state(self, kb: KnowledgeBase) -> tuple[list[IndexEntry], list[DocumentRecord]]:
-        entries, documents = await asyncio.gather(
-            self.reg.index.of_kb(kb.kb_id), self.reg.documents.of_org(kb.org_id)
-        )
-        return entries, [d for d in documents if kb.matches(d.tags)]
 
 
 def default_chunk_size(model: str) -> int:
@@ -476,7 +472,7 @@ def checked_kb(fields: dict[str, Any]) -> KnowledgeBase:
 
 
 def _kb_document_view(
-    d: DocumentRecord, entry: IndexEntry | None, kb: KnowledgeBase
+    d: DocumentSummary, entry: EntrySummary | None, kb: KnowledgeBase
 ) -> KbDocumentView:
     tags, collection = split_tags(d.tags)
     status = _kb_doc_status(d, entry, kb)
@@ -486,7 +482,7 @@ def _kb_document_view(
         source_id=d.source_id,
         uri=d.uri,
         status=status,
-        error=(d.kb_errors.get(kb.kb_id) or d.error) if status == "failed" else None,
+        error=((d.kb_errors or {}).get(kb.kb_id) or d.error) if status == "failed" else None,
         tags=[t for t in tags if not t.startswith(KB_TAG_PREFIX)],
         collection=collection,
         chunk_count=entry.chunk_count if entry else 0,
@@ -495,10 +491,10 @@ def _kb_document_view(
     )
 
 
-def _kb_doc_status(record: DocumentRecord, entry: IndexEntry | None, kb: KnowledgeBase) -> str:
+def _kb_doc_status(record: DocumentSummary, entry: EntrySummary | None, kb: KnowledgeBase) -> str:
     if record.status != DocStatus.ready:
         return record.status.value
-    if kb.kb_id in record.kb_errors:
+    if kb.kb_id in (record.kb_errors or {}):
         return "failed"
     if entry is None or entry.revision < record.revision:
         return "processing"

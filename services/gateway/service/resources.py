@@ -23,6 +23,7 @@ from services.common.bus.registry import Registries
 from services.common.domain.errors import InvalidInput
 from services.common.domain.models import DocStatus, DocumentRecord, KnowledgeBase
 from services.gateway.auth import Principal
+from services.gateway.catalog import DocumentSummary
 from services.gateway.schemas import KbDocumentView, KbStats, KbView, Page
 from services.gateway.service.access import visible
 from services.gateway.service.documents import Documents
@@ -44,6 +45,8 @@ MAX_CURSOR = 1_000
 MARKDOWN = "text/markdown"
 PLAIN = "text/plain"
 _PAGE_NUMBER = re.compile(r"[1-9][0-9]{0,8}")
+# Where a resource stands in the listing: KBs (0) before documents (1), then by creation.
+Position = tuple[int, str, str]
 
 
 def kb_uri(kb_id: str) -> str:
@@ -112,18 +115,23 @@ class Resources:
         kbs = [k for k in await self.reg.kbs.of_org(p.org_id) if p.can_see(k.kb_id)]
         records = [
             r
-            for r in await self.reg.documents.of_org(p.org_id)
+            for r in self.documents.catalog.documents(p.org_id)
             if r.status == DocStatus.ready and visible(p, r)
         ]
-        found = sorted(
-            [((0, k.created_at.isoformat(), k.kb_id), kb_info(k)) for k in kbs]
-            + [((1, r.created_at.isoformat(), r.document_id), document_info(r)) for r in records]
+        found: list[tuple[Position, KnowledgeBase | DocumentSummary]] = [
+            ((0, k.created_at.isoformat(), k.kb_id), k) for k in kbs
+        ]
+        found += [((1, r.created_at.isoformat(), r.document_id), r) for r in records]
+        rest = sorted(
+            (item for item in found if after is None or item[0] > after), key=lambda i: i[0]
         )
-        rest = [item for item in found if after is None or item[0] > after]
         page = rest[:limit]
         more = len(rest) > limit
         return ResourceListing(
-            items=[info for _, info in page], next_cursor=_cursor(page[-1][0]) if more else None
+            items=[
+                kb_info(x) if isinstance(x, KnowledgeBase) else document_info(x) for _, x in page
+            ],
+            next_cursor=_cursor(page[-1][0]) if more else None,
         )
 
     async def kb(self, p: Principal, ref: str) -> ResourceText:
@@ -162,7 +170,7 @@ def kb_info(kb: KnowledgeBase) -> ResourceInfo:
     )
 
 
-def document_info(record: DocumentRecord) -> ResourceInfo:
+def document_info(record: DocumentRecord | DocumentSummary) -> ResourceInfo:
     return ResourceInfo(
         uri=document_uri(record.document_id),
         name=record.name,
@@ -261,11 +269,11 @@ def _page_number(page: str | None, pages: int, record: DocumentRecord) -> int:
     return number
 
 
-def _cursor(position: tuple[int, str, str]) -> str:
+def _cursor(position: Position) -> str:
     return base64.urlsafe_b64encode(json.dumps(position).encode()).decode().rstrip("=")
 
 
-def _position(cursor: str) -> tuple[int, str, str]:
+def _position(cursor: str) -> Position:
     """The position a cursor of `_cursor` holds; anything else is refused."""
     try:
         if len(cursor) > MAX_CURSOR:

@@ -268,14 +268,15 @@ class Sources:
         another KB is not its to delete)."""
         if p.kb_ids is None:
             return DocDeleted(org_id=p.org_id, source_id=source.source_id, writer=p.writer)
-        records = [
-            r
-            for r in await self.kbs.reg.documents.of_org(p.org_id)
+        catalog = self.kbs.catalog
+        await catalog.settled()
+        ids = [
+            r.document_id
+            for r in catalog.documents(p.org_id)
             if r.source_id == source.source_id and r.writable_in(p.kb_ids)
         ]
-        if not records:
+        if not ids:
             return None
-        ids = [r.document_id for r in records]
         return DocDeleted(org_id=p.org_id, document_ids=ids, writer=p.writer)
 
     # ---- runs -----------------------------------------------------------------------------

@@ -142,7 +142,15 @@ class Waiting:
                 removed.add(ev.kb_id)
             elif ev.kb_id in index_kbs:
                 counts[ev.kb_id] = ev.chunk_count
+        await self._caught_up()
         return counts
+
+    async def _caught_up(self) -> None:
+        """A change the caller waited for shows in what it reads next: the KB figures and
+        listings come from the gateway's live view of the registries (catalog.py), which
+        another process's write reaches a moment after its notification."""
+        await self.reg.documents.settled()
+        await self.reg.index.settled()
 
     async def _read_index(
         self, document_id: str, kb_ids: set[str], revision: int, counts: dict[str, int]
@@ -172,6 +180,7 @@ class Waiting:
                 seen.add((ev.document_id, ev.kb_id))
         for r in records:
             await self.record(r.key, None, deadline)
+        await self._caught_up()
 
 
 async def _ingest_failure(events: Events, cause: Event) -> DocFailed:
