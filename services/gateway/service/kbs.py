@@ -387,8 +387,9 @@ class KnowledgeBases:
         behind = [e for e in entries if e.settings_version != kb.settings_version]
         ready = [d for d in members if d.status == DocStatus.ready]
         # The stored status only records that a reindex was asked for; what is left to do
-        # is read from the index entries.
-        if status == KBStatus.pending_reindex and not behind:
+        # is read from the index entries, and a rebuild lasts until searches read its
+        # collection (`serving` cleared), a moment after its last entry is written.
+        if status == KBStatus.pending_reindex and not behind and kb.serving is None:
             status = KBStatus.active
         if status == KBStatus.active and len(entries) < len(ready):
             status = KBStatus.indexing
