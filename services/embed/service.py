@@ -133,6 +133,11 @@ class EmbedService:
                     return
         assert kb.serving is not None
         previous = kb.collection_for(kb.serving.generation)
+        # The rebuild wrote without waiting for the disk (nobody searched its collection):
+        # flushed before searches move there, and checked to hold what its entries count.
+        await self.store.flush(kb.collection_name)
+        if not await self._holds(kb, list(entries.values())):
+            return
         kb.serving = None
         try:
             await self.reg.kbs.update(key, kb, last)
@@ -141,10 +146,41 @@ class EmbedService:
         # Searches read KB records from a live mirror and may have started just before the
         # switch: give them a moment on the previous collection before it goes.
         await asyncio.sleep(SWITCH_GRACE_SECONDS)
+        await self.store.flush(kb.collection_name)  # a rebuild's write that raced the switch
         await self.store.drop_collection(previous)
         log.info(
             "kb switched kb_id=%s collection=%s dropped=%s", kb_id, kb.collection_name, previous
         )
+
+    async def _holds(self, kb: KnowledgeBase, entries: list[IndexEntry]) -> bool:
+        """Whether the collection being built holds the points its index entries count. It
+        may not after the machine went down (the rebuild's last writes were not on disk
+        yet): the documents that lost points lose their entries and are indexed again."""
+        built = [e for e in entries if e.built_for(kb)]
+        if await self.store.count(kb.collection_name) == sum(e.chunk_count for e in built):
+            return True
+        for entry in built:
+            document = Filter(must=(Match("document_id", entry.document_id),))
+            if await self.store.count(kb.collection_name, document) == entry.chunk_count:
+                continue
+            log.warning(
+                "points missing, indexing again kb_id=%s document_id=%s",
+                kb.kb_id,
+                entry.document_id,
+            )
+            await self.reg.index.delete(entry.key)
+            record = await self.reg.documents.get(f"{kb.org_id}.{entry.document_id}")
+            if record is not None:
+                await self.publish(
+                    Subject.KB_INDEX,
+                    KbIndex(
+                        org_id=kb.org_id,
+                        kb_id=kb.kb_id,
+                        document_id=entry.document_id,
+                        revision=record.revision,
+                    ),
+                )
+        return False
 
     async def _index_serialized(self, ev: KbIndex) -> IndexEntry | None:
         async with self._serial(ev.kb_id, ev.document_id):
@@ -338,7 +374,12 @@ class EmbedService:
             span.set_attribute("kbmesh.points", len(points))
             if points:
                 await self.store.ensure_collection(kb.collection_name, embedder.dim)
-                await self.store.replace_document(kb.collection_name, record.document_id, points)
+                # A rebuild's collection is searched by nobody until it is complete: its
+                # writes skip the flush, which would hold up every search of the process
+                # (see EdgeStore); the switch flushes it.
+                await self.store.replace_document(
+                    kb.collection_name, record.document_id, points, durable=kb.serving is None
+                )
             else:  # an empty text indexes as nothing, and leaves nothing behind
                 await self.store.delete_document(kb.collection_name, record.document_id)
         log.info(
@@ -440,9 +481,9 @@ class EmbedService:
 
     async def _cancelled(self, ev: KbChanged) -> None:
         """A cancelled rebuild: drop what it built, and bring back the index entries of the
-        serving collection, which the entries it wrote kept (nothing is read from the store
-        or embedded again). A document that changed while the rebuild ran has only its new
-        text in the abandoned collection, so it is indexed again here."""
+        serving collection that the gateway's cancel did not (one written meanwhile; nothing
+        is read from the store or embedded again). A document whose text changed while the
+        rebuild ran has its new text only in the abandoned collection: indexed again here."""
         for collection in ev.collections:
             await self.store.drop_collection(collection)
         kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")

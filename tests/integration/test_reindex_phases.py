@@ -138,6 +138,68 @@ async def test_status_is_reindexing_until_searches_switch_and_a_late_change_rebu
             assert document_id in {h["document_id"] for h in hits}, i
 
 
+async def test_a_cancel_answers_with_the_served_index_counted(tmp_path, embedders):
+    """When `POST .../reindex/cancel` answers, the KB's counts are already those of the
+    collection searches read, though documents had been rebuilt with other chunking."""
+    async with running_stack(tmp_path, embedders=embedders, embed_concurrency=1) as (rt, client):
+        kb_id = (await create_kb(client, name=f"counted-{uid()}", chunk_size=200))["kb_id"]
+        ids = await upload_all(client, kb_id, 12)
+        before = (await client.get(f"/v1/kbs/{kb_id}/stats")).json()
+        r = await client.patch(f"/v1/kbs/{kb_id}", json={"chunk_size": 50})
+        assert r.status_code == 200, r.text
+
+        async def some_rebuilt() -> bool:
+            kb = await kb_record(rt, kb_id)
+            entries = await rt.registries.index.list(f"{kb_id}.", fresh=True)
+            return sum(e.settings_version == kb.settings_version for e in entries) >= 3
+
+        await wait_until(some_rebuilt, timeout=120, interval=0.02, what="a few rebuilt")
+        r = await client.post(f"/v1/kbs/{kb_id}/reindex/cancel")
+        assert r.status_code == 200, r.text
+        after = (await client.get(f"/v1/kbs/{kb_id}/stats")).json()
+        assert (after["chunk_count"], after["document_count"]) == (
+            before["chunk_count"],
+            before["document_count"],
+        )
+        await settled(rt)
+        await assert_every_document_served(rt, client, kb_id, ids)
+        assert (await client.get(f"/v1/kbs/{kb_id}/stats")).json()["chunk_count"] == before[
+            "chunk_count"
+        ]
+
+
+async def test_points_a_rebuild_lost_before_the_switch_are_built_again(
+    tmp_path, embedders, monkeypatch: pytest.MonkeyPatch
+):
+    """A rebuild writes its collection without waiting for the disk (nobody searches it
+    yet), so a machine going down could lose its last points while their index entries
+    stay. Before searches move there the collection is checked against its entries: a
+    document whose points are missing is built again, and then every document is served."""
+    monkeypatch.setattr("services.embed.service.SWITCH_CHECK_SECONDS", 4.0)
+    async with running_stack(tmp_path, embedders=embedders, embed_concurrency=1) as (rt, client):
+        kb_id = (await create_kb(client, name=f"lost-{uid()}", chunk_size=200))["kb_id"]
+        ids = await upload_all(client, kb_id, 6)
+        r = await client.patch(f"/v1/kbs/{kb_id}", json={"chunk_size": 50})
+        assert r.status_code == 200, r.text
+        building = (await kb_record(rt, kb_id)).collection_name
+
+        async def last_phase() -> bool:
+            kb = await kb_record(rt, kb_id)
+            entries = await rt.registries.index.list(f"{kb_id}.", fresh=True)
+            current = [e for e in entries if e.settings_version == kb.settings_version]
+            return len(current) == len(ids) and kb.serving is not None
+
+        await wait_until(last_phase, timeout=120, interval=0.02, what="the rebuild's last phase")
+        # What the machine going down would leave: entries whose points never reached disk.
+        await rt.store.delete_document(building, ids[0])
+        assert (await kb_record(rt, kb_id)).serving is not None, "switched before the loss"
+
+        await wait_until(lambda: switched(rt, kb_id), timeout=120, interval=0.1, what="switch")
+        await settled(rt)
+        assert (await kb_record(rt, kb_id)).collection_name == building
+        await assert_every_document_served(rt, client, kb_id, ids)
+
+
 @pytest.fixture
 def provider() -> Iterator[OpenAIEmbeddingsServer]:
     # LiteLLM's OpenAI client wants a key; the local server ignores it.

@@ -415,10 +415,18 @@ class IndexEntry(BaseModel):
 
     def for_build(self, kb: KnowledgeBase) -> IndexEntry:
         """This entry, or, when it describes an abandoned build and the serving one it kept
-        is `kb`'s (after a cancel), that one."""
-        if not self.built_for(kb) and self.serving is not None and self.serving.built_for(kb):
-            return self.serving
-        return self
+        is `kb`'s (after a cancel) with the same text, that one: its labels were kept
+        current during the rebuild, so it stands for this entry's revision. A text that
+        changed during the rebuild is only in the abandoned collection: this entry then."""
+        kept = self.serving
+        if (
+            self.built_for(kb)
+            or kept is None
+            or not kept.built_for(kb)
+            or kept.checksum != self.checksum
+        ):
+            return self
+        return kept.model_copy(update={"revision": max(kept.revision, self.revision)})
 
     def replacing(self, previous: IndexEntry | None, kb: KnowledgeBase) -> IndexEntry:
         """This new build's entry, keeping the entry of the collection searches read while
