@@ -1,7 +1,7 @@
 """A reindex of a large KB on the default stack: time to finish, searches meanwhile, cancel.
 
     python -m benchmarks.reindex_scale [--docs 2000] [--chunk-size 400] [--to 200]
-        [--data-dir DIR] [--json FILE]
+        [--poll SECONDS] [--data-dir DIR] [--json FILE]
 
 One `kbmesh up` (embedded NATS and Qdrant Edge, every default). The KB embeds with a LiteLLM
 model (`openai/bench-embed`, 384 dimensions) served by the small OpenAI-compatible server of
@@ -262,7 +262,7 @@ def measure(args: argparse.Namespace, base: str, provider: Provider, data: Path)
     stale_during = 0
     while kb()["status"] != "active":  # every document's index entry at the new settings
         stale_during += probe(client, kb_id, probes[:2]) != before[:2]
-        time.sleep(1)
+        time.sleep(args.poll)
     rebuilt = time.perf_counter() - started
     # Searches move to the new collection a moment later, when embed's next check finds it
     # complete and drops the old one: the end of the reindex.
@@ -355,6 +355,12 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=400, help="tokens, at ingest")
     parser.add_argument("--to", type=int, default=200, help="chunk_size the reindex builds")
     parser.add_argument("--idle", type=int, default=300, help="idle searches measured")
+    parser.add_argument(
+        "--poll",
+        type=float,
+        default=1.0,
+        help="seconds between status reads during the reindex (each reads the KB's registries)",
+    )
     parser.add_argument("--data-dir", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

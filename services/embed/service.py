@@ -129,10 +129,15 @@ class EmbedService:
         for d in documents:
             if kb.matches(d.tags) and d.status == DocStatus.ready and kb_id not in d.kb_errors:
                 entry = entries.get(d.document_id)
-                if entry is None or entry.settings_version < kb.settings_version:
+                if entry is None or not entry.built_for(kb):
                     return
         assert kb.serving is not None
         previous = kb.collection_for(kb.serving.generation)
+        # The rebuild wrote without waiting for the disk (nobody searched its collection):
+        # flushed before searches move there, and checked to hold what its entries count.
+        await self.store.flush(kb.collection_name)
+        if not await self._holds(kb, list(entries.values())):
+            return
         kb.serving = None
         try:
             await self.reg.kbs.update(key, kb, last)
@@ -141,10 +146,41 @@ class EmbedService:
         # Searches read KB records from a live mirror and may have started just before the
         # switch: give them a moment on the previous collection before it goes.
         await asyncio.sleep(SWITCH_GRACE_SECONDS)
+        await self.store.flush(kb.collection_name)  # a rebuild's write that raced the switch
         await self.store.drop_collection(previous)
         log.info(
             "kb switched kb_id=%s collection=%s dropped=%s", kb_id, kb.collection_name, previous
         )
+
+    async def _holds(self, kb: KnowledgeBase, entries: list[IndexEntry]) -> bool:
+        """Whether the collection being built holds the points its index entries count. It
+        may not after the machine went down (the rebuild's last writes were not on disk
+        yet): the documents that lost points lose their entries and are indexed again."""
+        built = [e for e in entries if e.built_for(kb)]
+        if await self.store.count(kb.collection_name) == sum(e.chunk_count for e in built):
+            return True
+        for entry in built:
+            document = Filter(must=(Match("document_id", entry.document_id),))
+            if await self.store.count(kb.collection_name, document) == entry.chunk_count:
+                continue
+            log.warning(
+                "points missing, indexing again kb_id=%s document_id=%s",
+                kb.kb_id,
+                entry.document_id,
+            )
+            await self.reg.index.delete(entry.key)
+            record = await self.reg.documents.get(f"{kb.org_id}.{entry.document_id}")
+            if record is not None:
+                await self.publish(
+                    Subject.KB_INDEX,
+                    KbIndex(
+                        org_id=kb.org_id,
+                        kb_id=kb.kb_id,
+                        document_id=entry.document_id,
+                        revision=record.revision,
+                    ),
+                )
+        return False
 
     async def _index_serialized(self, ev: KbIndex) -> IndexEntry | None:
         async with self._serial(ev.kb_id, ev.document_id):
@@ -156,7 +192,7 @@ class EmbedService:
             for _ in range(CATCH_UP_ROUNDS):
                 if done is None:
                     return None
-                entry = done[0]
+                entry = done[0]  # None: built into a collection abandoned meanwhile
                 kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
                 record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
                 if kb is None or record is None or not kb.matches(record.tags):
@@ -167,19 +203,18 @@ class EmbedService:
                     )
                     await self._drop(ev.kb_id, ev.document_id, kb)
                     return None
-                if (
-                    record.revision <= entry.revision
-                    and kb.settings_version == entry.settings_version
-                ):
+                if entry is not None and record.revision <= entry.revision and entry.built_for(kb):
                     await self._announce(kb, record, entry, embedded=embedded)
                     return entry
                 done = await self._index_once(ev.model_copy(update={"revision": record.revision}))
                 embedded = embedded or bool(done and done[1])
             raise Transient(f"document {ev.document_id} keeps changing; indexing again later")
 
-    async def _index_once(self, ev: KbIndex) -> tuple[IndexEntry, bool] | None:
+    async def _index_once(self, ev: KbIndex) -> tuple[IndexEntry | None, bool] | None:
         """Bring the document's points in the KB to the registry's state; returns the index
-        entry and whether anything was embedded, or None for stale work."""
+        entry and whether anything was embedded, or None for stale work. The entry is None
+        when the work went into a rebuild's collection that was abandoned meanwhile (it is
+        then neither recorded nor announced: the caller looks again)."""
         kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
         record = await self.reg.documents.get(f"{ev.org_id}.{ev.document_id}")
         if kb is None or record is None or record.checksum is None:
@@ -199,13 +234,13 @@ class EmbedService:
             )
             return None
         entry_key = f"{kb.kb_id}.{record.document_id}"
-        entry = await self.reg.index.get(entry_key)
-        same_build = (
-            entry is not None
-            and entry.checksum == record.checksum
-            and entry.settings_version == kb.settings_version
-        )
+        stored = await self.reg.index.get(entry_key)
+        # After a cancel: the entry of the serving build, which the abandoned one kept.
+        entry = stored.for_build(kb) if stored is not None else None
+        same_build = entry is not None and entry.checksum == record.checksum and entry.built_for(kb)
         if entry is not None and same_build and entry.revision >= record.revision:
+            if entry is not stored:
+                await self.reg.index.put(entry_key, entry)
             return entry, False
         if kb.serving is not None and (entry is None or entry.revision < record.revision):
             # Searches read the previous generation until the rebuild is done: its labels
@@ -222,19 +257,17 @@ class EmbedService:
             return entry, False
         new_text = entry is None or entry.checksum != record.checksum
         try:
-            entry = await self._build(kb, record)
+            built = await self._build(kb, record)
         except NotFound:
-            # A cancelled rebuild dropped its collection under our write: the work belonged
-            # to that generation, and the document is still indexed where searches read.
+            # A cancel or a newer change dropped the rebuild's collection under our write.
             if await self._abandoned(kb):
-                log.info(
-                    "drop kb.index for a cancelled rebuild kb_id=%s document_id=%s",
-                    kb.kb_id,
-                    record.document_id,
-                )
-                return None
+                return None, False
             raise
-        await self._drop_if_abandoned(kb)
+        if await self._drop_if_abandoned(kb):
+            # Recording this build would make a collection that is gone look built (and,
+            # after a cancel, a later change may reuse its settings version).
+            return None, True
+        entry = built.replacing(stored, kb)
         await self.reg.index.put(entry_key, entry)
         if new_text:  # not a rebuild for new settings: the upload's own wait
             metrics.index_latency(record.accepted_at)
@@ -256,11 +289,19 @@ class EmbedService:
             current.serving_collection,
         )
 
-    async def _drop_if_abandoned(self, kb: KnowledgeBase) -> None:
-        """A rebuild cancelled while we wrote to its collection: our write re-created what
-        the cancel dropped, so drop it again (the catch-up then indexes where it belongs)."""
-        if await self._abandoned(kb):
-            await self.store.drop_collection(kb.collection_name)
+    async def _drop_if_abandoned(self, kb: KnowledgeBase) -> bool:
+        """A rebuild cancelled or replaced while we wrote to its collection: our write
+        re-created what was dropped, so drop it again (the catch-up then indexes where it
+        belongs); whether it was."""
+        if not await self._abandoned(kb):
+            return False
+        log.info(
+            "built into an abandoned collection kb_id=%s collection=%s",
+            kb.kb_id,
+            kb.collection_name,
+        )
+        await self.store.drop_collection(kb.collection_name)
+        return True
 
     async def _build(self, kb: KnowledgeBase, record: DocumentRecord) -> IndexEntry:
         text = await self.reg.texts.get_text(record.text_object)
@@ -333,7 +374,12 @@ class EmbedService:
             span.set_attribute("kbmesh.points", len(points))
             if points:
                 await self.store.ensure_collection(kb.collection_name, embedder.dim)
-                await self.store.replace_document(kb.collection_name, record.document_id, points)
+                # A rebuild's collection is searched by nobody until it is complete: its
+                # writes skip the flush, which would hold up every search of the process
+                # (see EdgeStore); the switch flushes it.
+                await self.store.replace_document(
+                    kb.collection_name, record.document_id, points, durable=kb.serving is None
+                )
             else:  # an empty text indexes as nothing, and leaves nothing behind
                 await self.store.delete_document(kb.collection_name, record.document_id)
         log.info(
@@ -352,6 +398,7 @@ class EmbedService:
             checksum=record.checksum or "",
             settings_version=kb.settings_version,
             chunk_count=len(points),
+            generation=kb.index_generation,
         )
 
     async def _layout(self, record: DocumentRecord) -> Layout | None:
@@ -433,28 +480,21 @@ class EmbedService:
             await self.reg.index.delete(f"{entry.kb_id}.{entry.document_id}")
 
     async def _cancelled(self, ev: KbChanged) -> None:
-        """A cancelled rebuild: drop what it built, and point the index entries it wrote back
-        at the serving collection. A document that changed while the rebuild ran has only its
-        new revision in the abandoned collection, so it is indexed again here."""
+        """A cancelled rebuild: drop what it built, and bring back the index entries of the
+        serving collection that the gateway's cancel did not (one written meanwhile; nothing
+        is read from the store or embedded again). A document whose text changed while the
+        rebuild ran has its new text only in the abandoned collection: indexed again here."""
         for collection in ev.collections:
             await self.store.drop_collection(collection)
         kb = await self.reg.kbs.get(f"{ev.org_id}.{ev.kb_id}")
         if kb is None or kb.serving is not None:
             return  # deleted, or another rebuild started meanwhile: that one settles it
         for entry in await self.reg.index.list(f"{kb.kb_id}."):
-            if entry.settings_version == kb.settings_version:
+            if entry.built_for(kb):
                 continue
-            async with self._serial(kb.kb_id, entry.document_id):
-                record = await self.reg.documents.get(f"{kb.org_id}.{entry.document_id}")
-                if record is None:
-                    continue  # its kb.remove clears the entry
-                chunks = await self._serving_chunks(kb, record)
-                if chunks is not None:
-                    entry.settings_version = kb.settings_version
-                    entry.chunk_count = chunks
-                    await self.reg.index.put(entry.key, entry)
-                    continue
-                await self.reg.index.delete(entry.key)
+            record = await self.reg.documents.get(f"{kb.org_id}.{entry.document_id}")
+            if record is None:
+                continue  # its kb.remove clears the entry
             await self.index(
                 KbIndex(
                     org_id=kb.org_id,
@@ -464,19 +504,6 @@ class EmbedService:
                 )
             )
         log.info("reindex cancelled kb_id=%s dropped=%s", kb.kb_id, ev.collections)
-
-    async def _serving_chunks(self, kb: KnowledgeBase, record: DocumentRecord) -> int | None:
-        """The document's chunk count in the collection searches read, when it holds the
-        document's current text built with the KB's settings (chunk payloads carry both;
-        labels are kept current there during a rebuild); None otherwise."""
-        document = Filter(must=(Match("document_id", record.document_id),))
-        hits = await self.store.scroll(kb.collection_name, document, 1)
-        if not hits or (
-            hits[0].payload.get("text_checksum") != record.checksum
-            or hits[0].payload.get("settings_version") != kb.settings_version
-        ):
-            return None
-        return await self.store.count(kb.collection_name, document)
 
     async def _announce(
         self, kb: KnowledgeBase, record: DocumentRecord, entry: IndexEntry, *, embedded: bool

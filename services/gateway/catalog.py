@@ -118,6 +118,15 @@ class DocumentSummary:
         return ref in self.writers
 
 
+# An index entry's build: (settings version, generation).
+Build = tuple[int, int | None]
+
+
+def _built_for(build: Build, kb: KnowledgeBase) -> bool:
+    settings_version, generation = build
+    return settings_version == kb.settings_version and generation in (None, kb.index_generation)
+
+
 @dataclass(slots=True, eq=False)
 class EntrySummary:
     """What the gateway keeps of an index entry."""
@@ -127,6 +136,15 @@ class EntrySummary:
     chunk_count: int
     indexed_at: datetime
     sequence: int | None
+    generation: int | None = None  # the collection it was built into (None: before names)
+
+    @property
+    def build(self) -> Build:
+        return (self.settings_version, self.generation)
+
+    def built_for(self, kb: KnowledgeBase) -> bool:
+        """As `IndexEntry.built_for`: in the collection `kb` builds, with its settings."""
+        return _built_for(self.build, kb)
 
 
 @dataclass(frozen=True)
@@ -151,12 +169,12 @@ class KbFigures:
 class _Totals:
     entries: int = 0
     chunks: int = 0
-    by_version: Counter[int] = field(default_factory=Counter)  # entries per settings version
+    by_build: Counter[Build] = field(default_factory=Counter)  # entries per build
 
 
 # (tag set, document status, failed in this KB, entry state: None, or (entry at the
-# document's revision or later, the entry's settings version)).
-_PairKey = tuple[TagSet, DocStatus, bool, tuple[bool, int] | None]
+# document's revision or later, the entry's build)).
+_PairKey = tuple[TagSet, DocStatus, bool, tuple[bool, Build] | None]
 
 
 class Catalog:
@@ -250,14 +268,14 @@ class Catalog:
                 if failed_here:
                     ready_failed_here += n
                     settled += n
-                elif entry is not None and entry[1] == kb.settings_version:
+                elif entry is not None and _built_for(entry[1], kb):
                     done += n
                     settled += n
         totals = self._totals.get(kb.kb_id) or _Totals()
         return KbFigures(
             entries=totals.entries,
             chunks=totals.chunks,
-            current=totals.by_version[kb.settings_version],
+            current=sum(n for build, n in totals.by_build.items() if _built_for(build, kb)),
             members=members,
             ready=ready,
             failed=failed,
@@ -298,7 +316,12 @@ class Catalog:
         org_id = self._kb_orgs.setdefault(kb_id, sys.intern(entry.org_id))
         self._org_kbs.setdefault(org_id, set()).add(kb_id)
         new = EntrySummary(
-            entry.revision, entry.settings_version, entry.chunk_count, entry.indexed_at, sequence
+            entry.revision,
+            entry.settings_version,
+            entry.chunk_count,
+            entry.indexed_at,
+            sequence,
+            entry.generation,
         )
         self._replace_entry(kb_id, document_id, old, new)
 
@@ -399,16 +422,16 @@ class Catalog:
         doc = self.document(org_id, document_id)
         self._count_pair(kb_id, _pair(doc, kb_id, old), _pair(doc, kb_id, new))
         totals = self._totals.setdefault(kb_id, _Totals())
-        versions = totals.by_version
+        builds = totals.by_build
         entries = self._entries.setdefault(kb_id, {})
         if old is not None:
             totals.entries -= 1
             totals.chunks -= old.chunk_count
-            _less(versions, old.settings_version)
+            _less(builds, old.build)
         if new is not None:
             totals.entries += 1
             totals.chunks += new.chunk_count
-            versions[new.settings_version] += 1
+            builds[new.build] += 1
             entries[document_id] = new
         else:
             entries.pop(document_id, None)
@@ -467,7 +490,7 @@ def _pair(doc: DocumentSummary | None, kb_id: str, entry: EntrySummary | None) -
     failed_here = doc.kb_errors is not None and kb_id in doc.kb_errors
     if entry is None and not failed_here:
         return None
-    state = None if entry is None else (entry.revision >= doc.revision, entry.settings_version)
+    state = None if entry is None else (entry.revision >= doc.revision, entry.build)
     return (doc.tag_set, doc.status, failed_here, state)
 
 

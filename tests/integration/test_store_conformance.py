@@ -217,6 +217,22 @@ async def test_replace_document_removes_extra_chunks_and_is_idempotent(
     assert await store.count(kb, of_document("doc-2")) == 1
 
 
+async def test_a_write_not_waiting_for_the_disk_is_read_at_once_and_kept_by_flush(
+    store: VectorStore, kb: str
+) -> None:
+    """`durable=False` (a collection nobody searches yet) changes nothing a reader sees:
+    the document is replaced at once, and `flush` keeps it; flushing a missing collection
+    is a no-op."""
+    await load(store, kb, [chunk("doc-1", i) for i in range(3)])
+    fewer = [chunk("doc-1", i, content=f"v2 chunk {i}") for i in range(2)]
+    await store.replace_document(kb, "doc-1", fewer, durable=False)
+    assert await store.count(kb, of_document("doc-1")) == 2
+    await store.flush(kb)
+    hits = await store.retrieve(kb, [p.id for p in fewer])
+    assert [h.payload["content"] for h in hits] == ["v2 chunk 0", "v2 chunk 1"]
+    await store.flush(f"kb_{uuid.uuid4().hex}")
+
+
 async def test_bulk_upsert_overwrites_by_id_across_documents(store: VectorStore, kb: str) -> None:
     """`upsert` loads points of many documents at once; the same ids overwrite, never
     duplicate."""
@@ -749,6 +765,14 @@ async def main() -> None:
     ]
     writes = (store.replace_document(name, p.payload["document_id"], [p]) for p in others)
     await asyncio.gather(*writes)
+    # Not waiting for the disk: the engine's write-ahead log keeps it across a kill.
+    late = ChunkPoint(
+        id="00000000-0000-4000-8000-000000000200",
+        dense=[1.0] * dim,
+        sparse=SparseVector(indices=[1], values=[1.0]),
+        payload={"document_id": "doc-late", "chunk_index": 0},
+    )
+    await store.replace_document(name, "doc-late", [late], durable=False)
     os.kill(os.getpid(), signal.SIGKILL)
 
 asyncio.run(main())
@@ -757,7 +781,8 @@ asyncio.run(main())
 
 async def test_edge_writes_survive_kill_9(tmp_path: Path) -> None:
     """Writes that returned are on disk: a process killed with SIGKILL right after them
-    leaves a shard that reopens with every point and payload change."""
+    leaves a shard that reopens with every point and payload change, a write made without
+    waiting for the disk included (only the machine going down could lose that one)."""
     root = tmp_path / "shards"
     name = f"kb_{uuid.uuid4().hex}"
     proc = await asyncio.create_subprocess_exec(
@@ -767,7 +792,7 @@ async def test_edge_writes_survive_kill_9(tmp_path: Path) -> None:
 
     store = EdgeStore(root)
     try:
-        assert await store.count(name) == 13
+        assert await store.count(name) == 14
         assert await store.count(name, Filter(must=(Match("tags", "x"),))) == 1
     finally:
         await store.close()
@@ -809,6 +834,30 @@ async def test_edge_commits_concurrent_writes_together(tmp_path: Path) -> None:
         assert isinstance(results[-1], Exception)
         assert await store.count(name) == 60
         assert counting.flushes < 10  # 21 writes
+    finally:
+        await store.close()
+
+
+async def test_edge_writes_not_waiting_for_the_disk_skip_the_flush(tmp_path: Path) -> None:
+    """A flush holds the whole process for as long as the disk takes: writes made with
+    `durable=False` are applied without one, `flush` puts them on disk with one, and a
+    durable write committed with them flushes the group."""
+    store = EdgeStore(tmp_path / "shards")
+    name = f"kb_{uuid.uuid4().hex}"
+    await store.ensure_collection(name, DIM)
+    counting = _CountingShard(store._shards[name])
+    store._shards[name] = counting  # type: ignore[assignment]
+    try:
+        for d in (f"doc-{i}" for i in range(10)):
+            await store.replace_document(name, d, [chunk(d, 0)], durable=False)
+        assert counting.flushes == 0 and await store.count(name) == 10
+        await store.flush(name)
+        assert counting.flushes == 1
+        await asyncio.gather(
+            store.replace_document(name, "doc-a", [chunk("doc-a", 0)], durable=False),
+            store.replace_document(name, "doc-b", [chunk("doc-b", 0)]),
+        )
+        assert counting.flushes == 2 and await store.count(name) == 12
     finally:
         await store.close()
 

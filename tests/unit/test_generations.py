@@ -3,7 +3,7 @@ cancelling returns to the serving one and its settings; numbers are never reused
 
 from __future__ import annotations
 
-from services.common.domain.models import KBStatus, KnowledgeBase
+from services.common.domain.models import IndexEntry, KBStatus, KnowledgeBase
 
 
 def kb(**fields: object) -> KnowledgeBase:
@@ -40,3 +40,55 @@ def test_cancel_restores_the_serving_model() -> None:
     assert updated.serving_model == ("local/all-MiniLM-L6-v2", None)
     updated.cancel_rebuild()
     assert (updated.embedding_model, updated.api_base) == ("local/all-MiniLM-L6-v2", None)
+
+
+def entry(
+    kb_: KnowledgeBase, *, checksum: str = "c", revision: int = 1, chunks: int = 3
+) -> IndexEntry:
+    return IndexEntry(
+        org_id="o",
+        kb_id="k",
+        document_id="d",
+        revision=revision,
+        checksum=checksum,
+        settings_version=kb_.settings_version,
+        chunk_count=chunks,
+        generation=kb_.index_generation,
+    )
+
+
+def test_a_rebuilt_entry_keeps_the_served_one_and_a_cancel_returns_to_it() -> None:
+    """An entry written by a rebuild keeps the served build's (also through a second build
+    of the same document); after a cancel that one counts, with the newer revision its
+    labels were kept at, unless the text changed meanwhile."""
+    current = kb(settings_version=3)
+    served = entry(current, chunks=3)
+    rebuilding = current.model_copy(update={"chunk_size": 50, "settings_version": 4})
+    rebuilding.rebuild_from(current)
+    rebuilt = entry(rebuilding, chunks=7).replacing(served, rebuilding)
+    assert rebuilt.serving == served and not rebuilt.built_for(current)
+    relabelled = entry(rebuilding, revision=2, chunks=7).replacing(rebuilt, rebuilding)
+    assert relabelled.serving == served
+
+    cancelled = rebuilding.model_copy(deep=True)
+    cancelled.cancel_rebuild()
+    restored = relabelled.for_build(cancelled)
+    assert (restored.chunk_count, restored.revision, restored.generation) == (3, 2, 1)
+    assert restored.built_for(cancelled)
+    new_text = entry(rebuilding, checksum="other", chunks=7).replacing(served, rebuilding)
+    assert new_text.for_build(cancelled) is new_text  # only the abandoned build has it
+
+
+def test_an_entry_counts_as_built_only_for_its_own_generation() -> None:
+    """A cancel brings the settings version back, so the same change made again reaches the
+    cancelled build's version: its entries are not built for the new generation."""
+    current = kb(settings_version=3)
+    first = current.model_copy(update={"chunk_size": 50, "settings_version": 4})
+    first.rebuild_from(current)
+    abandoned = entry(first)
+    again = first.model_copy(deep=True)
+    again.cancel_rebuild()
+    retry = again.model_copy(update={"chunk_size": 50, "settings_version": 4})
+    retry.rebuild_from(again)
+    assert retry.settings_version == abandoned.settings_version
+    assert not abandoned.built_for(retry) and entry(retry).built_for(retry)

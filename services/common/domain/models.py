@@ -404,7 +404,52 @@ class IndexEntry(BaseModel):
     settings_version: int
     chunk_count: int
     indexed_at: datetime = Field(default_factory=utcnow)
+    # The generation (collection) holding the points. A cancel returns a KB to an earlier
+    # settings version, so a version alone may name two builds; generations are never
+    # reused. None: written before entries recorded it.
+    generation: int | None = None
+    # While a rebuild runs: the document's entry in the collection searches read, so that a
+    # cancel returns to it without reading, or embedding, anything again.
+    serving: IndexEntry | None = None
 
     @property
     def key(self) -> str:
         return f"{self.kb_id}.{self.document_id}"
+
+    def built_for(self, kb: KnowledgeBase) -> bool:
+        """Whether the points this entry describes are in the collection `kb` builds, with
+        its settings."""
+        return self.settings_version == kb.settings_version and self.generation in (
+            None,
+            kb.index_generation,
+        )
+
+    def for_build(self, kb: KnowledgeBase) -> IndexEntry:
+        """This entry, or, when it describes an abandoned build and the serving one it kept
+        is `kb`'s (after a cancel) with the same text, that one: its labels were kept
+        current during the rebuild, so it stands for this entry's revision. A text that
+        changed during the rebuild is only in the abandoned collection: this entry then."""
+        kept = self.serving
+        if (
+            self.built_for(kb)
+            or kept is None
+            or not kept.built_for(kb)
+            or kept.checksum != self.checksum
+        ):
+            return self
+        return kept.model_copy(update={"revision": max(kept.revision, self.revision)})
+
+    def replacing(self, previous: IndexEntry | None, kb: KnowledgeBase) -> IndexEntry:
+        """This new build's entry, keeping the entry of the collection searches read while
+        `kb` is rebuilt (`previous` is the document's entry until now)."""
+        serving = kb.serving
+        kept = None
+        if serving is not None and previous is not None:
+            # An entry from before generations were recorded is the serving one by version.
+            if (previous.generation or serving.generation) == serving.generation and (
+                previous.settings_version == serving.settings_version
+            ):
+                kept = previous.model_copy(update={"serving": None})
+            elif previous.serving is not None and previous.serving.generation == serving.generation:
+                kept = previous.serving  # rebuilt before (a new text): still the serving one
+        return self.model_copy(update={"serving": kept})

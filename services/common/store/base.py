@@ -244,9 +244,13 @@ class VectorStore(Protocol):
 
     async def collection_exists(self, name: str) -> bool: ...
 
-    async def replace_document(self, name: str, document_id: str, points: list[ChunkPoint]) -> None:
+    async def replace_document(
+        self, name: str, document_id: str, points: list[ChunkPoint], *, durable: bool = True
+    ) -> None:
         """Upsert `points`, then delete the document's other points. Never leaves the
-        document with no points between the two, and is idempotent."""
+        document with no points between the two, and is idempotent. `durable=False`: for a
+        collection nobody reads yet, the write may return before it is flushed to disk
+        (kept across a crash of the process, not of the machine) until `flush`."""
 
     async def upsert(self, name: str, points: list[ChunkPoint]) -> None:
         """Bulk insert/overwrite by id, without per-document cleanup (bulk loads)."""
@@ -289,6 +293,10 @@ class VectorStore(Protocol):
 
     async def optimize(self, name: str) -> None:
         """Compact/index after bulk loads where the engine needs it (Edge); else no-op."""
+
+    async def flush(self, name: str) -> None:
+        """Put every write to the collection on disk, those made with `durable=False` too
+        (no error if the collection is missing)."""
 
     async def close(self) -> None: ...
 

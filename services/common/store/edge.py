@@ -8,7 +8,11 @@ loads and index builds, which may wait on the disk, run in worker threads. Write
 shard are serialized by an asyncio lock, and a write returns once `flush()` has put it on
 disk. A flush (an fsync) holds the interpreter lock however little it carries, so writes
 that queue up meanwhile are applied together under one flush (group commit; figures in
-docs/benchmarks.md, "Figures behind the code").
+docs/benchmarks.md, "Figures behind the code"). Its length is the disk's: tens of
+milliseconds on a quiet disk, hundreds on a busy one, every search of the process waiting.
+A write with `durable=False` (a collection nobody searches yet: a rebuild's) is applied
+without one; the engine's write-ahead log keeps it across a crash of the process, and
+`flush()` puts it on disk before anyone relies on it.
 A shard can be open in one process only (the WAL is locked).
 
 Edge has no background optimiser either: points stay in a plain segment, searched by full
@@ -152,6 +156,14 @@ class EdgeStore:
     async def collection_exists(self, name: str) -> bool:
         return await self._shard(name) is not None
 
+    async def flush(self, name: str) -> None:
+        shard = await self._shard(name)
+        if shard is None:
+            return
+        async with self._write_lock(name):
+            if self._shards.get(name) is shard:
+                await asyncio.to_thread(shard.flush)
+
     async def optimize(self, name: str) -> None:
         """Build HNSW and merge segments; blocks this shard's writes meanwhile (reads go on)."""
         shard = await self._shard(name)
@@ -176,7 +188,9 @@ class EdgeStore:
 
     # ---- writes ----------------------------------------------------------------------------
 
-    async def replace_document(self, name: str, document_id: str, points: list[ChunkPoint]) -> None:
+    async def replace_document(
+        self, name: str, document_id: str, points: list[ChunkPoint], *, durable: bool = True
+    ) -> None:
         check_document_points(document_id, points)
         stale = qe.Filter(
             must=[qe.FieldCondition("document_id", match=qe.MatchValue(document_id))],
@@ -186,7 +200,7 @@ class EdgeStore:
         ops = [qe.UpdateOperation.delete_points_by_filter(stale)]
         if points:
             ops.insert(0, qe.UpdateOperation.upsert_points([_edge_point(p) for p in points]))
-        if not await self._write(name, ops):
+        if not await self._write(name, ops, durable=durable):
             raise NotFound(f"collection {name} does not exist")
 
     async def upsert(self, name: str, points: list[ChunkPoint]) -> None:
@@ -338,8 +352,11 @@ class EdgeStore:
                 self._shards[name] = shard
         return shard
 
-    async def _write(self, name: str, ops: Sequence[qe.UpdateOperation]) -> bool:
-        """Apply `ops` and flush; False when the collection is missing (or dropped meanwhile).
+    async def _write(
+        self, name: str, ops: Sequence[qe.UpdateOperation], *, durable: bool = True
+    ) -> bool:
+        """Apply `ops` and flush (unless not `durable`); False when the collection is missing
+        (or dropped meanwhile).
 
         Whoever gets the shard's lock commits every write queued by then, its own and those
         of the callers still waiting, in order, under one flush; a waiter whose write went
@@ -347,7 +364,7 @@ class EdgeStore:
         shard = await self._shard(name)
         if shard is None:
             return False
-        write = _Write(shard, ops, asyncio.get_running_loop().create_future())
+        write = _Write(shard, ops, asyncio.get_running_loop().create_future(), durable)
         # A caller cancelled after its write was taken into another's commit has nobody to
         # read the outcome, and asyncio would log a failure nobody read.
         write.done.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -372,7 +389,8 @@ class EdgeStore:
                 dropped.done.set_result(False)  # the shard it was meant for is gone
             if shard is None or not live:
                 return
-            errors = await asyncio.to_thread(_apply, shard, [w.ops for w in live])
+            durable = any(w.durable for w in live)
+            errors = await asyncio.to_thread(_apply, shard, [w.ops for w in live], durable)
             for w, error in zip(live, errors, strict=True):
                 if error is None:
                     w.done.set_result(True)
@@ -490,13 +508,14 @@ class _Write:
     shard: qe.EdgeShard
     ops: Sequence[qe.UpdateOperation]
     done: asyncio.Future[bool]
+    durable: bool = True
 
 
 def _apply(
-    shard: qe.EdgeShard, writes: list[Sequence[qe.UpdateOperation]]
+    shard: qe.EdgeShard, writes: list[Sequence[qe.UpdateOperation]], flush: bool = True
 ) -> list[Exception | None]:
-    """Each write's operations in order, then one flush; per write, the error that stopped it
-    (one rejected write leaves the others of its group in)."""
+    """Each write's operations in order, then one flush (if asked); per write, the error that
+    stopped it (one rejected write leaves the others of its group in)."""
     errors: list[Exception | None] = []
     for ops in writes:
         try:
@@ -506,7 +525,8 @@ def _apply(
             errors.append(err)
         else:
             errors.append(None)
-    shard.flush()
+    if flush:
+        shard.flush()
     return errors
 
 

@@ -111,6 +111,9 @@ class ServerStore:
         with _classified(name):
             return await self._client.collection_exists(name)
 
+    async def flush(self, name: str) -> None:
+        """Writes were waited for (`wait=True`): nothing is left to put on disk."""
+
     async def optimize(self, name: str) -> None:
         """The server optimizes in the background."""
 
@@ -119,7 +122,11 @@ class ServerStore:
 
     # ---- writes ----------------------------------------------------------------------------
 
-    async def replace_document(self, name: str, document_id: str, points: list[ChunkPoint]) -> None:
+    async def replace_document(
+        self, name: str, document_id: str, points: list[ChunkPoint], *, durable: bool = True
+    ) -> None:
+        # Every write waits for the server's own write-ahead log: `durable` costs this
+        # process nothing here (the server's disk work holds up none of our searches).
         check_document_points(document_id, points)
         stale = models.Filter(
             must=[_field("document_id", models.MatchValue(value=document_id))],

@@ -24,6 +24,7 @@ from services.common.domain.models import (
     KB_TAG_PREFIX,
     MAX_NEIGHBORS,
     DocStatus,
+    IndexEntry,
     KBStatus,
     KnowledgeBase,
     split_tags,
@@ -60,6 +61,9 @@ from services.gateway.service.access import check_kb_tags_in_scope, kb_rank
 # Derives other orgs' default KB ids (see `KnowledgeBases.default_id`).
 DEFAULT_KB_NAMESPACE = uuid.UUID("0b3f6c52-2d7e-4f0a-9a43-5c1e8d7b6a29")
 REINDEX_FIELDS = ("chunker", "chunk_size", "chunk_overlap", "embedding_model", "api_base")
+# Index entries a cancel writes back at once: enough to overlap their round trips to NATS,
+# few enough not to queue ahead of other requests for long.
+RESTORES_AT_ONCE = 32
 
 
 class KnowledgeBases:
@@ -336,11 +340,25 @@ class KnowledgeBases:
             return current
 
         _, kb = await self._change(p.org_id, kb.kb_id, cancel)
+        await self._restore_entries(kb)
         await self.bus.publish(
             Subject.KB_CHANGED,
             KbChanged(org_id=p.org_id, kb_id=kb.kb_id, change="cancelled", collections=abandoned),
         )
         return Ack(status="cancelled", kb_id=kb.kb_id)
+
+    async def _restore_entries(self, kb: KnowledgeBase) -> None:
+        """Back to the index entries of the collection searches read, which every entry the
+        rebuild wrote kept: the KB's counts are that collection's when the cancel answers.
+        Embed indexes what cannot come back this way (a text changed during the rebuild)."""
+
+        async def restore(entry: IndexEntry) -> None:
+            if entry.for_build(kb) is not entry:  # compare-and-set: embed may write it too
+                await self.reg.index.change(entry.key, lambda current: current.for_build(kb))
+
+        entries = await self.reg.index.list(f"{kb.kb_id}.", fresh=True)
+        for start in range(0, len(entries), RESTORES_AT_ONCE):
+            await asyncio.gather(*map(restore, entries[start : start + RESTORES_AT_ONCE]))
 
     async def progress(self, kb: KnowledgeBase) -> KbProgress:
         return kb_progress(kb, self.catalog.figures(kb))
@@ -389,8 +407,13 @@ class KnowledgeBases:
         figures = self.catalog.figures(kb)
         status = kb.status
         # The stored status only records that a reindex was asked for; what is left to do
-        # is read from the index entries.
-        if status == KBStatus.pending_reindex and figures.current == figures.entries:
+        # is read from the index entries, and a rebuild lasts until searches read its
+        # collection (`serving` cleared), a moment after its last entry is written.
+        if (
+            status == KBStatus.pending_reindex
+            and figures.current == figures.entries
+            and kb.serving is None
+        ):
             status = KBStatus.active
         if status == KBStatus.active and figures.entries < figures.ready:
             status = KBStatus.indexing
@@ -498,4 +521,4 @@ def _kb_doc_status(record: DocumentSummary, entry: EntrySummary | None, kb: Know
         return "failed"
     if entry is None or entry.revision < record.revision:
         return "processing"
-    return "complete" if entry.settings_version == kb.settings_version else "pending_reindex"
+    return "complete" if entry.built_for(kb) else "pending_reindex"
