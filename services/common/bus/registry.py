@@ -49,10 +49,11 @@ _WATCH_RECHECK_SECONDS = 1.0
 # its bucket (`Registry.settled`); a watch delivers in milliseconds unless the gateway is
 # swamped, and then the view answers as it stands.
 SETTLE_SECONDS = 5.0
-# How long the server keeps a wait's watch consumer once nobody listens on it. While the
-# wait runs its subscription keeps the consumer alive whatever this is; after it ends the
-# consumer is garbage, and kept for the whole wait timeout a burst of `wait=true` uploads
-# piled up a thousand of them and NATS refused new ones ("maximum consumers limit reached").
+# How long the server keeps a short-lived watch's consumer (a wait's, a whole-bucket read's)
+# once nobody listens on it. While the watch runs its subscription keeps the consumer alive
+# whatever this is; after it ends the consumer is garbage, and kept for the whole wait timeout
+# a burst of `wait=true` uploads piled up a thousand of them and NATS refused new ones
+# ("maximum consumers limit reached").
 _WATCH_INACTIVE_SECONDS = 5.0
 
 
@@ -362,7 +363,7 @@ async def read_current(kv: KeyValue, pattern: str) -> dict[str, bytes]:
         else:
             found.pop(entry.key, None)
 
-    watcher = await kv.watch(pattern, inactive_threshold=5.0)
+    watcher = await kv.watch(pattern, inactive_threshold=_WATCH_INACTIVE_SECONDS)
     try:
         await replay(kv, watcher, pattern, keep)
     finally:
